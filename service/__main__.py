@@ -1,0 +1,5 @@
+"""``python -m service`` is ``mcp-tasks``."""
+
+from service.cli import main
+
+main()

@@ -1,0 +1,73 @@
+"""create_app(settings): the ASGI application; its lifespan opens and closes every resource."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from prometheus_client import make_asgi_app
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from service import __version__
+from service.auth.base import SingleUser
+from service.config import Settings
+from service.core import Core, open_core
+from service.mcp.plain import Inflight
+from service.mcp.surface import Surface
+from service.mcp.transport import McpEndpoint, send_json
+from service.store import migrate
+
+
+class _LateMcp:
+    """Routes /mcp to the endpoint the lifespan builds (the app object exists before it)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint: McpEndpoint | None = getattr(self.app.state, "mcp", None)
+        if endpoint is None:
+            await send_json(send, 503, {"error": "starting up"}, {"Retry-After": "1"})
+            return
+        await endpoint(scope, receive, send)
+
+
+def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        core = await open_core(settings, run_tasks=run_tasks)
+        surface = Surface(core.tasks, core.registry, Inflight(core.signals), poll_s=settings.poll_interval_ms / 1000)
+        app.state.core = core
+        app.state.mcp = McpEndpoint(settings, SingleUser(), core.sessions, core.tasks, surface)
+        try:
+            yield
+        finally:
+            app.state.mcp = None
+            await core.close()
+
+    app = FastAPI(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.routes.append(Route("/mcp", endpoint=_LateMcp(app)))
+    app.mount("/metrics", make_asgi_app())
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        core: Core | None = getattr(app.state, "core", None)
+        if core is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        try:
+            current = await migrate.current_revision(core.dsn)
+        except Exception as exc:
+            return JSONResponse({"status": "database unreachable", "detail": str(exc)[:200]}, status_code=503)
+        head = migrate.head_revision()
+        if current != head:
+            return JSONResponse({"status": "migrations pending", "current": current, "head": head}, status_code=503)
+        return JSONResponse({"status": "ready", "revision": current, "listening": core.hub.connected})
+
+    return app

@@ -1,0 +1,1 @@
+"""Who is calling: token verification (hosted mode) or the fixed local principal (single-user mode)."""

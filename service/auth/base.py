@@ -1,0 +1,31 @@
+"""The authenticator interface and the single-user (no auth) implementation."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from starlette.requests import HTTPConnection
+
+from service.domain.principal import LOCAL_PRINCIPAL, Principal
+
+
+class AuthFailure(Exception):
+    """An HTTP-level refusal (401/403) with the challenge header to send."""
+
+    def __init__(self, status: int, error: str, description: str, headers: dict[str, str]) -> None:
+        super().__init__(description)
+        self.status = status
+        self.error = error
+        self.description = description
+        self.headers = headers
+
+
+class Authenticator(Protocol):
+    async def authenticate(self, conn: HTTPConnection) -> Principal: ...
+
+
+class SingleUser:
+    """MCP_TASKS_AUTH=none: every request is the one local principal (loopback binds only)."""
+
+    async def authenticate(self, conn: HTTPConnection) -> Principal:
+        return LOCAL_PRINCIPAL

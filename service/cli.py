@@ -1,0 +1,143 @@
+"""The ``mcp-tasks`` command: serve, worker, migrate, call."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+
+def _settings() -> Any:
+    from service.config import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        sys.exit(f"mcp-tasks: invalid settings: {problems}")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = _settings()
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        proxy_headers=False,
+        timeout_graceful_shutdown=10,
+        ws="none",
+    )
+
+
+async def _worker_main() -> None:
+    from service.core import open_core
+
+    core = await open_core(_settings(), run_tasks=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger("service").info("worker running (%s slots); Ctrl-C to stop", core.settings.runner_concurrency)
+    await stop.wait()
+    await core.close()
+
+
+def _migrate(args: argparse.Namespace) -> None:
+    from service.store import migrate
+
+    settings = _settings()
+    if not settings.database_url:
+        sys.exit("mcp-tasks migrate: set MCP_TASKS_DATABASE_URL (the embedded database migrates itself on serve)")
+    migrate.upgrade(settings.database_url)
+    print(f"database at revision {migrate.head_revision()}")
+
+
+def _parse_arg(raw: str) -> tuple[str, Any]:
+    key, sep, value = raw.partition("=")
+    if not sep:
+        raise SystemExit(f"--arg needs key=value, got {raw!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+async def _call_main(args: argparse.Namespace) -> int:
+    from service.client import McpClient, McpClientError
+
+    arguments = dict(_parse_arg(a) for a in args.arg)
+    async with McpClient(args.url, token=args.token) as client:
+        try:
+            await client.initialize()
+            created = await client.request(
+                "tools/call",
+                {
+                    "name": args.tool,
+                    "arguments": arguments,
+                    "task": {"ttl": args.ttl},
+                    "_meta": {"progressToken": "cli"},
+                },
+            )
+        except McpClientError as exc:
+            print(f"error {exc}", file=sys.stderr)
+            return 1
+        task_id = created["task"]["taskId"]
+        print(f"task {task_id} {created['task']['status']}", file=sys.stderr)
+        final: dict[str, Any] = {}
+        async for message in client.stream("tasks/result", {"taskId": task_id}):
+            method = message.get("method")
+            if method == "notifications/progress":
+                p = message["params"]
+                total = f"/{p['total']:g}" if "total" in p else ""
+                print(f"  progress {p['progress']:g}{total} {p.get('message', '')}", file=sys.stderr)
+            elif method == "notifications/tasks/status":
+                print(f"  status {message['params']['status']}", file=sys.stderr)
+            elif method == "elicitation/create":
+                prompt = f"{message['params'].get('message', 'input?')} [y/N] "
+                answer = (await asyncio.to_thread(input, prompt)).strip().lower()
+                await client.respond(message["id"], {"action": "accept", "content": {"ok": answer in ("y", "yes")}})
+            elif "id" in message and "method" not in message:
+                final = message
+        if "error" in final:
+            print(f"error {final['error'].get('code')}: {final['error'].get('message')}", file=sys.stderr)
+            return 1
+        print(json.dumps(final.get("result"), indent=2))
+        return 1 if final.get("result", {}).get("isError") else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run the HTTP server (and in-process runners)")
+    sub.add_parser("worker", help="run task runners only, no HTTP")
+    sub.add_parser("migrate", help="upgrade the configured database to the newest schema")
+    call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
+    call.add_argument("tool")
+    call.add_argument("--arg", action="append", default=[], help="key=value (value parsed as JSON if it can be)")
+    call.add_argument("--url", default="http://127.0.0.1:8000/mcp")
+    call.add_argument("--token", default=None)
+    call.add_argument("--ttl", type=int, default=600_000)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.command == "serve":
+        _serve(args)
+    elif args.command == "worker":
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_worker_main())
+    elif args.command == "migrate":
+        _migrate(args)
+    elif args.command == "call":
+        sys.exit(asyncio.run(_call_main(args)))

@@ -1,0 +1,112 @@
+"""A small Streamable HTTP MCP client: used by ``mcp-tasks call`` (and handy in tests)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import orjson
+
+PROTOCOL_VERSION = "2025-11-25"
+
+
+class McpClientError(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error.get('code')}: {error.get('message')}")
+        self.error = error
+
+
+class McpClient:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Accept": "application/json, text/event-stream"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.url = url
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, read=None))
+        self.session_id: str | None = None
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> McpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "MCP-Protocol-Version": PROTOCOL_VERSION}
+        if self.session_id:
+            h["Mcp-Session-Id"] = self.session_id
+        return h
+
+    async def initialize(self, capabilities: dict[str, Any] | None = None) -> dict[str, Any]:
+        params = {
+            "protocolVersion": PROTOCOL_VERSION,
+            "capabilities": capabilities or {"elicitation": {}},
+            "clientInfo": {"name": "mcp-tasks-cli", "version": "1"},
+        }
+        async with self.http.stream(
+            "POST", self.url, json=self._msg("initialize", params), headers=self._headers()
+        ) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise McpClientError({"code": r.status_code, "message": r.text})
+            self.session_id = r.headers.get("mcp-session-id")
+            result = await self._final(r)
+        await self.notify("notifications/initialized", {})
+        return result
+
+    def _msg(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params}
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None:
+        await self.http.post(
+            self.url, json={"jsonrpc": "2.0", "method": method, "params": params}, headers=self._headers()
+        )
+
+    async def respond(self, rpc_id: Any, result: dict[str, Any]) -> None:
+        await self.http.post(self.url, json={"jsonrpc": "2.0", "id": rpc_id, "result": result}, headers=self._headers())
+
+    async def stream(self, method: str, params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Every message the server sends for this request, the response last."""
+        async with self.http.stream("POST", self.url, json=self._msg(method, params), headers=self._headers()) as r:
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                async for message in _sse_messages(r):
+                    yield message
+            else:
+                yield orjson.loads(await r.aread())
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        final: dict[str, Any] = {}
+        async for message in self.stream(method, params):
+            final = message
+        if "error" in final:
+            raise McpClientError(final["error"])
+        result: dict[str, Any] = final.get("result", {})
+        return result
+
+    async def _final(self, r: httpx.Response) -> dict[str, Any]:
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            last: dict[str, Any] = {}
+            async for message in _sse_messages(r):
+                last = message
+        else:
+            last = orjson.loads(await r.aread())
+        if "error" in last:
+            raise McpClientError(last["error"])
+        result: dict[str, Any] = last["result"]
+        return result
+
+
+async def _sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    data: list[str] = []
+    async for line in r.aiter_lines():
+        if line == "":
+            if data:
+                payload = "\n".join(data)
+                data = []
+                if payload:
+                    yield orjson.loads(payload)
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))

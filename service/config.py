@@ -1,0 +1,126 @@
+"""Settings: read once from ``MCP_TASKS_*`` environment variables, validated, then passed around."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Single-user mode keeps tasks briefly: anyone who can reach the port can use them.
+LOCAL_DEFAULT_TTL_MS = 900_000
+LOCAL_MAX_TTL_MS = 3_600_000
+
+
+def default_data_dir() -> Path:
+    """Where the embedded database lives: outside the home directory (see docs/decisions.md)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/mcp-tasks")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(base) / "mcp-tasks"
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Every operator-facing knob. Unsafe combinations are refused at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="MCP_TASKS_", extra="ignore", frozen=True)
+
+    database_url: str | None = None
+    data_dir: Path = Field(default_factory=default_data_dir)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    public_url: str | None = None
+    auth: Literal["none", "oauth"] | None = None
+    oauth_issuer: str | None = None
+    oauth_jwks_url: str | None = None
+    oauth_audience: str | None = None
+    oauth_required_scopes: str = ""
+    tenant_claim: str = "tenant_id"
+    allowed_origins: str = ""
+    allowed_hosts: str = ""
+
+    default_ttl_ms: int | None = Field(default=None, ge=1_000)
+    max_ttl_ms: int | None = Field(default=None, ge=1_000)
+    min_ttl_ms: int = Field(default=1_000, ge=1)
+    poll_interval_ms: int = Field(default=1_000, ge=50, le=600_000)
+    max_active_tasks_per_requestor: int = Field(default=16, ge=1)
+    max_active_tasks_per_tenant: int = Field(default=256, ge=1)
+    rate_limit: str = "1200/minute"
+    rate_limit_storage: str = "memory://"
+    runner_concurrency: int = Field(default=32, ge=0, le=10_000)
+    tools: str = "service.tools.demo"
+
+    max_body_bytes: int = Field(default=1_048_576, ge=1_024)
+    lease_ms: int = Field(default=30_000, ge=1_000)
+    sweep_interval_ms: int = Field(default=5_000, ge=100)
+    session_idle_ms: int = Field(default=86_400_000, ge=60_000)
+    result_wait_max_ms: int = Field(default=300_000, ge=1_000)
+    db_pool_size: int = Field(default=10, ge=1, le=1_000)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _refuse_unsafe(self) -> Settings:
+        if self.effective_auth == "none" and not is_loopback_host(self.host):
+            raise ValueError(
+                f"MCP_TASKS_AUTH=none (single-user mode) only binds loopback addresses, not {self.host!r}; "
+                "set MCP_TASKS_HOST=127.0.0.1 or configure MCP_TASKS_OAUTH_ISSUER for hosted mode"
+            )
+        if self.effective_auth == "oauth" and not self.oauth_issuer:
+            raise ValueError("MCP_TASKS_AUTH=oauth needs MCP_TASKS_OAUTH_ISSUER")
+        if self.effective_default_ttl_ms > self.effective_max_ttl_ms:
+            raise ValueError(
+                f"MCP_TASKS_DEFAULT_TTL_MS ({self.effective_default_ttl_ms}) exceeds "
+                f"MCP_TASKS_MAX_TTL_MS ({self.effective_max_ttl_ms})"
+            )
+        if self.min_ttl_ms > self.effective_max_ttl_ms:
+            raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
+        return self
+
+    @property
+    def effective_auth(self) -> Literal["none", "oauth"]:
+        if self.auth is not None:
+            return self.auth
+        return "oauth" if self.oauth_issuer else "none"
+
+    @property
+    def effective_default_ttl_ms(self) -> int:
+        if self.default_ttl_ms is not None:
+            return self.default_ttl_ms
+        return LOCAL_DEFAULT_TTL_MS if self.effective_auth == "none" else 3_600_000
+
+    @property
+    def effective_max_ttl_ms(self) -> int:
+        if self.max_ttl_ms is not None:
+            return self.max_ttl_ms
+        return LOCAL_MAX_TTL_MS if self.effective_auth == "none" else 86_400_000
+
+    @property
+    def effective_public_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/mcp"
+
+    @property
+    def tool_packs(self) -> list[str]:
+        return [p.strip() for p in self.tools.split(",") if p.strip()]
+
+    @property
+    def origin_allowlist(self) -> frozenset[str]:
+        return frozenset(o.strip().rstrip("/").lower() for o in self.allowed_origins.split(",") if o.strip())
+
+    @property
+    def host_allowlist(self) -> frozenset[str]:
+        return frozenset(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())

@@ -1,0 +1,98 @@
+"""The process core shared by ``serve`` and ``worker``: database, events, tools, services, runners."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from service.config import Settings
+from service.domain.errors import Unavailable
+from service.runtime.maintenance import Maintenance
+from service.runtime.runner import Runner
+from service.store import migrate
+from service.store import repository as repo
+from service.store.db import Database
+from service.store.embedded import start_embedded
+from service.store.events import EventHub
+from service.tasks.cursor import CursorCodec
+from service.tasks.service import TaskPolicy, TaskService
+from service.tasks.sessions import SessionService
+from service.tasks.signals import Signals
+from service.tools.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Core:
+    settings: Settings
+    dsn: str
+    db: Database
+    hub: EventHub
+    registry: Registry
+    tasks: TaskService
+    sessions: SessionService
+    signals: Signals
+    runner: Runner | None
+    maintenance: Maintenance
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+        await self.maintenance.stop()
+        await self.hub.stop()
+        await self.db.close()
+
+
+async def resolve_database(settings: Settings) -> str:
+    """The configured database, or the embedded one (started and migrated here)."""
+    if settings.database_url:
+        head = migrate.head_revision()
+        try:
+            current = await migrate.current_revision(settings.database_url)
+        except OSError as exc:
+            raise Unavailable(f"cannot reach PostgreSQL at MCP_TASKS_DATABASE_URL: {exc}") from exc
+        if current != head:
+            raise RuntimeError(
+                f"database schema is at {current or 'nothing'}, this version needs {head}: run `mcp-tasks migrate`"
+            )
+        return settings.database_url
+    dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
+    await migrate.upgrade_async(dsn)
+    return dsn
+
+
+async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
+    registry = Registry.load(settings.tool_packs)
+    dsn = await resolve_database(settings)
+    db = Database(dsn, pool_size=settings.db_pool_size)
+    await db.open()
+    hub = EventHub(dsn)
+    await hub.start()
+    async with db.connection() as conn:
+        cursor_key = await repo.service_key(conn, "tasks-list-cursor")
+    policy = TaskPolicy(
+        default_ttl_ms=settings.effective_default_ttl_ms,
+        min_ttl_ms=settings.min_ttl_ms,
+        max_ttl_ms=settings.effective_max_ttl_ms,
+        poll_interval_ms=settings.poll_interval_ms,
+    )
+    poll_s = settings.poll_interval_ms / 1000
+    tasks = TaskService(db, hub, registry, policy, CursorCodec(cursor_key))
+    runner = None
+    if run_tasks and settings.runner_concurrency > 0:
+        runner = Runner(
+            db,
+            hub,
+            registry,
+            concurrency=settings.runner_concurrency,
+            lease_ms=settings.lease_ms,
+            poll_s=poll_s,
+        )
+        await runner.start()
+    maintenance = Maintenance(
+        db, registry, interval_s=settings.sweep_interval_ms / 1000, session_idle_ms=settings.session_idle_ms
+    )
+    await maintenance.start()
+    return Core(settings, dsn, db, hub, registry, tasks, SessionService(db), Signals(db, hub), runner, maintenance)

@@ -1,0 +1,67 @@
+"""The domain exception tree. No wire codes here: mcp/errors.py maps each class to JSON-RPC.
+
+DomainError
+├── TaskNotFound            unknown, expired, purged, or another principal's task
+├── TaskAlreadyTerminal     cancel of a completed/failed/cancelled task
+├── TaskWasCancelled        tasks/result of a cancelled task
+├── InvalidCursor           tasks/list cursor that is malformed, forged or another principal's
+├── InvalidArguments        tool arguments or request parameters that do not validate
+├── UnknownTool
+├── TaskSupportMismatch     task-augmented call to a forbidden tool, plain call to a required one
+├── CapacityExceeded        per-requestor or per-tenant cap on active tasks
+├── InputUnavailable        a tool asked for input the client cannot give
+└── Unavailable             the database or another dependency is down
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DomainError(Exception):
+    """Base of every error the use cases raise on purpose."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class TaskNotFound(DomainError):
+    pass
+
+
+class TaskAlreadyTerminal(DomainError):
+    pass
+
+
+class TaskWasCancelled(DomainError):
+    pass
+
+
+class InvalidCursor(DomainError):
+    pass
+
+
+class InvalidArguments(DomainError):
+    pass
+
+
+class UnknownTool(DomainError):
+    pass
+
+
+class TaskSupportMismatch(DomainError):
+    pass
+
+
+class CapacityExceeded(DomainError):
+    pass
+
+
+class InputUnavailable(DomainError):
+    pass
+
+
+class Unavailable(DomainError):
+    pass

@@ -1,0 +1,23 @@
+"""Who is calling: taken from a verified token (or the fixed local principal in single-user mode)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """A task belongs to (tenant_id, subject); issuer and client id are recorded for audit."""
+
+    tenant_id: str
+    subject: str
+    issuer: str = ""
+    client_id: str = ""
+    scopes: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def owner_key(self) -> tuple[str, str]:
+        return (self.tenant_id, self.subject)
+
+
+LOCAL_PRINCIPAL = Principal(tenant_id="local", subject="local", issuer="local", client_id="local")

@@ -1,0 +1,131 @@
+"""Plain (non-task) tools/call: in-flight registry, cancellation, and the tool's context."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from typing import Any
+
+from service.mcp import jsonrpc
+from service.runtime.context import parse_elicit_answer
+from service.tasks.signals import Signals
+from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
+
+# A plain call that asked the client for input gives up after this long without an answer.
+PLAIN_INPUT_TIMEOUT_S = 600.0
+
+CallKey = tuple[str, str, str]  # (tenant, session, request id as JSON)
+
+
+class Inflight:
+    """Plain calls running in this process, and their outstanding requests to the client."""
+
+    def __init__(self, signals: Signals) -> None:
+        self.signals = signals
+        self.calls: dict[CallKey, asyncio.Task[Any]] = {}
+        self.pending: dict[tuple[str, str], asyncio.Future[dict[str, Any]]] = {}
+        signals.listen(self._on_signal)
+
+    def _on_signal(self, kind: str, event: dict[str, Any]) -> None:
+        tenant = str(event.get("t"))
+        if kind == "rpc_response":
+            self.resolve_local(tenant, str(event.get("rpc_id")), event.get("answer") or {})
+        elif kind == "cancel_request":
+            self.cancel_local((tenant, str(event.get("s", "")), str(event.get("rid"))))
+
+    def resolve_local(self, tenant: str, rpc_id: str, answer: dict[str, Any]) -> bool:
+        fut = self.pending.get((tenant, rpc_id))
+        if fut is None or fut.done():
+            return False
+        fut.set_result(answer)
+        return True
+
+    def cancel_local(self, key: CallKey) -> bool:
+        job = self.calls.get(key)
+        if job is None:
+            return False
+        job.cancel()
+        return True
+
+    async def answer(self, tenant: str, rpc_id: str, answer: dict[str, Any]) -> None:
+        if not self.resolve_local(tenant, rpc_id, answer):
+            await self.signals.publish("rpc_response", tenant, rpc_id=rpc_id, answer=answer)
+
+    async def cancel(self, key: CallKey) -> None:
+        """C-4: stop a plain request, here or on whichever replica runs it."""
+        if not self.cancel_local(key):
+            await self.signals.publish("cancel_request", key[0], s=key[1], rid=key[2])
+
+
+class PlainCallContext:
+    """A tool running inside its own tools/call request: messages go on that request's stream."""
+
+    def __init__(
+        self,
+        inflight: Inflight,
+        tenant: str,
+        outbox: asyncio.Queue[dict[str, Any]],
+        *,
+        progress_token: str | int | None,
+        client_capabilities: dict[str, Any],
+    ) -> None:
+        self._inflight = inflight
+        self._tenant = tenant
+        self._outbox = outbox
+        self._token = progress_token
+        self._caps = client_capabilities
+        self._last_progress: float | None = None
+
+    @property
+    def task_id(self) -> str | None:
+        return None
+
+    async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
+        if self._token is None or (self._last_progress is not None and progress <= self._last_progress):
+            return
+        self._last_progress = progress
+        params: dict[str, Any] = {"progressToken": self._token, "progress": progress}
+        if total is not None:
+            params["total"] = total
+        if message is not None:
+            params["message"] = message
+        self._outbox.put_nowait(jsonrpc.notification("notifications/progress", params))
+
+    async def log(self, level: str, data: Any, logger: str | None = None) -> None:
+        params: dict[str, Any] = {"level": level, "data": data}
+        if logger:
+            params["logger"] = logger
+        self._outbox.put_nowait(jsonrpc.notification("notifications/message", params))
+
+    async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer:
+        params = {"mode": "form", "message": message, "requestedSchema": requested_schema}
+        return parse_elicit_answer(await self._ask("elicitation/create", params, needs="elicitation"))
+
+    async def sample(self, params: dict[str, Any]) -> dict[str, Any]:
+        answer = await self._ask("sampling/createMessage", params, needs="sampling")
+        if "error" in answer or not isinstance(answer.get("result"), dict):
+            raise RpcError(-32603, "the client refused the sampling request")
+        result: dict[str, Any] = answer["result"]
+        return result
+
+    async def _ask(self, method: str, params: dict[str, Any], *, needs: str) -> dict[str, Any]:
+        if needs not in self._caps:
+            raise InputNotSupported(
+                f"this tool needs {needs} from the client, but the client did not declare the {needs!r} capability"
+            )
+        rpc_id = f"req-{secrets.token_urlsafe(12)}"
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        key = (self._tenant, rpc_id)
+        self._inflight.pending[key] = fut
+        try:
+            self._outbox.put_nowait(jsonrpc.request(rpc_id, method, params))
+            try:
+                return await asyncio.wait_for(fut, timeout=PLAIN_INPUT_TIMEOUT_S)
+            except TimeoutError:
+                raise RpcError(-32603, f"no answer from the client to {method} in time") from None
+        finally:
+            self._inflight.pending.pop(key, None)
+            if not fut.done():
+                with contextlib.suppress(Exception):
+                    fut.cancel()

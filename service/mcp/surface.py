@@ -1,0 +1,335 @@
+"""MCP methods for sessions negotiated at 2025-11-25 (Tasks) and older revisions (plain tools)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from service import __version__
+from service.domain.errors import DomainError, InvalidArguments
+from service.domain.principal import Principal
+from service.mcp import jsonrpc
+from service.mcp.errors import to_rpc
+from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RequestId, RpcFailure
+from service.mcp.plain import Inflight, PlainCallContext
+from service.mcp.wire import related, task_result, task_to_wire
+from service.runtime.runner import run_tool
+from service.tasks.service import ClientRequest, Finished, FollowEvent, Notice, StatusChanged, TaskService
+from service.tasks.sessions import Session
+from service.tools.registry import Registry
+
+LATEST = "2025-11-25"
+SUPPORTED_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26")
+TASK_VERSIONS = frozenset({"2025-11-25"})
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    principal: Principal
+    session: Session | None
+    request_id: RequestId
+    params: dict[str, Any]
+
+    @property
+    def version(self) -> str:
+        return self.session.protocol_version if self.session else LATEST
+
+    @property
+    def tasks_enabled(self) -> bool:
+        return self.version in TASK_VERSIONS
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """A reply sent as SSE: messages first, the JSON-RPC response last (or none if cancelled)."""
+
+    messages: AsyncIterator[dict[str, Any]]
+
+
+Reply = dict[str, Any] | Streamed
+
+
+def _str_param(params: dict[str, Any], name: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str):
+        raise RpcFailure(
+            INVALID_PARAMS, f"params.{name} must be a string" if name in params else f"missing params.{name}"
+        )
+    return value
+
+
+def _progress_token(params: dict[str, Any]) -> str | int | None:
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or "progressToken" not in meta:
+        return None
+    token = meta["progressToken"]
+    if not jsonrpc.valid_id(token):
+        raise RpcFailure(INVALID_PARAMS, "_meta.progressToken must be a string or an integer")
+    return token  # type: ignore[no-any-return]
+
+
+def _task_ttl(task_param: Any) -> int | None:
+    """D-14: params.task must be an object; ttl a non-negative integer, or absent/null."""
+    if not isinstance(task_param, dict):
+        raise RpcFailure(INVALID_PARAMS, 'params.task must be an object such as {} or {"ttl": 60000}')
+    ttl = task_param.get("ttl")
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl != int(ttl) or ttl < 0:
+        raise RpcFailure(INVALID_PARAMS, "params.task.ttl must be a non-negative integer number of milliseconds")
+    return int(ttl)
+
+
+class Surface:
+    def __init__(self, tasks: TaskService, registry: Registry, inflight: Inflight, *, poll_s: float) -> None:
+        self.tasks = tasks
+        self.registry = registry
+        self.inflight = inflight
+        self.poll_s = poll_s
+        self._methods = {
+            "ping": self.ping,
+            "tools/list": self.tools_list,
+            "tools/call": self.tools_call,
+            "tasks/get": self.tasks_get,
+            "tasks/result": self.tasks_result,
+            "tasks/list": self.tasks_list,
+            "tasks/cancel": self.tasks_cancel,
+            "resources/list": self.resources_list,
+            "resources/templates/list": self.resource_templates_list,
+            "resources/read": self.resources_read,
+            "resources/subscribe": self.ping,
+            "resources/unsubscribe": self.ping,
+            "prompts/list": self.prompts_list,
+            "prompts/get": self.prompts_get,
+            "logging/setLevel": self.ping,
+            "completion/complete": self.completion_complete,
+        }
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def negotiate(self, params: dict[str, Any]) -> str:
+        """T-CAP-10: the client's version if supported, else our latest."""
+        requested = params.get("protocolVersion")
+        if not isinstance(requested, str):
+            raise RpcFailure(INVALID_PARAMS, "params.protocolVersion must be a string")
+        if not isinstance(params.get("capabilities", {}), dict):
+            raise RpcFailure(INVALID_PARAMS, "params.capabilities must be an object")
+        return requested if requested in SUPPORTED_VERSIONS else LATEST
+
+    def initialize_result(self, version: str) -> dict[str, Any]:
+        caps: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}}
+        if self.registry.resources:
+            caps["resources"] = {"subscribe": True, "listChanged": False}
+        if self.registry.prompts:
+            caps["prompts"] = {"listChanged": False}
+            caps["completions"] = {}
+        if version in TASK_VERSIONS:
+            caps["tasks"] = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+        return {
+            "protocolVersion": version,
+            "capabilities": caps,
+            "serverInfo": {"name": "mcp-task-service", "title": "MCP Task Service", "version": __version__},
+            "instructions": "Long-running tools run as durable tasks: call with params.task, then poll tasks/get.",
+        }
+
+    async def dispatch(self, method: str, call: Call) -> Reply:
+        handler = self._methods.get(method)
+        if handler is None or (method.startswith("tasks/") and not call.tasks_enabled):
+            raise RpcFailure(METHOD_NOT_FOUND, f"method not found: {method}")
+        try:
+            return await handler(call)
+        except DomainError as exc:
+            raise to_rpc(exc) from None
+
+    async def ping(self, call: Call) -> Reply:
+        return {}
+
+    # --- tools -----------------------------------------------------------------------------
+
+    async def tools_list(self, call: Call) -> Reply:
+        with_execution = call.tasks_enabled
+        return {"tools": [t.to_wire(with_execution=with_execution) for t in self.registry.tools.values()]}
+
+    async def tools_call(self, call: Call) -> Reply:
+        params = call.params
+        name = _str_param(params, "name")
+        arguments = params.get("arguments", {})
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise RpcFailure(INVALID_PARAMS, "params.arguments must be an object")
+        token = _progress_token(params)
+        caps = call.session.client_capabilities if call.session else {}
+        # T-CAP-5: params.task is ignored where tasks were not negotiated.
+        if call.tasks_enabled and "task" in params:
+            task = await self.tasks.create(
+                call.principal,
+                tool=name,
+                arguments=arguments,
+                ttl_ms=_task_ttl(params["task"]),
+                progress_token=token,
+                session_id=call.session.session_id if call.session else None,
+                client_capabilities=caps,
+            )
+            # D-5: the CreateTaskResult carries related-task metadata.
+            return {"task": task_to_wire(task), "_meta": related(task.task_id)}
+        spec, valid = self.tasks.check_call(name, arguments, as_task=call.tasks_enabled)
+        return await self._run_plain(call, spec.name, valid, token, caps)
+
+    async def _run_plain(
+        self, call: Call, name: str, arguments: dict[str, Any], token: str | int | None, caps: dict[str, Any]
+    ) -> Reply:
+        """Answer JSON when the tool finishes before saying anything; otherwise switch to SSE."""
+        outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        ctx = PlainCallContext(
+            self.inflight, call.principal.tenant_id, outbox, progress_token=token, client_capabilities=caps
+        )
+        job = asyncio.create_task(run_tool(self.registry, name, arguments, ctx))
+        key = (
+            call.principal.tenant_id,
+            call.session.session_id if call.session else "",
+            repr(call.request_id),
+        )
+        self.inflight.calls[key] = job
+        job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))
+        first = asyncio.create_task(outbox.get())
+        await asyncio.wait({job, first}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done() and not first.done():
+            first.cancel()
+            if job.cancelled():
+                return Streamed(_empty())
+            return self._outcome_reply(job.result())
+
+        async def stream() -> AsyncIterator[dict[str, Any]]:
+            pending: set[asyncio.Future[Any]] = {first, job}
+            getter: asyncio.Future[Any] = first
+            try:
+                while True:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    if getter in done:
+                        yield getter.result()
+                        pending.discard(getter)
+                        getter = asyncio.ensure_future(outbox.get())
+                        pending.add(getter)
+                        continue
+                    while not outbox.empty():
+                        yield outbox.get_nowait()
+                    if job.cancelled():
+                        return  # C-4: a cancelled request gets no response
+                    reply = self._outcome_reply(job.result())
+                    yield jsonrpc.result_message(call.request_id, reply)
+                    return
+            finally:
+                getter.cancel()
+
+        return Streamed(stream())
+
+    @staticmethod
+    def _outcome_reply(outcome: Any) -> dict[str, Any]:
+        if outcome.kind.value == "rpc_error":
+            p = outcome.payload
+            raise RpcFailure(int(p.get("code", -32603)), str(p.get("message", "")), p.get("data"))
+        result: dict[str, Any] = outcome.payload
+        return result
+
+    # --- tasks -----------------------------------------------------------------------------
+
+    async def tasks_get(self, call: Call) -> Reply:
+        return task_to_wire(await self.tasks.get(call.principal, _str_param(call.params, "taskId")))
+
+    async def tasks_cancel(self, call: Call) -> Reply:
+        return task_to_wire(await self.tasks.cancel(call.principal, _str_param(call.params, "taskId")))
+
+    async def tasks_list(self, call: Call) -> Reply:
+        cursor = call.params.get("cursor")
+        if cursor is not None and not isinstance(cursor, str):
+            raise RpcFailure(INVALID_PARAMS, "params.cursor must be a string")
+        tasks, next_cursor = await self.tasks.list(call.principal, cursor)
+        out: dict[str, Any] = {"tasks": [task_to_wire(t) for t in tasks]}
+        if next_cursor:
+            out["nextCursor"] = next_cursor
+        return out
+
+    async def tasks_result(self, call: Call) -> Reply:
+        """T-RES-3: block until terminal. Answer JSON if it already is; else SSE carrying the
+        task's requests to the client (elicitation), its notices, and finally the result."""
+        task_id = _str_param(call.params, "taskId")
+        task = await self.tasks.get(call.principal, task_id)
+        if task.status.is_terminal:
+            return task_result(task)
+        return Streamed(self._follow(call, task_id))
+
+    async def _follow(self, call: Call, task_id: str) -> AsyncIterator[dict[str, Any]]:
+        events = self.tasks.follow(call.principal, task_id, poll_s=self.poll_s)
+        try:
+            async for event in events:
+                yield self._follow_message(call, event)
+        except DomainError as exc:
+            yield jsonrpc.error_message(call.request_id, to_rpc(exc).error_object())
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _follow_message(call: Call, event: FollowEvent) -> dict[str, Any]:
+        if isinstance(event, ClientRequest):
+            return jsonrpc.request(event.rpc_id, event.method, event.params)
+        if isinstance(event, Notice):
+            return jsonrpc.notification(event.method, event.params)
+        if isinstance(event, StatusChanged):
+            return jsonrpc.notification("notifications/tasks/status", task_to_wire(event.task))
+        assert isinstance(event, Finished)
+        try:
+            return jsonrpc.result_message(call.request_id, task_result(event.task))
+        except RpcFailure as failure:
+            return jsonrpc.error_message(call.request_id, failure.error_object())
+
+    # --- resources, prompts, completion (used by tool packs that define them) ----------------
+
+    async def resources_list(self, call: Call) -> Reply:
+        return {"resources": [r.to_wire() for r in self.registry.resources if not r.template]}
+
+    async def resource_templates_list(self, call: Call) -> Reply:
+        return {"resourceTemplates": [r.to_wire() for r in self.registry.resources if r.template]}
+
+    async def resources_read(self, call: Call) -> Reply:
+        uri = _str_param(call.params, "uri")
+        for spec in self.registry.resources:
+            if spec.uri == uri or (spec.template and _template_matches(spec.uri, uri)):
+                return {"contents": await spec.read(uri)}
+        raise RpcFailure(-32002, f"resource not found: {uri}", {"uri": uri})
+
+    async def prompts_list(self, call: Call) -> Reply:
+        return {"prompts": [p.to_wire() for p in self.registry.prompts.values()]}
+
+    async def prompts_get(self, call: Call) -> Reply:
+        name = _str_param(call.params, "name")
+        prompt = self.registry.prompts.get(name)
+        if prompt is None:
+            raise RpcFailure(INVALID_PARAMS, f"unknown prompt {name!r}")
+        args = call.params.get("arguments") or {}
+        if not isinstance(args, dict):
+            raise RpcFailure(INVALID_PARAMS, "params.arguments must be an object")
+        missing = [a["name"] for a in prompt.arguments if a.get("required") and a["name"] not in args]
+        if missing:
+            raise to_rpc(InvalidArguments(f"missing prompt arguments: {', '.join(missing)}"))
+        out: dict[str, Any] = {"messages": await prompt.render({k: str(v) for k, v in args.items()})}
+        if prompt.description:
+            out["description"] = prompt.description
+        return out
+
+    async def completion_complete(self, call: Call) -> Reply:
+        return {"completion": {"values": [], "total": 0, "hasMore": False}}
+
+
+def _template_matches(template: str, uri: str) -> bool:
+    prefix = template.split("{", 1)[0]
+    return uri.startswith(prefix) and len(uri) > len(prefix)
+
+
+async def _empty() -> AsyncIterator[dict[str, Any]]:
+    with contextlib.suppress(Exception):
+        return
+    yield {}  # pragma: no cover - makes this an async generator

@@ -1,0 +1,322 @@
+"""Streamable HTTP (2025-11-25): POST, GET and DELETE on the MCP endpoint, as a pure ASGI app."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import orjson
+from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection
+from starlette.types import Receive, Scope, Send
+
+from service.auth.base import Authenticator, AuthFailure
+from service.config import Settings, is_loopback_host
+from service.domain.errors import DomainError
+from service.domain.principal import Principal
+from service.mcp import jsonrpc
+from service.mcp.errors import to_rpc
+from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcFailure
+from service.mcp.sse import send_sse
+from service.mcp.surface import SUPPORTED_VERSIONS, Call, Streamed, Surface
+from service.tasks.service import TaskService
+from service.tasks.sessions import Session, SessionService
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER: Final = "mcp-session-id"
+VERSION_HEADER: Final = "mcp-protocol-version"
+JSON: Final = "application/json"
+EVENT_STREAM: Final = "text/event-stream"
+
+
+class HttpError(Exception):
+    """An HTTP-level refusal, answered with a JSON-RPC error body without id (H-POST-3)."""
+
+    def __init__(self, status: int, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+
+async def send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+    payload = b"" if body is None else jsonrpc.dumps(body)
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    if body is not None:
+        raw.append((b"content-type", b"application/json"))
+    raw.append((b"content-length", str(len(payload)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _accepts(accept: str, media: str) -> bool:
+    kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    major = media.split("/", 1)[0]
+    return media in kinds or "*/*" in kinds or f"{major}/*" in kinds
+
+
+class McpEndpoint:
+    """The MCP endpoint. Thin: check the HTTP envelope, authenticate, frame, dispatch."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        authenticator: Authenticator,
+        sessions: SessionService,
+        tasks: TaskService,
+        surface: Surface,
+    ) -> None:
+        self.settings = settings
+        self.auth = authenticator
+        self.sessions = sessions
+        self.tasks = tasks
+        self.surface = surface
+        public = urlsplit(settings.effective_public_url)
+        self._public_host = (public.hostname or "").lower()
+        self._public_origin = f"{public.scheme}://{public.netloc}".lower()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        try:
+            headers = Headers(scope=scope)
+            self._check_host_and_origin(headers)
+            principal = await self.auth.authenticate(HTTPConnection(scope, receive))
+            if method == "POST":
+                await self._post(scope, receive, send, headers, principal)
+            elif method == "GET":
+                await self._get(receive, send, headers, principal)
+            elif method == "DELETE":
+                await self._delete(send, headers, principal)
+            else:
+                raise HttpError(405, INVALID_REQUEST, f"method {method} not allowed", {"Allow": "GET, POST, DELETE"})
+        except AuthFailure as exc:
+            body = jsonrpc.error_message(None, {"code": INVALID_REQUEST, "message": exc.description})
+            await send_json(send, exc.status, body, exc.headers)
+        except HttpError as exc:
+            await send_json(
+                send,
+                exc.status,
+                jsonrpc.error_message(None, {"code": exc.code, "message": exc.message}),
+                exc.headers,
+            )
+        except DomainError as exc:
+            failure = to_rpc(exc)
+            await send_json(
+                send,
+                failure.http_status if failure.http_status != 200 else 503,
+                jsonrpc.error_message(None, failure.error_object()),
+                failure.headers,
+            )
+
+    # --- envelope checks -----------------------------------------------------------------------
+
+    def _check_host_and_origin(self, headers: Headers) -> None:
+        """H-ORIGIN-1/2 and DNS-rebinding defence: only our own Host names and allowed Origins."""
+        host = headers.get("host", "")
+        hostname = urlsplit(f"//{host}").hostname or ""
+        allowed_hosts = self.settings.host_allowlist
+        if not (
+            hostname == self._public_host
+            or hostname in allowed_hosts
+            or (is_loopback_host(self.settings.host) and is_loopback_host(hostname))
+        ):
+            raise HttpError(403, INVALID_REQUEST, f"Host {host!r} is not served here (DNS rebinding protection)")
+        origin = headers.get("origin")
+        if origin is None:
+            return
+        origin_l = origin.rstrip("/").lower()
+        origin_host = urlsplit(origin_l).hostname or ""
+        if (
+            origin_l == self._public_origin
+            or origin_l in self.settings.origin_allowlist
+            or (is_loopback_host(self.settings.host) and is_loopback_host(origin_host))
+        ):
+            return
+        raise HttpError(403, INVALID_REQUEST, f"Origin {origin!r} is not allowed; set MCP_TASKS_ALLOWED_ORIGINS")
+
+    def _check_version_header(self, headers: Headers, session: Session | None) -> None:
+        """H-VER-3 and decision T-4: unsupported or different from the session's version → 400."""
+        value = headers.get(VERSION_HEADER)
+        if value is None:
+            return
+        if value not in SUPPORTED_VERSIONS:
+            raise HttpError(
+                400,
+                INVALID_REQUEST,
+                f"Unsupported MCP-Protocol-Version {value!r}; supported: {', '.join(SUPPORTED_VERSIONS)}",
+            )
+        if session is not None and value != session.protocol_version:
+            raise HttpError(
+                400,
+                INVALID_REQUEST,
+                f"MCP-Protocol-Version {value!r} differs from the session's {session.protocol_version!r}",
+            )
+
+    async def _session(self, headers: Headers, principal: Principal) -> Session:
+        session_id = headers.get(SESSION_HEADER)
+        if not session_id:
+            raise HttpError(400, INVALID_REQUEST, "Bad Request: missing Mcp-Session-Id header; send initialize first")
+        session = await self.sessions.resolve(principal, session_id)
+        if session is None:
+            # H-SESS-5, H-SESS-7: unknown, ended, or another principal's session.
+            raise HttpError(404, INVALID_REQUEST, "Session not found: initialize a new session")
+        self._check_version_header(headers, session)
+        return session
+
+    async def _read_body(self, receive: Receive, headers: Headers) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, INVALID_REQUEST, f"request body over {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HttpError(400, INVALID_REQUEST, "client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, INVALID_REQUEST, f"request body over {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    # --- POST ----------------------------------------------------------------------------------
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send, headers: Headers, principal: Principal) -> None:
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != JSON:
+            raise HttpError(415, INVALID_REQUEST, "Content-Type must be application/json")
+        accept = headers.get("accept", "")
+        if not (_accepts(accept, JSON) and _accepts(accept, EVENT_STREAM)):
+            raise HttpError(
+                406,
+                INVALID_REQUEST,
+                "Not Acceptable: Accept must list application/json and text/event-stream",
+            )
+        body = await self._read_body(receive, headers)
+        try:
+            message = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise HttpError(400, PARSE_ERROR, "Parse error: the body is not valid UTF-8 JSON") from None
+        if isinstance(message, list):
+            raise HttpError(400, INVALID_REQUEST, "Invalid Request: batches are not supported (H-GEN-3)")
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            raise HttpError(
+                400, INVALID_REQUEST, 'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"'
+            )
+
+        if "method" in message:
+            method = message["method"]
+            if not isinstance(method, str):
+                raise HttpError(400, INVALID_REQUEST, "Invalid Request: method must be a string")
+            if "id" not in message:
+                await self._notification(send, headers, principal, method, message.get("params"))
+                return
+            await self._request(receive, send, headers, principal, message)
+            return
+        if "id" in message and ("result" in message) != ("error" in message):
+            await self._client_response(send, headers, principal, message)
+            return
+        raise HttpError(400, INVALID_REQUEST, "Invalid Request: neither a request, a notification nor a response")
+
+    async def _request(
+        self, receive: Receive, send: Send, headers: Headers, principal: Principal, message: dict[str, Any]
+    ) -> None:
+        request_id = message["id"]
+        if not jsonrpc.valid_id(request_id):
+            raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
+        params = message.get("params", {})
+        if params is None:
+            params = {}
+        method = message["method"]
+        extra: dict[str, str] = {}
+        try:
+            if not isinstance(params, dict):
+                raise RpcFailure(INVALID_PARAMS, "params must be an object")
+            if method == "initialize":
+                self._check_version_header(headers, None)
+                version = self.surface.negotiate(params)
+                caps = params.get("capabilities") or {}
+                info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None
+                session = await self.sessions.open(principal, version, caps, info)
+                extra["Mcp-Session-Id"] = session.session_id
+                reply: Any = self.surface.initialize_result(version)
+            else:
+                session = await self._session(headers, principal)
+                reply = await self.surface.dispatch(method, Call(principal, session, request_id, params))
+        except RpcFailure as failure:
+            await send_json(
+                send,
+                failure.http_status,
+                jsonrpc.error_message(request_id, failure.error_object()),
+                failure.headers,
+            )
+            return
+        except (HttpError, DomainError):
+            raise
+        except Exception:
+            ref = secrets.token_hex(6)
+            log.exception("internal error handling %s (ref %s)", method, ref)
+            error = {
+                "code": INTERNAL_ERROR,
+                "message": f"internal error (reference {ref}); retry, or report the reference",
+            }
+            await send_json(send, 200, jsonrpc.error_message(request_id, error))
+            return
+        if isinstance(reply, Streamed):
+            await send_sse(send, receive, reply.messages, headers=extra)
+        else:
+            await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
+
+    async def _notification(self, send: Send, headers: Headers, principal: Principal, method: str, params: Any) -> None:
+        """H-POST-2: accepted notifications get 202 and no body."""
+        if method != "notifications/initialized" or headers.get(SESSION_HEADER):
+            session = await self._session(headers, principal)
+        else:
+            session = None
+        if method == "notifications/cancelled" and isinstance(params, dict) and session is not None:
+            # C-3/D-8: this only cancels plain requests; tasks are cancelled with tasks/cancel.
+            rid = params.get("requestId")
+            if jsonrpc.valid_id(rid):
+                await self.surface.inflight.cancel((principal.tenant_id, session.session_id, repr(rid)))
+        await send_json(send, 202, None)
+
+    async def _client_response(
+        self, send: Send, headers: Headers, principal: Principal, message: dict[str, Any]
+    ) -> None:
+        """The client's answer to our request (T-INPUT-5): correlate by id, under this principal."""
+        await self._session(headers, principal)
+        rpc_id = message["id"]
+        if not jsonrpc.valid_id(rpc_id):
+            raise HttpError(400, INVALID_REQUEST, "Invalid response: id must be a string or an integer")
+        answer = {"result": message["result"]} if "result" in message else {"error": message["error"]}
+        rpc_key = str(rpc_id)
+        if not await self.tasks.answer(principal, rpc_key, answer):
+            await self.surface.inflight.answer(principal.tenant_id, rpc_key, answer)
+        await send_json(send, 202, None)
+
+    # --- GET and DELETE ------------------------------------------------------------------------
+
+    async def _get(self, receive: Receive, send: Send, headers: Headers, principal: Principal) -> None:
+        """H-GET-1/2: a stream for this session's task status changes and notices."""
+        if not _accepts(headers.get("accept", ""), EVENT_STREAM):
+            raise HttpError(406, INVALID_REQUEST, "Not Acceptable: GET needs Accept: text/event-stream")
+        session = await self._session(headers, principal)
+
+        async def messages() -> Any:
+            async for event in self.tasks.session_events(principal, session.session_id):
+                yield Surface._follow_message(Call(principal, session, "", {}), event)
+
+        await send_sse(send, receive, messages())
+
+    async def _delete(self, send: Send, headers: Headers, principal: Principal) -> None:
+        """H-SESS-6: end the session; its tasks live on, bound to the principal."""
+        session = await self._session(headers, principal)
+        await self.sessions.end(principal, session.session_id)
+        await send_json(send, 200, None)

@@ -1,0 +1,89 @@
+"""Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from service.domain.errors import Unavailable
+from service.runtime.runner import runner_stopped_error
+from service.store import repository as repo
+from service.store.db import Database
+from service.store.events import notify
+from service.tools.registry import Registry
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+BATCH = 500
+
+
+class Maintenance:
+    def __init__(self, db: Database, registry: Registry, *, interval_s: float, session_idle_ms: int) -> None:
+        self.db = db
+        self.registry = registry
+        self.interval_s = interval_s
+        self.session_idle_ms = session_idle_ms
+        self._task: asyncio.Task[None] | None = None
+        self.expired_deleted = 0
+        self.reaped = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="maintenance")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except Unavailable as exc:
+                log.warning("maintenance skipped: %s", exc)
+            except Exception:
+                log.exception("maintenance pass failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def run_once(self) -> None:
+        await self.reap_lost_leases()
+        await self.delete_expired()
+        async with self.db.connection() as conn:
+            await repo.delete_idle_sessions(conn, self.session_idle_ms)
+
+    async def reap_lost_leases(self) -> int:
+        count = 0
+        async with self.db.transaction() as conn:
+            for row in await repo.find_lost_leases(conn, BATCH):
+                tenant, task_id, owner = row["tenant_id"], row["task_id"], row["lease_owner"]
+                spec = self.registry.tools.get(row["tool"])
+                if spec is not None and spec.rerunnable and row["attempts"] < MAX_ATTEMPTS:
+                    message = f"re-running: the previous runner stopped (attempt {row['attempts'] + 1})"
+                    moved = await repo.requeue_task(conn, tenant, task_id, owner, message)
+                    await notify(conn, {"k": "created", "t": tenant, "id": task_id})
+                else:
+                    moved = await repo.fail_lost_task(conn, tenant, task_id, owner, runner_stopped_error(row["tool"]))
+                if moved is not None:
+                    count += 1
+                    await notify(conn, {"k": "status", "t": tenant, "id": task_id, "s": moved.session_id})
+        if count:
+            log.warning("reaped %d task(s) whose runner stopped", count)
+        self.reaped += count
+        return count
+
+    async def delete_expired(self) -> int:
+        """D-12: an expired task is deleted whatever its state; its runner is told to stop."""
+        total = 0
+        while True:
+            async with self.db.transaction() as conn:
+                rows = await repo.delete_expired_tasks(conn, BATCH)
+                for row in rows:
+                    await notify(conn, {"k": "deleted", "t": row["tenant_id"], "id": row["task_id"]})
+            total += len(rows)
+            if len(rows) < BATCH:
+                break
+        self.expired_deleted += total
+        return total

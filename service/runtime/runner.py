@@ -1,0 +1,205 @@
+"""Runner: claims tasks with SKIP LOCKED under a lease, runs their tools, records outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from typing import Any
+
+from service.domain.errors import Unavailable
+from service.domain.task import Outcome, OutcomeKind, Task
+from service.runtime.context import TaskRunContext
+from service.store import repository as repo
+from service.store.db import Database
+from service.store.events import Event, EventHub, notify
+from service.store.liveness import LivenessLock
+from service.tools.api import RpcError, ToolError, text
+from service.tools.registry import Registry, normalize_result
+
+log = logging.getLogger(__name__)
+
+TaskKey = tuple[str, str]
+CLAIM_BATCH = 16
+
+
+def tool_outcome(value: Any) -> Outcome:
+    payload = normalize_result(value)
+    kind = OutcomeKind.TOOL_ERROR if payload.get("isError") else OutcomeKind.RESULT
+    return Outcome(kind, payload)
+
+
+async def run_tool(registry: Registry, tool: str, arguments: dict[str, Any], ctx: Any) -> Outcome:
+    """Run one tool call to its outcome; only cancellation propagates."""
+    spec = registry.tools.get(tool)
+    if spec is None:
+        return Outcome(OutcomeKind.RPC_ERROR, {"code": -32602, "message": f"unknown tool {tool!r}"})
+    try:
+        return tool_outcome(await spec.fn(ctx, **arguments))
+    except ToolError as exc:
+        return Outcome(OutcomeKind.TOOL_ERROR, {"content": [text(str(exc))], "isError": True})
+    except RpcError as exc:
+        return Outcome(OutcomeKind.RPC_ERROR, exc.to_wire())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("tool %s raised", tool)
+        message = f"tool {tool!r} failed: {type(exc).__name__}: {exc}"
+        return Outcome(OutcomeKind.RPC_ERROR, {"code": -32603, "message": message[:1000]})
+
+
+class Runner:
+    """Executes up to ``concurrency`` tasks at once in this process."""
+
+    def __init__(
+        self,
+        db: Database,
+        hub: EventHub,
+        registry: Registry,
+        *,
+        concurrency: int,
+        lease_ms: int,
+        poll_s: float,
+    ) -> None:
+        self.db = db
+        self.hub = hub
+        self.registry = registry
+        self.concurrency = concurrency
+        self.lease_ms = lease_ms
+        self.poll_s = poll_s
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.liveness = LivenessLock(db.dsn)
+        self._running: dict[TaskKey, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    async def start(self) -> None:
+        await self.liveness.acquire()
+        self.hub.listeners.append(self._on_event)
+        self._loops = [
+            asyncio.create_task(self._claim_loop(), name="runner-claim"),
+            asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop claiming; hand running tasks back (re-queue or fail) so none stays working."""
+        self._stopping = True
+        with contextlib.suppress(ValueError):
+            self.hub.listeners.remove(self._on_event)
+        for loop in self._loops:
+            loop.cancel()
+        for loop in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+        running = list(self._running.values())
+        for job in running:
+            job.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await self.liveness.release()
+
+    def _on_event(self, event: Event) -> None:
+        kind = event.get("k")
+        if kind in ("created", "resync"):
+            self._wake.set()
+        elif kind in ("cancel", "deleted"):
+            job = self._running.get((str(event.get("t")), str(event.get("id"))))
+            if job is not None:
+                job.cancel()
+
+    async def _claim_loop(self) -> None:
+        while True:
+            try:
+                claimed = await self._claim()
+            except Unavailable as exc:
+                log.warning("runner cannot claim: %s", exc)
+                claimed = 0
+            if claimed < CLAIM_BATCH or self.busy >= self.concurrency:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+
+    async def _claim(self) -> int:
+        free = self.concurrency - self.busy
+        if free <= 0:
+            return 0
+        await self.liveness.ensure()
+        async with self.db.transaction() as conn:
+            tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, min(free, CLAIM_BATCH))
+        for task in tasks:
+            key = (task.tenant_id, task.task_id)
+            self._running[key] = asyncio.create_task(self._execute(task), name=f"task-{task.task_id[:8]}")
+        return len(tasks)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            if not self._running:
+                continue
+            try:
+                await self.liveness.ensure()
+                async with self.db.connection() as conn:
+                    held = await repo.renew_leases(conn, self.owner, self.lease_ms)
+            except Unavailable as exc:
+                log.warning("runner cannot renew leases: %s", exc)
+                continue
+            for key, job in list(self._running.items()):
+                if key not in held:  # cancelled, expired, or the lease was taken from us
+                    job.cancel()
+
+    async def _execute(self, task: Task) -> None:
+        key = (task.tenant_id, task.task_id)
+        ctx = TaskRunContext(task, owner=self.owner, db=self.db, hub=self.hub, poll_s=self.poll_s)
+        try:
+            outcome = await run_tool(self.registry, task.tool, task.arguments, ctx)
+            await self._finish(task, outcome)
+        except asyncio.CancelledError:
+            if self._stopping:
+                await self._hand_back(task)
+        except Exception:
+            log.exception("runner failed to record the outcome of task %s", task.task_id[:8])
+        finally:
+            self._running.pop(key, None)
+            self._wake.set()
+
+    async def _finish(self, task: Task, outcome: Outcome) -> None:
+        async with self.db.transaction() as conn:
+            done = await repo.finish_task(conn, task.tenant_id, task.task_id, self.owner, outcome)
+            if done is not None:
+                await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
+
+    async def _hand_back(self, task: Task) -> None:
+        """On shutdown: re-queue a task whose tool is safe to re-run, otherwise fail it."""
+        spec = self.registry.tools.get(task.tool)
+        try:
+            async with self.db.transaction() as conn:
+                if spec is not None and spec.rerunnable:
+                    moved = await repo.requeue_task(
+                        conn, task.tenant_id, task.task_id, self.owner, "re-queued: the runner was shut down"
+                    )
+                    await notify(conn, {"k": "created", "t": task.tenant_id, "id": task.task_id})
+                else:
+                    moved = await repo.fail_lost_task(
+                        conn, task.tenant_id, task.task_id, self.owner, runner_stopped_error(task.tool)
+                    )
+                if moved is not None:
+                    await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
+        except Exception as exc:  # the reaper will pick it up when our liveness lock goes
+            log.warning("could not hand back task %s on shutdown: %s", task.task_id[:8], exc)
+
+
+def runner_stopped_error(tool: str) -> dict[str, Any]:
+    return {
+        "code": -32603,
+        "message": (
+            f"The runner executing tool {tool!r} stopped before the task finished (the process ended or "
+            "lost its lease), and the tool is not marked safe to re-run. Start the task again."
+        ),
+    }

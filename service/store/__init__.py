@@ -1,0 +1,1 @@
+"""The only package that talks to PostgreSQL (asyncpg): named SQL, repositories, events, launcher."""

@@ -1,0 +1,101 @@
+"""Connection pool, transactions, and the one place driver errors become domain errors."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import orjson
+
+from service.domain.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+Connection = asyncpg.Connection
+Record = asyncpg.Record
+
+# Errors that mean "the database is not there right now", as opposed to a bug in our SQL.
+_UNAVAILABLE = (
+    OSError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.InterfaceError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    TimeoutError,
+)
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec(
+        "jsonb",
+        encoder=lambda v: b"\x01" + orjson.dumps(v),
+        decoder=lambda b: orjson.loads(b[1:]),
+        schema="pg_catalog",
+        format="binary",
+    )
+
+
+class Database:
+    """Owns the asyncpg pool; hands out transactions."""
+
+    def __init__(self, dsn: str, *, pool_size: int) -> None:
+        self.dsn = dsn
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.dsn,
+                min_size=1,
+                max_size=self._pool_size,
+                init=_init_connection,
+                command_timeout=60,
+                server_settings={"application_name": "mcp-tasks"},
+            )
+        except _UNAVAILABLE as exc:
+            raise Unavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise Unavailable("the database pool is not open")
+        return self._pool
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """One transaction on one pooled connection; driver outages surface as ``Unavailable``."""
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                yield conn
+        except _UNAVAILABLE as exc:
+            raise Unavailable(f"database unavailable: {exc}") from exc
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection in autocommit, for single statements."""
+        try:
+            async with self.pool.acquire() as conn:
+                yield conn
+        except _UNAVAILABLE as exc:
+            raise Unavailable(f"database unavailable: {exc}") from exc
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        async with self.connection() as conn:
+            return await conn.fetchval(sql, *args)
+
+    async def pool_stats(self) -> tuple[int, int]:
+        """(in use, size) for metrics."""
+        pool = self.pool
+        size = pool.get_size()
+        return size - pool.get_idle_size(), size

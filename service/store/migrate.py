@@ -1,0 +1,50 @@
+"""Run Alembic migrations programmatically (``mcp-tasks migrate`` and start-up of the embedded DB)."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+
+import asyncpg
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+
+from alembic import command
+
+
+def _config(dsn: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(resources.files("service.store").joinpath("migrations")))
+    cfg.set_main_option("sqlalchemy.url", dsn.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(dsn: str, revision: str = "head") -> None:
+    command.upgrade(_config(dsn), revision)
+
+
+def downgrade(dsn: str, revision: str) -> None:
+    command.downgrade(_config(dsn), revision)
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(_config("postgresql://unused")).get_current_head()
+    assert head is not None
+    return head
+
+
+async def current_revision(dsn: str) -> str | None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        exists = await conn.fetchval("SELECT to_regclass('alembic_version') IS NOT NULL")
+        if not exists:
+            return None
+        rev: str | None = await conn.fetchval("SELECT version_num FROM alembic_version")
+        return rev
+    finally:
+        await conn.close()
+
+
+async def upgrade_async(dsn: str) -> None:
+    """Alembic's env.py runs its own event loop, so migrate in a worker thread."""
+    await asyncio.to_thread(upgrade, dsn)

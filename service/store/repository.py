@@ -1,0 +1,241 @@
+"""Task, message, session and key repositories: named SQL in, domain objects out."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from service.domain.principal import Principal
+from service.domain.task import Outcome, OutcomeKind, Task, TaskStatus
+from service.store.queries import Q
+
+
+def task_from_row(row: asyncpg.Record) -> Task:
+    outcome = None
+    if row["outcome"] is not None:
+        outcome = Outcome(OutcomeKind(row["outcome"]), row["payload"])
+    return Task(
+        tenant_id=row["tenant_id"],
+        task_id=row["task_id"],
+        subject=row["subject"],
+        tool=row["tool"],
+        status=TaskStatus(row["status"]),
+        status_message=row["status_message"],
+        ttl_ms=row["ttl_ms"],
+        poll_interval_ms=row["poll_interval_ms"],
+        created_at=row["created_at"],
+        last_updated_at=row["last_updated_at"],
+        outcome=outcome,
+        arguments=row["arguments"],
+        session_id=row["session_id"],
+        progress_token=row["progress_token"],
+        client_capabilities=row["client_capabilities"],
+        attempts=row["attempts"],
+    )
+
+
+def _task_or_none(row: asyncpg.Record | None) -> Task | None:
+    return task_from_row(row) if row is not None else None
+
+
+# --- tasks ------------------------------------------------------------------------------------
+
+
+async def insert_task(
+    conn: asyncpg.Connection,
+    *,
+    principal: Principal,
+    task_id: str,
+    session_id: str | None,
+    surface: str,
+    tool: str,
+    arguments: dict[str, Any],
+    client_capabilities: dict[str, Any],
+    progress_token: str | int | None,
+    ttl_ms: int,
+    poll_interval_ms: int,
+) -> Task:
+    row = await conn.fetchrow(
+        Q["insert_task"],
+        principal.tenant_id,
+        task_id,
+        principal.subject,
+        principal.issuer,
+        principal.client_id,
+        session_id,
+        surface,
+        tool,
+        arguments,
+        client_capabilities,
+        progress_token,
+        ttl_ms,
+        poll_interval_ms,
+    )
+    return task_from_row(row)
+
+
+async def get_task(conn: asyncpg.Connection, principal: Principal, task_id: str) -> Task | None:
+    return _task_or_none(await conn.fetchrow(Q["get_task"], principal.tenant_id, task_id, principal.subject))
+
+
+async def list_tasks(
+    conn: asyncpg.Connection, principal: Principal, *, after: tuple[datetime, str] | None, limit: int
+) -> list[Task]:
+    if after is None:
+        rows = await conn.fetch(Q["list_tasks_first"], principal.tenant_id, principal.subject, limit)
+    else:
+        rows = await conn.fetch(
+            Q["list_tasks_after"], principal.tenant_id, principal.subject, after[0], after[1], limit
+        )
+    return [task_from_row(r) for r in rows]
+
+
+async def cancel_task(conn: asyncpg.Connection, principal: Principal, task_id: str, message: str) -> Task | None:
+    row = await conn.fetchrow(Q["cancel_task"], principal.tenant_id, task_id, principal.subject, message)
+    return _task_or_none(row)
+
+
+async def finish_task(
+    conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, outcome: Outcome
+) -> Task | None:
+    row = await conn.fetchrow(
+        Q["finish_task"],
+        tenant_id,
+        task_id,
+        owner,
+        outcome.status.value,
+        outcome.kind.value,
+        outcome.payload,
+        outcome.status_message,
+    )
+    return _task_or_none(row)
+
+
+async def set_active_status(
+    conn: asyncpg.Connection,
+    tenant_id: str,
+    task_id: str,
+    owner: str,
+    status: TaskStatus,
+    message: str | None,
+) -> Task | None:
+    row = await conn.fetchrow(Q["set_active_status"], tenant_id, task_id, owner, status.value, message)
+    return _task_or_none(row)
+
+
+async def claim_tasks(conn: asyncpg.Connection, owner: str, owner_key: int, lease_ms: int, limit: int) -> list[Task]:
+    rows = await conn.fetch(Q["claim_tasks"], owner, owner_key, lease_ms, limit)
+    return [task_from_row(r) for r in rows]
+
+
+async def renew_leases(conn: asyncpg.Connection, owner: str, lease_ms: int) -> set[tuple[str, str]]:
+    rows = await conn.fetch(Q["renew_leases"], owner, lease_ms)
+    return {(r["tenant_id"], r["task_id"]) for r in rows}
+
+
+async def find_lost_leases(conn: asyncpg.Connection, limit: int) -> list[asyncpg.Record]:
+    return list(await conn.fetch(Q["find_lost_leases"], limit))
+
+
+async def requeue_task(conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, message: str) -> Task | None:
+    return _task_or_none(await conn.fetchrow(Q["requeue_task"], tenant_id, task_id, owner, message))
+
+
+async def fail_lost_task(
+    conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, error: dict[str, Any]
+) -> Task | None:
+    row = await conn.fetchrow(Q["fail_lost_task"], tenant_id, task_id, owner, error, error["message"])
+    return _task_or_none(row)
+
+
+async def delete_expired_tasks(conn: asyncpg.Connection, limit: int) -> list[asyncpg.Record]:
+    return list(await conn.fetch(Q["delete_expired_tasks"], limit))
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+async def insert_message(
+    conn: asyncpg.Connection, tenant_id: str, task_id: str, rpc_id: str, method: str, params: dict[str, Any]
+) -> int:
+    seq: int = await conn.fetchval(Q["insert_message"], tenant_id, task_id, rpc_id, method, params)
+    return seq
+
+
+async def claim_undelivered_messages(
+    conn: asyncpg.Connection, tenant_id: str, task_id: str, stream_id: str, stale_ms: int
+) -> list[asyncpg.Record]:
+    return list(await conn.fetch(Q["claim_undelivered_messages"], tenant_id, task_id, stream_id, stale_ms))
+
+
+async def release_messages(conn: asyncpg.Connection, tenant_id: str, stream_id: str) -> None:
+    await conn.execute(Q["release_messages"], tenant_id, stream_id)
+
+
+async def answer_message(
+    conn: asyncpg.Connection, principal: Principal, rpc_id: str, answer: dict[str, Any]
+) -> asyncpg.Record | None:
+    row: asyncpg.Record | None = await conn.fetchrow(
+        Q["answer_message"], principal.tenant_id, rpc_id, answer, principal.subject
+    )
+    return row
+
+
+async def get_answer(conn: asyncpg.Connection, tenant_id: str, task_id: str, seq: int) -> dict[str, Any] | None:
+    answer: dict[str, Any] | None = await conn.fetchval(Q["get_answer"], tenant_id, task_id, seq)
+    return answer
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+
+async def insert_session(
+    conn: asyncpg.Connection,
+    principal: Principal,
+    session_id: str,
+    protocol_version: str,
+    client_capabilities: dict[str, Any],
+    client_info: dict[str, Any] | None,
+) -> None:
+    await conn.execute(
+        Q["insert_session"],
+        principal.tenant_id,
+        session_id,
+        principal.subject,
+        protocol_version,
+        client_capabilities,
+        client_info,
+    )
+
+
+async def get_session(conn: asyncpg.Connection, principal: Principal, session_id: str) -> asyncpg.Record | None:
+    row: asyncpg.Record | None = await conn.fetchrow(
+        Q["get_session"], principal.tenant_id, session_id, principal.subject
+    )
+    return row
+
+
+async def touch_session(conn: asyncpg.Connection, tenant_id: str, session_id: str) -> None:
+    await conn.execute(Q["touch_session"], tenant_id, session_id)
+
+
+async def delete_session(conn: asyncpg.Connection, principal: Principal, session_id: str) -> bool:
+    row = await conn.fetchrow(Q["delete_session"], principal.tenant_id, session_id, principal.subject)
+    return row is not None
+
+
+async def delete_idle_sessions(conn: asyncpg.Connection, idle_ms: int) -> None:
+    await conn.execute(Q["delete_idle_sessions"], idle_ms)
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+async def service_key(conn: asyncpg.Connection, name: str) -> bytes:
+    """A 32-byte secret shared by every replica, created by whichever starts first."""
+    await conn.execute(Q["ensure_key"], name, secrets.token_bytes(32))
+    secret: bytes = await conn.fetchval(Q["get_key"], name)
+    return secret

@@ -1,0 +1,21 @@
+-- name: insert_session
+-- A new MCP session, bound to the principal that sent initialize.
+INSERT INTO sessions (tenant_id, session_id, subject, protocol_version, client_capabilities, client_info)
+VALUES ($1, $2, $3, $4, $5, $6);
+
+-- name: get_session
+-- The session as its owner sees it; another subject's session is not returned.
+SELECT session_id, protocol_version, client_capabilities, last_seen_at
+FROM sessions WHERE tenant_id = $1 AND session_id = $2 AND subject = $3;
+
+-- name: touch_session
+-- Keep an active session from being swept as idle.
+UPDATE sessions SET last_seen_at = clock_timestamp() WHERE tenant_id = $1 AND session_id = $2;
+
+-- name: delete_session
+-- DELETE /mcp: the session ends; its tasks live on (they belong to the principal).
+DELETE FROM sessions WHERE tenant_id = $1 AND session_id = $2 AND subject = $3 RETURNING session_id;
+
+-- name: delete_idle_sessions
+-- Sessions unused for longer than the idle limit.
+DELETE FROM sessions WHERE last_seen_at < clock_timestamp() - $1 * interval '1 millisecond';

@@ -1,0 +1,117 @@
+-- name: insert_task
+-- Create a task in `working`; the caller has already clamped the TTL.
+INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, arguments,
+                   client_capabilities, progress_token, ttl_ms, poll_interval_ms, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
+        clock_timestamp() + $12::bigint * interval '1 millisecond')
+RETURNING *;
+
+-- name: get_task
+-- One task of one owner; expired rows are invisible even before the sweeper deletes them.
+SELECT * FROM tasks
+WHERE tenant_id = $1 AND task_id = $2 AND subject = $3 AND expires_at > clock_timestamp();
+
+-- name: list_tasks_first
+-- First page of an owner's tasks, newest first.
+SELECT * FROM tasks
+WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp()
+ORDER BY created_at DESC, task_id DESC
+LIMIT $3;
+
+-- name: list_tasks_after
+-- Next page after the keyset (created_at, task_id) carried by the cursor.
+SELECT * FROM tasks
+WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp()
+  AND (created_at, task_id) < ($3, $4)
+ORDER BY created_at DESC, task_id DESC
+LIMIT $5;
+
+-- name: cancel_task
+-- Cancel wins: only an active task moves, and its lease is dropped so a late completion finds nothing.
+UPDATE tasks
+SET status = 'cancelled', status_message = $4, last_updated_at = clock_timestamp(),
+    finished_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+WHERE tenant_id = $1 AND task_id = $2 AND subject = $3
+  AND status IN ('working', 'input_required') AND expires_at > clock_timestamp()
+RETURNING *;
+
+-- name: finish_task
+-- A runner records the outcome; nothing happens if the task was cancelled or its lease was lost.
+UPDATE tasks
+SET status = $4, outcome = $5, payload = $6, status_message = $7,
+    last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+    lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND status IN ('working', 'input_required')
+RETURNING *;
+
+-- name: set_active_status
+-- working <-> input_required while the runner holds the lease.
+UPDATE tasks
+SET status = $4, status_message = $5, last_updated_at = clock_timestamp()
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND status IN ('working', 'input_required')
+RETURNING *;
+
+-- name: claim_tasks
+-- SKIP LOCKED lets every runner of every replica claim different rows without waiting on each other.
+UPDATE tasks t
+SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
+    attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp())
+FROM (
+    SELECT tenant_id, task_id FROM tasks
+    WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
+    ORDER BY created_at
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+) picked
+WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id
+RETURNING t.*;
+
+-- name: renew_leases
+-- Heartbeat: extend every lease this runner holds; rows that are gone or cancelled are not returned.
+UPDATE tasks
+SET lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond'
+WHERE lease_owner = $1 AND status IN ('working', 'input_required')
+RETURNING tenant_id, task_id;
+
+-- name: find_lost_leases
+-- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
+SELECT tenant_id, task_id, tool, attempts, lease_owner FROM tasks t
+WHERE lease_owner IS NOT NULL
+  AND (lease_expires_at < clock_timestamp()
+       OR NOT EXISTS (SELECT 1 FROM pg_locks l
+                      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                        AND l.classid::bigint = ((t.lease_key >> 32) & 4294967295)
+                        AND l.objid::bigint = (t.lease_key & 4294967295)))
+ORDER BY lease_expires_at
+LIMIT $1
+FOR UPDATE SKIP LOCKED;
+
+-- name: requeue_task
+-- A lost task whose tool is safe to re-run goes back to the queue.
+UPDATE tasks
+SET status = 'working', status_message = $4, last_updated_at = clock_timestamp(),
+    lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3
+RETURNING *;
+
+-- name: fail_lost_task
+-- A lost task whose tool is not safe to re-run fails with a protocol error outcome.
+UPDATE tasks
+SET status = 'failed', outcome = 'rpc_error', payload = $4, status_message = $5,
+    last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+    lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3
+RETURNING *;
+
+-- name: delete_expired_tasks
+-- One sweeper batch; SKIP LOCKED keeps concurrent sweepers from blocking each other.
+DELETE FROM tasks t
+USING (
+    SELECT tenant_id, task_id FROM tasks
+    WHERE expires_at <= clock_timestamp()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+) doomed
+WHERE t.tenant_id = doomed.tenant_id AND t.task_id = doomed.task_id
+RETURNING t.tenant_id, t.task_id, t.status, t.lease_owner;

@@ -1,0 +1,1 @@
+"""Use cases: create, get, list, cancel, follow to the result, answer input. Wire-neutral."""

@@ -1,0 +1,232 @@
+"""TaskService: the rules of the task lifecycle, one transaction per use case."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from service.domain.errors import (
+    InvalidArguments,
+    TaskAlreadyTerminal,
+    TaskNotFound,
+    TaskSupportMismatch,
+)
+from service.domain.principal import Principal
+from service.domain.task import Task, clamp_ttl, new_task_id
+from service.store import repository as repo
+from service.store.db import Database
+from service.store.events import EventHub, notify
+from service.tasks.cursor import CursorCodec
+from service.tools.registry import Registry, ToolSpec
+
+PAGE_SIZE = 50
+# A delivery to a stream that went away without releasing it (replica crash) is offered again after this.
+STALE_DELIVERY_MS = 60_000
+NOT_FOUND = "task not found (unknown, expired, or not yours)"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskPolicy:
+    default_ttl_ms: int
+    min_ttl_ms: int
+    max_ttl_ms: int
+    poll_interval_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A request a task sends its client (e.g. elicitation/create), to deliver on the stream."""
+
+    rpc_id: str
+    method: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A notification for the client (progress, log) that is not stored."""
+
+    method: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusChanged:
+    task: Task
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    task: Task
+
+
+FollowEvent = ClientRequest | Notice | StatusChanged | Finished
+
+
+class TaskService:
+    def __init__(
+        self, db: Database, hub: EventHub, registry: Registry, policy: TaskPolicy, cursors: CursorCodec
+    ) -> None:
+        self.db = db
+        self.hub = hub
+        self.registry = registry
+        self.policy = policy
+        self.cursors = cursors
+        # Tasks with a tasks/result stream open in this process: their notices go there only.
+        self.following: Counter[tuple[str, str]] = Counter()
+
+    def check_call(self, name: str, arguments: dict[str, Any], *, as_task: bool) -> tuple[ToolSpec, dict[str, Any]]:
+        """Tool-level negotiation (T-TOOL-3/5) and schema validation (D-15), before any row exists."""
+        spec = self.registry.get(name)
+        if as_task and spec.task_support == "forbidden":
+            raise TaskSupportMismatch(f"tool {name!r} does not support task-augmented execution")
+        if not as_task and spec.task_support == "required":
+            raise TaskSupportMismatch(f"Task augmentation required for tool {name!r}: send params.task")
+        return spec, spec.validate(arguments)
+
+    async def create(
+        self,
+        principal: Principal,
+        *,
+        tool: str,
+        arguments: dict[str, Any],
+        ttl_ms: int | None,
+        progress_token: str | int | None,
+        session_id: str | None,
+        client_capabilities: dict[str, Any],
+        surface: str = "2025-11-25",
+    ) -> Task:
+        _spec, valid = self.check_call(tool, arguments, as_task=True)
+        if ttl_ms is not None and ttl_ms < 0:
+            raise InvalidArguments("task.ttl must be a non-negative integer (milliseconds)")
+        p = self.policy
+        granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
+        async with self.db.transaction() as conn:
+            task = await repo.insert_task(
+                conn,
+                principal=principal,
+                task_id=new_task_id(),
+                session_id=session_id,
+                surface=surface,
+                tool=tool,
+                arguments=valid,
+                client_capabilities=client_capabilities,
+                progress_token=progress_token,
+                ttl_ms=granted,
+                poll_interval_ms=p.poll_interval_ms,
+            )
+            await notify(conn, {"k": "created", "t": principal.tenant_id, "id": task.task_id})
+        return task
+
+    async def get(self, principal: Principal, task_id: str) -> Task:
+        async with self.db.connection() as conn:
+            task = await repo.get_task(conn, principal, task_id)
+        if task is None:
+            raise TaskNotFound(NOT_FOUND, task_id=task_id)
+        return task
+
+    async def list(self, principal: Principal, cursor: str | None) -> tuple[list[Task], str | None]:
+        after = self.cursors.decode(principal, cursor) if cursor is not None else None
+        async with self.db.connection() as conn:
+            tasks = await repo.list_tasks(conn, principal, after=after, limit=PAGE_SIZE + 1)
+        next_cursor = None
+        if len(tasks) > PAGE_SIZE:
+            tasks = tasks[:PAGE_SIZE]
+            last = tasks[-1]
+            next_cursor = self.cursors.encode(principal, last.created_at, last.task_id)
+        return tasks, next_cursor
+
+    async def cancel(self, principal: Principal, task_id: str) -> Task:
+        """T-CANCEL-5: the row is cancelled (and its lease dropped) before we answer."""
+        async with self.db.transaction() as conn:
+            task = await repo.cancel_task(conn, principal, task_id, "cancelled by the requestor")
+            if task is None:
+                existing = await repo.get_task(conn, principal, task_id)
+                if existing is None:
+                    raise TaskNotFound(NOT_FOUND, task_id=task_id)
+                raise TaskAlreadyTerminal(
+                    f"Cannot cancel task: already in terminal status '{existing.status.value}'",
+                    task_id=task_id,
+                    status=existing.status.value,
+                )
+            await notify(conn, {"k": "cancel", "t": principal.tenant_id, "id": task_id})
+            await notify(conn, {"k": "status", "t": principal.tenant_id, "id": task_id, "s": task.session_id})
+        return task
+
+    async def follow(self, principal: Principal, task_id: str, *, poll_s: float) -> AsyncIterator[FollowEvent]:
+        """Everything a blocking tasks/result stream carries, ending with the terminal task.
+
+        Requests to the client are claimed for this stream alone (no broadcast, H-MULTI-2) and
+        released if the stream goes away unanswered, so the next tasks/result gets them.
+        """
+        stream_id = secrets.token_urlsafe(12)
+        key = (principal.tenant_id, task_id)
+        self.following[key] += 1
+        try:
+            async with self.hub.subscribe(("task", principal.tenant_id, task_id)) as events:
+                last_status = None
+                while True:
+                    task = await self.get(principal, task_id)
+                    if task.status.is_terminal:
+                        yield Finished(task)
+                        return
+                    if last_status is not None and task.status != last_status:
+                        yield StatusChanged(task)
+                    last_status = task.status
+                    async with self.db.connection() as conn:
+                        pending = await repo.claim_undelivered_messages(
+                            conn, principal.tenant_id, task_id, stream_id, STALE_DELIVERY_MS
+                        )
+                    for msg in pending:
+                        yield ClientRequest(msg["rpc_id"], msg["method"], msg["params"])
+                    # Wait for something to happen; notices are passed on without a re-read.
+                    while True:
+                        try:
+                            event = await asyncio.wait_for(events.get(), timeout=poll_s)
+                        except TimeoutError:
+                            break
+                        if event.get("k") in ("progress", "log") and isinstance(event.get("params"), dict):
+                            method = "notifications/progress" if event["k"] == "progress" else "notifications/message"
+                            yield Notice(method, event["params"])
+                            continue
+                        break
+        finally:
+            self.following[key] -= 1
+            if self.following[key] <= 0:
+                del self.following[key]
+            with contextlib.suppress(Exception):
+                async with self.db.connection() as conn:
+                    await repo.release_messages(conn, principal.tenant_id, stream_id)
+
+    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[FollowEvent]:
+        """For a session's GET stream: status changes and notices of tasks that session created,
+        unless a tasks/result stream in this process already carries them (no duplicates)."""
+        async with self.hub.subscribe(("session", principal.tenant_id, session_id)) as events:
+            while True:
+                event = await events.get()
+                task_id = str(event.get("id", ""))
+                if (principal.tenant_id, task_id) in self.following:
+                    continue
+                kind = event.get("k")
+                if kind in ("progress", "log") and isinstance(event.get("params"), dict):
+                    method = "notifications/progress" if kind == "progress" else "notifications/message"
+                    yield Notice(method, event["params"])
+                elif kind == "status":
+                    try:
+                        yield StatusChanged(await self.get(principal, task_id))
+                    except TaskNotFound:
+                        continue
+
+    async def answer(self, principal: Principal, rpc_id: str, answer: dict[str, Any]) -> bool:
+        """A client's JSON-RPC response to a task's request; False if it answers nothing of ours."""
+        async with self.db.transaction() as conn:
+            row = await repo.answer_message(conn, principal, rpc_id, answer)
+            if row is None:
+                return False
+            await notify(conn, {"k": "answer", "t": principal.tenant_id, "id": row["task_id"]})
+        return True

@@ -1,0 +1,1 @@
+"""Tool packs: the registry, the demo pack and the conformance fixture pack."""

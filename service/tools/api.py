@@ -1,0 +1,74 @@
+"""What a tool sees: its context, result helpers, and the errors it may raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+ElicitAction = Literal["accept", "decline", "cancel"]
+
+
+@dataclass(frozen=True, slots=True)
+class ElicitAnswer:
+    action: ElicitAction
+    content: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """A CallToolResult: content blocks, optional structured content, optional error flag."""
+
+    content: list[dict[str, Any]] = field(default_factory=list)
+    structured: dict[str, Any] | None = None
+    is_error: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"content": self.content}
+        if self.structured is not None:
+            out["structuredContent"] = self.structured
+        if self.is_error:
+            out["isError"] = True
+        return out
+
+
+class ToolError(Exception):
+    """Raised by a tool for an error the model should see: becomes ``isError: true``."""
+
+
+class RpcError(Exception):
+    """Raised by a tool to end its request with a JSON-RPC error (replayed by tasks/result)."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            out["data"] = self.data
+        return out
+
+
+class InputNotSupported(ToolError):
+    """The client cannot answer an elicitation (it did not declare the capability)."""
+
+
+class ToolContext(Protocol):
+    """Everything a tool may do besides computing: report progress, ask for input, log."""
+
+    @property
+    def task_id(self) -> str | None: ...
+
+    async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None: ...
+
+    async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer: ...
+
+    async def log(self, level: str, data: Any, logger: str | None = None) -> None: ...
+
+    async def sample(self, params: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}

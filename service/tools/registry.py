@@ -1,0 +1,235 @@
+"""Tool packs register tools (and resources and prompts); the registry validates and dispatches."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_type_hints
+
+import orjson
+import pydantic
+
+from service.domain.errors import InvalidArguments, UnknownTool
+from service.tools.api import ToolContext, ToolResult, text
+
+TaskSupport = Literal["forbidden", "optional", "required"]
+ToolFn = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    name: str
+    fn: ToolFn
+    description: str
+    input_schema: dict[str, Any]
+    task_support: TaskSupport
+    rerunnable: bool
+    output_schema: dict[str, Any] | None = None
+    title: str | None = None
+    annotations: dict[str, Any] | None = None
+    model: type[pydantic.BaseModel] | None = None
+
+    def to_wire(self, *, with_execution: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "inputSchema": self.input_schema,
+        }
+        if self.title:
+            out["title"] = self.title
+        if self.output_schema is not None:
+            out["outputSchema"] = self.output_schema
+        if self.annotations:
+            out["annotations"] = self.annotations
+        if with_execution:
+            out["execution"] = {"taskSupport": self.task_support}
+        return out
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Schema-level validation (D-15: a failure is a protocol error, no task is created)."""
+        if self.model is None:
+            _check_required(self.name, self.input_schema, arguments)
+            return arguments
+        try:
+            return self.model.model_validate(arguments).model_dump()
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidArguments(f"invalid arguments for tool {self.name!r}: {problems}") from None
+
+
+def _check_required(name: str, schema: dict[str, Any], arguments: dict[str, Any]) -> None:
+    missing = [k for k in schema.get("required", []) if k not in arguments]
+    if missing:
+        raise InvalidArguments(f"invalid arguments for tool {name!r}: missing {', '.join(missing)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceSpec:
+    uri: str
+    name: str
+    read: Callable[[str], Awaitable[list[dict[str, Any]]]]
+    mime_type: str | None = None
+    description: str | None = None
+    template: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"uriTemplate" if self.template else "uri": self.uri, "name": self.name}
+        if self.mime_type:
+            out["mimeType"] = self.mime_type
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpec:
+    name: str
+    render: Callable[[dict[str, str]], Awaitable[list[dict[str, Any]]]]
+    description: str | None = None
+    arguments: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "arguments": self.arguments}
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+def _model_for(fn: ToolFn) -> tuple[type[pydantic.BaseModel], dict[str, Any]]:
+    """Input model and JSON schema from the function's type hints (all parameters but ``ctx``)."""
+    hints = get_type_hints(fn)
+    fields: dict[str, Any] = {}
+    for pname, param in list(inspect.signature(fn).parameters.items())[1:]:
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[pname] = (hints.get(pname, Any), default)
+    model = pydantic.create_model(f"{fn.__name__}_arguments", __config__=pydantic.ConfigDict(extra="ignore"), **fields)
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    for prop in schema.get("properties", {}).values():
+        prop.pop("title", None)
+    schema.setdefault("properties", {})
+    return model, schema
+
+
+class ToolPack:
+    """A named group of tools, resources and prompts, defined in an ordinary module."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tools: list[ToolSpec] = []
+        self.resources: list[ResourceSpec] = []
+        self.prompts: list[PromptSpec] = []
+
+    def tool(
+        self,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        task_support: TaskSupport = "optional",
+        rerunnable: bool = False,
+        input_schema: dict[str, Any] | None = None,
+        output_schema: dict[str, Any] | None = None,
+        title: str | None = None,
+        annotations: dict[str, Any] | None = None,
+    ) -> Callable[[ToolFn], ToolFn]:
+        def register(fn: ToolFn) -> ToolFn:
+            model: type[pydantic.BaseModel] | None = None
+            schema = input_schema
+            if schema is None:
+                model, schema = _model_for(fn)
+            self.tools.append(
+                ToolSpec(
+                    name=name or fn.__name__,
+                    fn=fn,
+                    description=description or inspect.getdoc(fn) or "",
+                    input_schema=schema,
+                    task_support=task_support,
+                    rerunnable=rerunnable,
+                    output_schema=output_schema,
+                    title=title,
+                    annotations=annotations,
+                    model=model,
+                )
+            )
+            return fn
+
+        return register
+
+    def resource(
+        self, uri: str, *, name: str, mime_type: str | None = None, description: str | None = None
+    ) -> Callable[[Callable[[str], Awaitable[list[dict[str, Any]]]]], Any]:
+        def register(fn: Callable[[str], Awaitable[list[dict[str, Any]]]]) -> Any:
+            template = "{" in uri
+            self.resources.append(ResourceSpec(uri, name, fn, mime_type, description, template))
+            return fn
+
+        return register
+
+    def prompt(
+        self, name: str, *, description: str | None = None, arguments: list[dict[str, Any]] | None = None
+    ) -> Callable[[Callable[[dict[str, str]], Awaitable[list[dict[str, Any]]]]], Any]:
+        def register(fn: Callable[[dict[str, str]], Awaitable[list[dict[str, Any]]]]) -> Any:
+            self.prompts.append(PromptSpec(name, fn, description, arguments or []))
+            return fn
+
+        return register
+
+
+class Registry:
+    """All loaded packs, by name."""
+
+    def __init__(self, packs: list[ToolPack]) -> None:
+        self.tools: dict[str, ToolSpec] = {}
+        self.resources: list[ResourceSpec] = []
+        self.prompts: dict[str, PromptSpec] = {}
+        for pack in packs:
+            for spec in pack.tools:
+                if spec.name in self.tools:
+                    raise ValueError(f"tool {spec.name!r} is defined by two packs")
+                self.tools[spec.name] = spec
+            self.resources.extend(pack.resources)
+            for prompt in pack.prompts:
+                self.prompts[prompt.name] = prompt
+
+    @classmethod
+    def load(cls, references: list[str]) -> Registry:
+        """``module`` (its ``pack`` attribute) or ``module:attr``, as in MCP_TASKS_TOOLS."""
+        packs: list[ToolPack] = []
+        for ref in references:
+            module_name, _, attr = ref.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as exc:
+                raise ValueError(f"cannot import tool pack {ref!r}: {exc}") from exc
+            pack = getattr(module, attr or "pack", None)
+            if not isinstance(pack, ToolPack):
+                raise ValueError(f"tool pack {ref!r} has no ToolPack named {attr or 'pack'!r}")
+            packs.append(pack)
+        return cls(packs)
+
+    def get(self, name: str) -> ToolSpec:
+        spec = self.tools.get(name)
+        if spec is None:
+            raise UnknownTool(f"unknown tool {name!r}; tools/list shows the available tools")
+        return spec
+
+
+def normalize_result(value: Any) -> dict[str, Any]:
+    """A tool's return value as a CallToolResult dict."""
+    if isinstance(value, ToolResult):
+        return value.to_wire()
+    if isinstance(value, str):
+        return {"content": [text(value)]}
+    if isinstance(value, dict) and "content" in value:
+        return value
+    if value is None:
+        return {"content": []}
+    structured = value if isinstance(value, dict) else {"result": value}
+    return {"content": [text(orjson.dumps(value).decode())], "structuredContent": structured}
+
+
+__all__ = ["Registry", "ToolContext", "ToolPack", "ToolSpec", "normalize_result"]
