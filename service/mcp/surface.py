@@ -176,7 +176,8 @@ class Surface:
             )
             # D-5: the CreateTaskResult carries related-task metadata.
             return {"task": task_to_wire(task), "_meta": related(task.task_id)}
-        spec, valid = self.tasks.check_call(name, arguments, as_task=call.tasks_enabled)
+        # Sessions below 2025-11-25 cannot augment, so taskSupport does not bind them.
+        spec, valid = self.tasks.check_call(name, arguments, as_task=False, negotiate=call.tasks_enabled)
         return await self._run_plain(call, spec.name, valid, token, caps)
 
     async def _run_plain(

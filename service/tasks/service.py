@@ -80,12 +80,14 @@ class TaskService:
         # Tasks with a tasks/result stream open in this process: their notices go there only.
         self.following: Counter[tuple[str, str]] = Counter()
 
-    def check_call(self, name: str, arguments: dict[str, Any], *, as_task: bool) -> tuple[ToolSpec, dict[str, Any]]:
+    def check_call(
+        self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
+    ) -> tuple[ToolSpec, dict[str, Any]]:
         """Tool-level negotiation (T-TOOL-3/5) and schema validation (D-15), before any row exists."""
         spec = self.registry.get(name)
-        if as_task and spec.task_support == "forbidden":
+        if negotiate and as_task and spec.task_support == "forbidden":
             raise TaskSupportMismatch(f"tool {name!r} does not support task-augmented execution")
-        if not as_task and spec.task_support == "required":
+        if negotiate and not as_task and spec.task_support == "required":
             raise TaskSupportMismatch(f"Task augmentation required for tool {name!r}: send params.task")
         return spec, spec.validate(arguments)
 

@@ -1,0 +1,145 @@
+"""Fixtures: a migrated template database, a fresh database per test, a real uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+import uvicorn
+
+from service.app import create_app
+from service.config import Settings
+from service.store import migrate
+
+ACCEPT_BOTH = "application/json, text/event-stream"
+
+
+def _admin_dsn() -> Iterator[str]:
+    """MCP_TASKS_TEST_DATABASE_URL, else the local server on 5432, else an embedded one."""
+    url = os.environ.get("MCP_TASKS_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        reachable = s.connect_ex(("127.0.0.1", 5432)) == 0
+    if reachable:
+        yield "postgresql://postgres@127.0.0.1:5432/postgres"
+        return
+    from service.store.embedded import start_embedded
+
+    with tempfile.TemporaryDirectory(prefix="mcp-tasks-test-", dir="/var/tmp") as tmp:
+        yield start_embedded(Path(tmp))
+
+
+def _with_db(dsn: str, name: str) -> str:
+    base, _, query = dsn.partition("?")
+    base = base.rsplit("/", 1)[0] + "/" + name
+    return f"{base}?{query}" if query else base
+
+
+@pytest.fixture(scope="session")
+def admin_dsn() -> Iterator[str]:
+    yield from _admin_dsn()
+
+
+@pytest.fixture(scope="session")
+async def template_db(admin_dsn: str) -> AsyncIterator[str]:
+    name = f"mcp_tasks_tpl_{os.getpid()}_{secrets.token_hex(3)}"
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        await asyncio.to_thread(migrate.upgrade, _with_db(admin_dsn, name))
+        yield name
+    finally:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.close()
+
+
+@pytest.fixture
+async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test, dropped afterwards."""
+    name = f"mcp_tasks_t_{secrets.token_hex(6)}"
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+        yield _with_db(admin_dsn, name)
+    finally:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def make_settings(database_url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "host": "127.0.0.1",
+        "port": 0,
+        "poll_interval_ms": 100,
+        "sweep_interval_ms": 200,
+        "lease_ms": 3_000,
+        "tools": "service.tools.demo,tests.toolpack",
+        "db_pool_size": 5,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@dataclass
+class RunningServer:
+    url: str
+    settings: Settings
+    app: Any
+
+
+@contextlib.asynccontextmanager
+async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
+    """Serve create_app(settings) with uvicorn on a free loopback port in this event loop."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = settings.model_copy(update={"port": port})
+    app = create_app(settings)
+    config = uvicorn.Config(app, lifespan="on", log_level="warning", ws="none", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.02)
+        yield RunningServer(f"http://127.0.0.1:{port}/mcp", settings, app)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest.fixture
+async def server(database_url: str) -> AsyncIterator[RunningServer]:
+    async with serve(make_settings(database_url)) as running:
+        yield running
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        yield client

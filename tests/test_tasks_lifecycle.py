@@ -1,0 +1,311 @@
+"""The 2025-11-25 Tasks lifecycle against a real server and database (spec/TASKS-REQUIREMENTS.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS
+from tests.conftest import RunningServer
+from tests.rpc import RpcSession
+
+SCHEMA = json.loads((Path(__file__).parent / "schemas" / "schema-2025-11-25.json").read_text())
+RELATED = "io.modelcontextprotocol/related-task"
+
+
+def assert_schema(instance: Any, type_name: str) -> None:
+    jsonschema.validate(
+        instance, {"$ref": f"#/$defs/{type_name}", "$defs": SCHEMA["$defs"]}, cls=jsonschema.Draft202012Validator
+    )
+
+
+async def wait_status(s: RpcSession, task_id: str, *statuses: str, timeout: float = 20) -> dict[str, Any]:
+    async with asyncio.timeout(timeout):
+        while True:
+            task = await s.result("tasks/get", {"taskId": task_id})
+            if task["status"] in statuses:
+                return task
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
+    session = RpcSession(http, server.url)
+    await session.initialize()
+    return session
+
+
+async def test_initialize_advertises_tasks_capability_T_CAP_1_2_3(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    result = await RpcSession(http, server.url).initialize()
+    assert_schema(result, "InitializeResult")
+    assert result["protocolVersion"] == "2025-11-25"
+    assert result["capabilities"]["tasks"] == {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+
+
+async def test_tools_list_carries_task_support_T_TOOL_1(s: RpcSession) -> None:
+    result = await s.result("tools/list")
+    assert_schema(result, "ListToolsResult")
+    support = {t["name"]: t["execution"]["taskSupport"] for t in result["tools"]}
+    assert support["sleep"] == "optional"
+    assert support["quick"] == "forbidden"
+    assert support["batch"] == "required"
+
+
+async def test_task_augmented_call_returns_working_task_at_once_T_CREATE_2_5_6_8(s: RpcSession) -> None:
+    created = await s.call_tool_as_task("sleep", {"seconds": 5}, {"ttl": 60_000})
+    assert_schema(created, "CreateTaskResult")
+    task = created["task"]
+    assert task["status"] == "working"
+    assert task["ttl"] == 60_000
+    assert task["pollInterval"] == 100
+    assert len(task["taskId"]) >= 43  # 256 random bits, URL-safe (T-SEC-3)
+    assert datetime.fromisoformat(task["createdAt"]) <= datetime.fromisoformat(task["lastUpdatedAt"])
+    assert created["_meta"][RELATED] == {"taskId": task["taskId"]}  # D-5
+
+
+async def test_completed_task_result_is_the_tool_result_with_related_task_T_RES_2_5(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("echo", {"text": "hi"}))["task"]["taskId"]
+    done = await wait_status(s, task_id, "completed")
+    assert_schema(done, "GetTaskResult")
+    result = await s.result("tasks/result", {"taskId": task_id})
+    assert result["content"] == [{"type": "text", "text": "hi"}]
+    assert result["_meta"][RELATED] == {"taskId": task_id}
+    assert "isError" not in result
+
+
+async def test_tasks_result_blocks_until_the_task_is_terminal_T_RES_3(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.6}))["task"]["taskId"]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await s.result("tasks/result", {"taskId": task_id})
+    assert loop.time() - started >= 0.4
+    assert result["content"][0]["text"] == "slept 0.6s"
+    assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "completed"
+
+
+async def test_tool_error_fails_the_task_and_result_returns_is_error_T_STATE_7_T_RES_6_T_GET_5(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("fail", {"message": "disk full"}))["task"]["taskId"]
+    task = await wait_status(s, task_id, "failed", "completed")
+    assert task["status"] == "failed"
+    assert task["statusMessage"] == "disk full"
+    result = await s.result("tasks/result", {"taskId": task_id})
+    assert result["isError"] is True
+    assert result["content"][0]["text"] == "disk full"
+
+
+async def test_protocol_error_outcome_is_replayed_by_tasks_result_T_RES_4(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("crash", {"message": "exploded"}))["task"]["taskId"]
+    await wait_status(s, task_id, "failed")
+    error = await s.error("tasks/result", {"taskId": task_id})
+    assert error == {"code": -32603, "message": "exploded"}
+
+
+async def test_cancel_moves_to_cancelled_before_answering_and_stays_T_CANCEL_5_6(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"]
+    await asyncio.sleep(0.2)
+    cancelled = await s.result("tasks/cancel", {"taskId": task_id})
+    assert_schema(cancelled, "CancelTaskResult")
+    assert cancelled["status"] == "cancelled"
+    assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "cancelled"
+
+
+async def test_cancel_of_terminal_task_is_invalid_params_T_CANCEL_2(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("echo", {"text": "x"}))["task"]["taskId"]
+    await wait_status(s, task_id, "completed")
+    error = await s.error("tasks/cancel", {"taskId": task_id})
+    assert error["code"] == -32602
+    assert error["data"]["status"] == "completed"
+
+
+async def test_cancel_releases_a_blocked_tasks_result_with_cancelled_error_T_CANCEL_10_D_1(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+    waiter = asyncio.create_task(s.send("tasks/result", {"taskId": task_id}))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    await s.result("tasks/cancel", {"taskId": task_id})
+    async with asyncio.timeout(10):
+        response = await waiter
+    assert response["error"]["code"] == -32602
+    assert response["error"]["data"] == {"taskId": task_id, "status": "cancelled"}
+
+
+async def test_unknown_task_id_is_invalid_params_everywhere_T_GET_2_T_RES_7_T_CANCEL_3(s: RpcSession) -> None:
+    for method in ("tasks/get", "tasks/result", "tasks/cancel"):
+        error = await s.error(method, {"taskId": "no-such-task"})
+        assert error["code"] == -32602, method
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"taskId": 7}, {"taskId": None}, {"taskId": ["a"]}],
+    ids=["missing", "integer", "null", "array"],
+)
+async def test_bad_task_id_params_are_invalid_params(s: RpcSession, params: dict[str, Any]) -> None:
+    assert (await s.error("tasks/get", params))["code"] == -32602
+
+
+async def test_list_pages_with_opaque_cursor_newest_first_T_LIST_2_3(s: RpcSession) -> None:
+    created = [(await s.call_tool_as_task("echo", {"text": str(i)}))["task"]["taskId"] for i in range(55)]
+    first = await s.result("tasks/list")
+    assert_schema(first, "ListTasksResult")
+    assert len(first["tasks"]) == 50
+    second = await s.result("tasks/list", {"cursor": first["nextCursor"]})
+    assert "nextCursor" not in second
+    listed = [t["taskId"] for t in first["tasks"] + second["tasks"]]
+    assert listed == list(reversed(created))
+
+
+async def test_tampered_cursor_is_invalid_params_T_LIST_5(s: RpcSession) -> None:
+    for i in range(51):
+        await s.call_tool_as_task("echo", {"text": str(i)})
+    cursor = (await s.result("tasks/list"))["nextCursor"]
+    forged = cursor[:-2] + ("A" if cursor[-2] != "A" else "B") + cursor[-1]
+    for bad in (forged, "not-a-cursor", ""):
+        assert (await s.error("tasks/list", {"cursor": bad}))["code"] == -32602
+
+
+async def test_ttl_is_clamped_to_the_maximum_and_defaulted_T_CREATE_7_T_TTL_7(s: RpcSession) -> None:
+    # Single-user mode's shorter limits (docs/decisions.md); hosted mode uses 1 h / 24 h.
+    huge = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 10**12})
+    assert huge["task"]["ttl"] == LOCAL_MAX_TTL_MS
+    default = await s.call_tool_as_task("echo", {"text": "x"}, {})
+    assert default["task"]["ttl"] == LOCAL_DEFAULT_TTL_MS
+    tiny = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 0})
+    assert tiny["task"]["ttl"] == 1_000
+
+
+@pytest.mark.parametrize("task", [{"ttl": -1}, {"ttl": 1.5}, {"ttl": "60"}, {"ttl": True}, "soon", 5])
+async def test_invalid_ttl_is_invalid_params_and_creates_nothing_D_14(s: RpcSession, task: Any) -> None:
+    error = await s.error("tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": task})
+    assert error["code"] == -32602
+    assert (await s.result("tasks/list"))["tasks"] == []
+
+
+async def test_task_augmented_call_to_forbidden_tool_is_method_not_found_T_TOOL_3(s: RpcSession) -> None:
+    error = await s.error("tools/call", {"name": "quick", "arguments": {}, "task": {}})
+    assert error["code"] == -32601
+
+
+async def test_plain_call_to_required_tool_is_method_not_found_T_TOOL_5_D_3(s: RpcSession) -> None:
+    error = await s.error("tools/call", {"name": "batch", "arguments": {}})
+    assert error["code"] == -32601
+
+
+async def test_unknown_tool_or_bad_arguments_are_invalid_params_without_a_task_T_TOOL_6(s: RpcSession) -> None:
+    assert (await s.error("tools/call", {"name": "nope", "arguments": {}, "task": {}}))["code"] == -32602
+    error = await s.error("tools/call", {"name": "sleep", "arguments": {"seconds": "long"}, "task": {}})
+    assert error["code"] == -32602
+    assert "seconds" in error["message"]
+    assert (await s.error("tools/call", {"name": "echo", "arguments": {}, "task": {}}))["code"] == -32602
+    assert (await s.result("tasks/list"))["tasks"] == []
+
+
+async def test_plain_call_returns_the_call_tool_result(s: RpcSession) -> None:
+    result = await s.result("tools/call", {"name": "echo", "arguments": {"text": "plain"}})
+    assert_schema(result, "CallToolResult")
+    assert result["content"] == [{"type": "text", "text": "plain"}]
+    assert s.last_content_type.startswith("application/json")
+
+
+async def test_older_protocol_gets_plain_calls_and_no_task_methods_T_CAP_5_H_VER_4(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    old = RpcSession(http, server.url)
+    init = await old.initialize("2025-06-18")
+    assert init["protocolVersion"] == "2025-06-18"
+    assert "tasks" not in init["capabilities"]
+    tools = (await old.result("tools/list"))["tools"]
+    assert all("execution" not in t for t in tools)
+    result = await old.result("tools/call", {"name": "echo", "arguments": {"text": "old"}, "task": {"ttl": 1000}})
+    assert result["content"][0]["text"] == "old"
+    assert (await old.error("tasks/list"))["code"] == -32601
+
+
+async def test_unsupported_requested_version_gets_our_latest_T_CAP_10(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    assert (await RpcSession(http, server.url).initialize("2099-01-01"))["protocolVersion"] == "2025-11-25"
+
+
+async def test_input_required_elicitation_is_delivered_on_tasks_result_stream_T_INPUT_1_2_3_5_6(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("confirm", {"prompt": "Deploy?"}))["task"]["taskId"]
+    waiting = await wait_status(s, task_id, "input_required")
+    assert waiting["status"] == "input_required"
+    seen: list[dict[str, Any]] = []
+    async for msg in s.stream("tasks/result", {"taskId": task_id}):
+        seen.append(msg)
+        if msg.get("method") == "elicitation/create":
+            assert_schema(msg, "ElicitRequest")
+            assert msg["params"]["_meta"][RELATED] == {"taskId": task_id}
+            assert msg["params"]["message"] == "Deploy?"
+            reply = await s.reply(msg["id"], {"action": "accept", "content": {"ok": True}})
+            assert reply.status_code == 202
+    assert s.last_content_type.startswith("text/event-stream")
+    final = seen[-1]
+    assert final["result"]["content"][0]["text"] == "answer: ok=True"
+    statuses = [m["params"]["status"] for m in seen if m.get("method") == "notifications/tasks/status"]
+    assert statuses[-1] == "working"
+    assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "completed"
+
+
+async def test_elicitation_without_client_capability_fails_the_task_with_a_tool_error_D_6(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    s = RpcSession(http, server.url)
+    await s.initialize(capabilities={})
+    task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
+    result = await s.result("tasks/result", {"taskId": task_id})
+    assert result["isError"] is True
+    assert "elicitation" in result["content"][0]["text"]
+
+
+async def test_progress_uses_the_creating_token_for_the_task_life_T_PROG_1_3_6(s: RpcSession) -> None:
+    created = await s.call_tool_as_task("count", {"n": 4, "interval_ms": 150}, _meta={"progressToken": "p-1"})
+    task_id = created["task"]["taskId"]
+    progress = [
+        m["params"]
+        async for m in s.stream("tasks/result", {"taskId": task_id})
+        if m.get("method") == "notifications/progress"
+    ]
+    assert progress, "no progress notifications on the tasks/result stream"
+    assert all(p["progressToken"] == "p-1" and p["_meta"][RELATED] == {"taskId": task_id} for p in progress)
+    values = [p["progress"] for p in progress]
+    assert values == sorted(set(values))
+    assert values[-1] <= 4
+
+
+async def test_task_outlives_its_session_and_is_reachable_from_a_new_one_H_SESS_8(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    first = RpcSession(http, server.url)
+    await first.initialize()
+    task_id = (await first.call_tool_as_task("echo", {"text": "still here"}))["task"]["taskId"]
+    r = await http.delete(server.url, headers=first.headers())
+    assert r.status_code == 200
+    second = RpcSession(http, server.url)
+    await second.initialize()
+    result = await second.result("tasks/result", {"taskId": task_id})
+    assert result["content"][0]["text"] == "still here"
+
+
+async def test_expired_task_is_gone_T_TTL_5(database_url: str, http: httpx.AsyncClient) -> None:
+    from tests.conftest import make_settings, serve
+
+    async with serve(make_settings(database_url, min_ttl_ms=200, default_ttl_ms=1000)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("echo", {"text": "brief"}, {"ttl": 300}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            while "error" not in await s.send("tasks/get", {"taskId": task_id}):
+                await asyncio.sleep(0.05)
+        assert (await s.error("tasks/result", {"taskId": task_id}))["code"] == -32602
+        assert (await s.result("tasks/list"))["tasks"] == []
