@@ -1,0 +1,148 @@
+"""Durable execution across processes: SIGKILL recovery and cross-process wake-ups (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.conftest import free_port, make_settings, serve
+from tests.rpc import RpcSession
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@contextlib.asynccontextmanager
+async def mcp_tasks(command: str, database_url: str, **env: str) -> AsyncIterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``python -m service COMMAND`` as its own process; yield it and its MCP URL."""
+    port = free_port()
+    environ = {
+        **os.environ,
+        "MCP_TASKS_DATABASE_URL": database_url,
+        "MCP_TASKS_PORT": str(port),
+        "MCP_TASKS_TOOLS": "service.tools.demo,tests.toolpack",
+        "MCP_TASKS_POLL_INTERVAL_MS": "100",
+        "MCP_TASKS_SWEEP_INTERVAL_MS": "200",
+        "MCP_TASKS_LEASE_MS": "60000",  # long: recovery must not wait for lease expiry
+        "MCP_TASKS_LOG_LEVEL": "WARNING",
+        **env,
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "service", command], cwd=ROOT, env=environ)
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        if command == "serve":
+            async with httpx.AsyncClient() as http, asyncio.timeout(30):
+                while True:
+                    assert proc.poll() is None, "server exited during start-up"
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await http.get(url.removesuffix("/mcp") + "/readyz")).status_code == 200:
+                            break
+                    await asyncio.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                await asyncio.to_thread(proc.wait, 15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+
+
+async def wait_for(predicate: object, timeout: float = 20) -> None:
+    async with asyncio.timeout(timeout):
+        while not await predicate():  # type: ignore[operator]
+            await asyncio.sleep(0.05)
+
+
+async def test_sigkill_while_tasks_run_leaves_no_task_stuck_in_working(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    db = await asyncpg.connect(database_url)
+    try:
+        async with mcp_tasks("serve", database_url) as (proc, url):
+            s = RpcSession(http, url)
+            await s.initialize()
+            rerunnable = (await s.call_tool_as_task("sleep", {"seconds": 600}))["task"]["taskId"]
+            not_rerunnable = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+            asking = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
+
+            async def all_claimed() -> bool:
+                n = await db.fetchval("SELECT count(*) FROM tasks WHERE lease_owner IS NOT NULL")
+                return bool(n == 3)
+
+            await wait_for(all_claimed)
+            old_owner = await db.fetchval("SELECT DISTINCT lease_owner FROM tasks")
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait)
+
+        async with mcp_tasks("serve", database_url) as (_proc, url):
+            s = RpcSession(http, url)
+            await s.initialize()
+
+            async def recovered() -> bool:
+                rows = await db.fetch("SELECT status, lease_owner FROM tasks")
+                return all(r["lease_owner"] != old_owner for r in rows) and all(
+                    r["status"] != "input_required" for r in rows
+                )
+
+            await wait_for(recovered)
+            for task_id in (not_rerunnable, asking):
+                task = await s.result("tasks/get", {"taskId": task_id})
+                assert task["status"] == "failed"
+                assert "stopped before the task finished" in task["statusMessage"]
+                error = await s.error("tasks/result", {"taskId": task_id})
+                assert error["code"] == -32603
+            again = await s.result("tasks/get", {"taskId": rerunnable})
+            assert again["status"] == "working"
+            assert await db.fetchval("SELECT attempts FROM tasks WHERE task_id = $1", rerunnable) == 2
+            assert (await s.result("tasks/cancel", {"taskId": rerunnable}))["status"] == "cancelled"
+    finally:
+        await db.close()
+
+
+async def test_tasks_result_on_one_process_wakes_when_another_process_finishes_the_task(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    # The front end runs no tasks and polls only every 10 minutes: only NOTIFY can wake it in time.
+    front = make_settings(database_url, runner_concurrency=0, poll_interval_ms=600_000)
+    async with mcp_tasks("worker", database_url), serve(front) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.5}))["task"]["taskId"]
+        async with asyncio.timeout(15):
+            result = await s.result("tasks/result", {"taskId": task_id})
+        assert result["content"][0]["text"] == "slept 0.5s"
+
+
+async def test_cancel_on_one_process_stops_the_tool_running_in_another(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    front = make_settings(database_url, runner_concurrency=0)
+    db = await asyncpg.connect(database_url)
+    try:
+        async with mcp_tasks("worker", database_url), serve(front) as running:
+            s = RpcSession(http, running.url)
+            await s.initialize()
+            task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+
+            async def claimed() -> bool:
+                owner = await db.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", task_id)
+                return owner is not None
+
+            await wait_for(claimed)
+            assert (await s.result("tasks/cancel", {"taskId": task_id}))["status"] == "cancelled"
+            row = await db.fetchrow("SELECT status, lease_owner, outcome FROM tasks WHERE task_id = $1", task_id)
+            assert (row["status"], row["lease_owner"], row["outcome"]) == ("cancelled", None, None)
+    finally:
+        await db.close()

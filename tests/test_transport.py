@@ -1,0 +1,238 @@
+"""Streamable HTTP envelope rules (spec/TRANSPORT-AND-AUTH.md H-*) and bad input of every kind."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import RunningServer, make_settings, serve
+from tests.rpc import ACCEPT_BOTH, RpcSession, sse_messages
+
+
+@pytest.fixture
+async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
+    session = RpcSession(http, server.url)
+    await session.initialize()
+    return session
+
+
+async def post_raw(http: httpx.AsyncClient, url: str, body: bytes | str, **headers: str) -> httpx.Response:
+    base = {"Accept": ACCEPT_BOTH, "Content-Type": "application/json"}
+    base.update(headers)
+    return await http.post(url, content=body, headers=base)
+
+
+async def test_initialize_assigns_a_visible_ascii_session_id_H_SESS_1_2(s: RpcSession) -> None:
+    assert s.session_id is not None
+    assert len(s.session_id) >= 32
+    assert all(0x21 <= ord(c) <= 0x7E for c in s.session_id)
+
+
+async def test_malformed_json_is_parse_error_400(server: RunningServer, http: httpx.AsyncClient) -> None:
+    r = await post_raw(http, server.url, b'{"jsonrpc": "2.0", "id": 1, "method": ')
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == -32700
+    assert r.json()["id"] is None
+
+
+async def test_invalid_utf8_is_parse_error_H_GEN_2(server: RunningServer, http: httpx.AsyncClient) -> None:
+    r = await post_raw(http, server.url, b'{"jsonrpc":"2.0","id":1,"method":"ping","x":"\xff"}')
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == -32700
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '[{"jsonrpc":"2.0","id":1,"method":"ping"}]',
+        '{"id":1,"method":"ping"}',
+        '{"jsonrpc":"1.0","id":1,"method":"ping"}',
+        '"ping"',
+        "42",
+        '{"jsonrpc":"2.0","id":1,"method":7}',
+        '{"jsonrpc":"2.0","id":null,"method":"ping"}',
+        '{"jsonrpc":"2.0","id":true,"method":"ping"}',
+        '{"jsonrpc":"2.0","id":1.5,"method":"ping"}',
+        '{"jsonrpc":"2.0"}',
+    ],
+    ids=[
+        "batch",
+        "no-version",
+        "wrong-version",
+        "string",
+        "number",
+        "method-int",
+        "id-null",
+        "id-bool",
+        "id-float",
+        "empty",
+    ],
+)
+async def test_not_a_json_rpc_request_is_invalid_request_H_GEN_3_4(
+    server: RunningServer, http: httpx.AsyncClient, body: str
+) -> None:
+    r = await post_raw(http, server.url, body)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == -32600
+
+
+async def test_unknown_method_is_method_not_found(s: RpcSession) -> None:
+    assert (await s.error("tasks/explode", {}))["code"] == -32601
+
+
+async def test_params_that_are_not_an_object_are_invalid_params(s: RpcSession, http: httpx.AsyncClient) -> None:
+    r = await post_raw(http, s.url, '{"jsonrpc":"2.0","id":9,"method":"tools/list","params":[1]}', **s.headers())
+    assert r.json() == {"jsonrpc": "2.0", "id": 9, "error": {"code": -32602, "message": "params must be an object"}}
+
+
+async def test_body_over_the_limit_is_413(database_url: str, http: httpx.AsyncClient) -> None:
+    async with serve(make_settings(database_url, max_body_bytes=2048)) as running:
+        big = '{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + "a" * 4096 + '"}}'
+        r = await post_raw(http, running.url, big)
+        assert r.status_code == 413
+
+        async def chunks() -> Any:  # no Content-Length: the limit still holds while streaming
+            for _ in range(8):
+                yield b"a" * 1024
+
+        r = await http.post(
+            running.url, content=chunks(), headers={"Accept": ACCEPT_BOTH, "Content-Type": "application/json"}
+        )
+        assert r.status_code == 413
+
+
+async def test_wrong_accept_is_406_H_POST_1(server: RunningServer, http: httpx.AsyncClient) -> None:
+    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', Accept="application/json")
+    assert r.status_code == 406
+
+
+async def test_wrong_content_type_is_415(server: RunningServer, http: httpx.AsyncClient) -> None:
+    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', **{"Content-Type": "text/plain"})
+    assert r.status_code == 415
+
+
+async def test_request_without_session_is_400_H_SESS_4(server: RunningServer, http: httpx.AsyncClient) -> None:
+    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"tools/list"}')
+    assert r.status_code == 400
+
+
+async def test_unknown_or_ended_session_is_404_H_SESS_5_6(s: RpcSession, http: httpx.AsyncClient) -> None:
+    r = await post_raw(
+        http, s.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', **s.headers(**{"Mcp-Session-Id": "nope"})
+    )
+    assert r.status_code == 404
+    assert (await http.delete(s.url, headers=s.headers())).status_code == 200
+    r = await post_raw(http, s.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', **s.headers())
+    assert r.status_code == 404
+
+
+async def test_unsupported_or_mismatched_protocol_version_header_is_400_H_VER_3(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    body = '{"jsonrpc":"2.0","id":1,"method":"ping"}'
+    assert (await post_raw(http, s.url, body, **s.headers(**{"MCP-Protocol-Version": "1999-01-01"}))).status_code == 400
+    assert (await post_raw(http, s.url, body, **s.headers(**{"MCP-Protocol-Version": "2025-06-18"}))).status_code == 400
+    assert (await post_raw(http, s.url, body, **s.headers())).status_code == 200
+
+
+async def test_foreign_origin_is_403_and_absent_origin_is_allowed_H_ORIGIN_1_2(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    body = '{"jsonrpc":"2.0","id":1,"method":"ping"}'
+    r = await post_raw(http, s.url, body, **s.headers(Origin="https://evil.example.com"))
+    assert r.status_code == 403
+    r = await post_raw(http, s.url, body, **s.headers(Origin="http://localhost:3000"))
+    assert r.status_code == 200
+
+
+async def test_foreign_host_header_is_403_against_dns_rebinding_H_ORIGIN_1(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    r = await post_raw(http, s.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', **s.headers(Host="evil.example.com"))
+    assert r.status_code == 403
+
+
+async def test_notifications_and_unmatched_responses_get_202_H_POST_2_C_6(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    for body in (
+        '{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":999}}',
+        '{"jsonrpc":"2.0","method":"notifications/cancelled","params":"garbage"}',
+        '{"jsonrpc":"2.0","method":"notifications/whatever"}',
+        '{"jsonrpc":"2.0","id":"never-sent","result":{}}',
+    ):
+        r = await post_raw(http, s.url, body, **s.headers())
+        assert r.status_code == 202, body
+        assert r.content == b""
+
+
+async def test_get_stream_needs_event_stream_accept_H_GET_1_2(s: RpcSession, http: httpx.AsyncClient) -> None:
+    r = await http.get(s.url, headers={**s.headers(), "Accept": "application/json"})
+    assert r.status_code == 406
+
+
+async def test_get_stream_carries_status_of_this_sessions_tasks_T_NOTIF_1_4(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    headers = {**s.headers(), "Accept": "text/event-stream"}
+    async with http.stream("GET", s.url, headers=headers) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        task_id = (await s.call_tool_as_task("echo", {"text": "x"}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            async for msg in sse_messages(r):
+                assert "id" not in msg or "method" in msg  # H-GET-4: never a response here
+                if msg.get("method") == "notifications/tasks/status" and msg["params"]["taskId"] == task_id:
+                    assert "_meta" not in msg["params"]  # T-NOTIF-3
+                    if msg["params"]["status"] == "completed":
+                        break
+
+
+async def test_plain_call_with_progress_token_streams_progress_then_result_P_2_P_3(s: RpcSession) -> None:
+    params = {"name": "count", "arguments": {"n": 3, "interval_ms": 20}, "_meta": {"progressToken": 42}}
+    messages = [m async for m in s.stream("tools/call", params)]
+    assert s.last_content_type.startswith("text/event-stream")
+    progress = [m["params"]["progress"] for m in messages if m.get("method") == "notifications/progress"]
+    assert progress == [1, 2, 3]
+    assert messages[-1]["result"]["content"][0]["text"] == "counted to 3"
+
+
+async def test_notifications_cancelled_stops_a_plain_call_C_1_C_4(s: RpcSession, http: httpx.AsyncClient) -> None:
+    msg = s.message("tools/call", {"name": "sleep", "arguments": {"seconds": 30}, "_meta": {"progressToken": "c"}})
+
+    async def run() -> list[dict[str, Any]]:
+        async with http.stream("POST", s.url, json=msg, headers=s.headers()) as r:
+            return [m async for m in sse_messages(r)]
+
+    call = asyncio.create_task(run())
+    await asyncio.sleep(1.3)  # the first progress notification has switched the reply to SSE
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": msg["id"]}}
+    assert (await http.post(s.url, json=cancel, headers=s.headers())).status_code == 202
+    async with asyncio.timeout(10):
+        messages = await call
+    assert not any("result" in m or "error" in m for m in messages)  # C-4: no response
+
+
+async def test_notifications_cancelled_for_the_creating_request_does_not_cancel_the_task_D_8(s: RpcSession) -> None:
+    msg = s.message("tools/call", {"name": "sleep", "arguments": {"seconds": 0.5}, "task": {}})
+    r = await s.http.post(s.url, json=msg, headers=s.headers())
+    task_id = r.json()["result"]["task"]["taskId"]
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": msg["id"]}}
+    await s.http.post(s.url, json=cancel, headers=s.headers())
+    result = await s.result("tasks/result", {"taskId": task_id})
+    assert result["content"][0]["text"] == "slept 0.5s"
+
+
+async def test_unsupported_http_method_is_405(server: RunningServer, http: httpx.AsyncClient) -> None:
+    assert (await http.put(server.url, content=b"{}")).status_code == 405
+
+
+async def test_health_and_readiness(server: RunningServer, http: httpx.AsyncClient) -> None:
+    base = server.url.removesuffix("/mcp")
+    assert (await http.get(base + "/healthz")).json() == {"status": "ok"}
+    ready = await http.get(base + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "ready"
