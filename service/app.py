@@ -41,7 +41,8 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         core = await open_core(settings, run_tasks=run_tasks)
-        surface = Surface(core.tasks, core.registry, Inflight(core.signals), poll_s=settings.poll_interval_ms / 1000)
+        inflight = Inflight(core.signals)
+        surface = Surface(core.tasks, core.sessions, core.registry, inflight, poll_s=settings.poll_interval_ms / 1000)
         app.state.core = core
         app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface)
         try:

@@ -129,13 +129,19 @@ async def test_unknown_or_ended_session_is_404_H_SESS_5_6(s: RpcSession, http: h
     assert r.status_code == 404
 
 
-async def test_unsupported_or_mismatched_protocol_version_header_is_400_H_VER_3(
-    s: RpcSession, http: httpx.AsyncClient
-) -> None:
+async def test_unsupported_protocol_version_header_is_400_H_VER_3(s: RpcSession, http: httpx.AsyncClient) -> None:
     body = '{"jsonrpc":"2.0","id":1,"method":"ping"}'
     assert (await post_raw(http, s.url, body, **s.headers(**{"MCP-Protocol-Version": "1999-01-01"}))).status_code == 400
-    assert (await post_raw(http, s.url, body, **s.headers(**{"MCP-Protocol-Version": "2025-06-18"}))).status_code == 400
     assert (await post_raw(http, s.url, body, **s.headers())).status_code == 200
+
+
+async def test_other_supported_version_header_is_accepted_but_the_session_version_governs_T_4(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    body = '{"jsonrpc":"2.0","id":1,"method":"tasks/list"}'
+    r = await post_raw(http, s.url, body, **s.headers(**{"MCP-Protocol-Version": "2025-03-26"}))
+    assert r.status_code == 200
+    assert "tasks" in r.json()["result"]
 
 
 async def test_foreign_origin_is_403_and_absent_origin_is_allowed_H_ORIGIN_1_2(

@@ -15,7 +15,18 @@ from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
 # A plain call that asked the client for input gives up after this long without an answer.
 PLAIN_INPUT_TIMEOUT_S = 600.0
 
-CallKey = tuple[str, str, str]  # (tenant, session, request id as JSON)
+CallKey = tuple[str, str, str]
+# RFC 5424 severities, lowest first (LoggingLevel in the schema).
+LOG_LEVELS = (
+    "debug",
+    "info",
+    "notice",
+    "warning",
+    "error",
+    "critical",
+    "alert",
+    "emergency",
+)  # (tenant, session, request id as JSON)
 
 
 class Inflight:
@@ -69,12 +80,14 @@ class PlainCallContext:
         *,
         progress_token: str | int | None,
         client_capabilities: dict[str, Any],
+        log_level: str | None = None,
     ) -> None:
         self._inflight = inflight
         self._tenant = tenant
         self._outbox = outbox
         self._token = progress_token
         self._caps = client_capabilities
+        self._min_log = LOG_LEVELS.index(log_level) if log_level in LOG_LEVELS else 0
         self._last_progress: float | None = None
 
     @property
@@ -93,6 +106,8 @@ class PlainCallContext:
         self._outbox.put_nowait(jsonrpc.notification("notifications/progress", params))
 
     async def log(self, level: str, data: Any, logger: str | None = None) -> None:
+        if level not in LOG_LEVELS or LOG_LEVELS.index(level) < self._min_log:
+            return
         params: dict[str, Any] = {"level": level, "data": data}
         if logger:
             params["logger"] = logger

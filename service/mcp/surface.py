@@ -14,11 +14,11 @@ from service.domain.principal import Principal
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RequestId, RpcFailure
-from service.mcp.plain import Inflight, PlainCallContext
+from service.mcp.plain import LOG_LEVELS, Inflight, PlainCallContext
 from service.mcp.wire import related, task_result, task_to_wire
 from service.runtime.runner import run_tool
 from service.tasks.service import ClientRequest, Finished, FollowEvent, Notice, StatusChanged, TaskService
-from service.tasks.sessions import Session
+from service.tasks.sessions import Session, SessionService
 from service.tools.registry import Registry
 
 LATEST = "2025-11-25"
@@ -84,8 +84,11 @@ def _task_ttl(task_param: Any) -> int | None:
 
 
 class Surface:
-    def __init__(self, tasks: TaskService, registry: Registry, inflight: Inflight, *, poll_s: float) -> None:
+    def __init__(
+        self, tasks: TaskService, sessions: SessionService, registry: Registry, inflight: Inflight, *, poll_s: float
+    ) -> None:
         self.tasks = tasks
+        self.sessions = sessions
         self.registry = registry
         self.inflight = inflight
         self.poll_s = poll_s
@@ -104,7 +107,7 @@ class Surface:
             "resources/unsubscribe": self.ping,
             "prompts/list": self.prompts_list,
             "prompts/get": self.prompts_get,
-            "logging/setLevel": self.ping,
+            "logging/setLevel": self.set_log_level,
             "completion/complete": self.completion_complete,
         }
 
@@ -147,6 +150,14 @@ class Surface:
     async def ping(self, call: Call) -> Reply:
         return {}
 
+    async def set_log_level(self, call: Call) -> Reply:
+        level = _str_param(call.params, "level")
+        if level not in LOG_LEVELS:
+            raise RpcFailure(INVALID_PARAMS, f"level must be one of {', '.join(LOG_LEVELS)}")
+        if call.session is not None:
+            await self.sessions.set_log_level(call.principal, call.session.session_id, level)
+        return {}
+
     # --- tools -----------------------------------------------------------------------------
 
     async def tools_list(self, call: Call) -> Reply:
@@ -186,7 +197,12 @@ class Surface:
         """Answer JSON when the tool finishes before saying anything; otherwise switch to SSE."""
         outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         ctx = PlainCallContext(
-            self.inflight, call.principal.tenant_id, outbox, progress_token=token, client_capabilities=caps
+            self.inflight,
+            call.principal.tenant_id,
+            outbox,
+            progress_token=token,
+            client_capabilities=caps,
+            log_level=call.session.log_level if call.session else None,
         )
         job = asyncio.create_task(run_tool(self.registry, name, arguments, ctx))
         key = (

@@ -138,22 +138,15 @@ class McpEndpoint:
             return
         raise HttpError(403, INVALID_REQUEST, f"Origin {origin!r} is not allowed; set MCP_TASKS_ALLOWED_ORIGINS")
 
-    def _check_version_header(self, headers: Headers, session: Session | None) -> None:
-        """H-VER-3 and decision T-4: unsupported or different from the session's version → 400."""
+    def _check_version_header(self, headers: Headers) -> None:
+        """H-VER-3: an unsupported MCP-Protocol-Version is 400. A supported value that differs from
+        the session's is accepted (decision T-4): the negotiated version governs behaviour."""
         value = headers.get(VERSION_HEADER)
-        if value is None:
-            return
-        if value not in SUPPORTED_VERSIONS:
+        if value is not None and value not in SUPPORTED_VERSIONS:
             raise HttpError(
                 400,
                 INVALID_REQUEST,
                 f"Unsupported MCP-Protocol-Version {value!r}; supported: {', '.join(SUPPORTED_VERSIONS)}",
-            )
-        if session is not None and value != session.protocol_version:
-            raise HttpError(
-                400,
-                INVALID_REQUEST,
-                f"MCP-Protocol-Version {value!r} differs from the session's {session.protocol_version!r}",
             )
 
     async def _session(self, headers: Headers, principal: Principal) -> Session:
@@ -164,7 +157,7 @@ class McpEndpoint:
         if session is None:
             # H-SESS-5, H-SESS-7: unknown, ended, or another principal's session.
             raise HttpError(404, INVALID_REQUEST, "Session not found: initialize a new session")
-        self._check_version_header(headers, session)
+        self._check_version_header(headers)
         return session
 
     async def _read_body(self, receive: Receive, headers: Headers) -> bytes:
@@ -240,7 +233,7 @@ class McpEndpoint:
             if not isinstance(params, dict):
                 raise RpcFailure(INVALID_PARAMS, "params must be an object")
             if method == "initialize":
-                self._check_version_header(headers, None)
+                self._check_version_header(headers)
                 version = self.surface.negotiate(params)
                 caps = params.get("capabilities") or {}
                 info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None

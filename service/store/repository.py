@@ -222,6 +222,10 @@ async def touch_session(conn: asyncpg.Connection, tenant_id: str, session_id: st
     await conn.execute(Q["touch_session"], tenant_id, session_id)
 
 
+async def set_session_log_level(conn: asyncpg.Connection, tenant_id: str, session_id: str, level: str) -> None:
+    await conn.execute(Q["set_session_log_level"], tenant_id, session_id, level)
+
+
 async def delete_session(conn: asyncpg.Connection, principal: Principal, session_id: str) -> bool:
     row = await conn.fetchrow(Q["delete_session"], principal.tenant_id, session_id, principal.subject)
     return row is not None

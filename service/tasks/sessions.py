@@ -19,6 +19,7 @@ class Session:
     session_id: str
     protocol_version: str
     client_capabilities: dict[str, Any]
+    log_level: str | None = None
 
 
 class SessionService:
@@ -46,7 +47,11 @@ class SessionService:
                 return None
             if datetime.now(UTC) - row["last_seen_at"] > TOUCH_EVERY:
                 await repo.touch_session(conn, principal.tenant_id, session_id)
-        return Session(row["session_id"], row["protocol_version"], row["client_capabilities"])
+        return Session(row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"])
+
+    async def set_log_level(self, principal: Principal, session_id: str, level: str) -> None:
+        async with self.db.connection() as conn:
+            await repo.set_session_log_level(conn, principal.tenant_id, session_id, level)
 
     async def end(self, principal: Principal, session_id: str) -> bool:
         async with self.db.connection() as conn:

@@ -5,7 +5,7 @@ VALUES ($1, $2, $3, $4, $5, $6);
 
 -- name: get_session
 -- The session as its owner sees it; another subject's session is not returned.
-SELECT session_id, protocol_version, client_capabilities, last_seen_at
+SELECT session_id, protocol_version, client_capabilities, log_level, last_seen_at
 FROM sessions WHERE tenant_id = $1 AND session_id = $2 AND subject = $3;
 
 -- name: touch_session
@@ -19,3 +19,7 @@ DELETE FROM sessions WHERE tenant_id = $1 AND session_id = $2 AND subject = $3 R
 -- name: delete_idle_sessions
 -- Sessions unused for longer than the idle limit.
 DELETE FROM sessions WHERE last_seen_at < clock_timestamp() - $1 * interval '1 millisecond';
+
+-- name: set_session_log_level
+-- logging/setLevel: the lowest level of log notifications this session wants.
+UPDATE sessions SET log_level = $3 WHERE tenant_id = $1 AND session_id = $2;

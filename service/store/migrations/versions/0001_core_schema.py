@@ -100,9 +100,12 @@ def upgrade() -> None:
         protocol_version    text        NOT NULL,
         client_capabilities jsonb       NOT NULL DEFAULT '{}',
         client_info         jsonb,
+        log_level           text,
         created_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
         last_seen_at        timestamptz NOT NULL DEFAULT clock_timestamp(),
-        CONSTRAINT sessions_pkey PRIMARY KEY (tenant_id, session_id)
+        CONSTRAINT sessions_pkey PRIMARY KEY (tenant_id, session_id),
+        CONSTRAINT sessions_log_level_known CHECK (log_level IN
+            ('debug', 'info', 'notice', 'warning', 'error', 'critical', 'alert', 'emergency'))
     );
     CREATE INDEX sessions_idle ON sessions (last_seen_at);
 
