@@ -6,10 +6,9 @@ import asyncio
 from importlib import resources
 
 import asyncpg
+from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-
-from alembic import command
 
 
 def _config(dsn: str) -> Config:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 
+from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
-
-from alembic import context
 
 
 def _async_url(url: str) -> str:

@@ -7,9 +7,8 @@ transaction, so revisions stay readable SQL.
 
 from __future__ import annotations
 
-from sqlalchemy.util import await_only
-
 from alembic import op
+from sqlalchemy.util import await_only
 
 
 def run_script(sql: str) -> None:

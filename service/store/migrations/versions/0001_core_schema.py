@@ -5,6 +5,7 @@ Revises:
 """
 
 from alembic import op  # noqa: F401
+
 from service.store.migrations.sqlscript import run_script
 
 revision = "0001"
