@@ -65,7 +65,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         if core is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         try:
-            current = await migrate.current_revision(core.dsn)
+            current = await core.db.fetchval("SELECT version_num FROM alembic_version")
         except Exception as exc:
             return JSONResponse({"status": "database unreachable", "detail": str(exc)[:200]}, status_code=503)
         head = migrate.head_revision()

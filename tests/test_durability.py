@@ -146,3 +146,46 @@ async def test_cancel_on_one_process_stops_the_tool_running_in_another(
             assert (row["status"], row["lease_owner"], row["outcome"]) == ("cancelled", None, None)
     finally:
         await db.close()
+
+
+async def test_sigterm_hands_running_tasks_back_at_once(database_url: str, http: httpx.AsyncClient) -> None:
+    async with mcp_tasks("serve", database_url) as (proc, url):
+        s = RpcSession(http, url)
+        await s.initialize()
+        rerunnable = (await s.call_tool_as_task("sleep", {"seconds": 600}))["task"]["taskId"]
+        not_rerunnable = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        db = await asyncpg.connect(database_url)
+        try:
+
+            async def both_claimed() -> bool:
+                return bool(await db.fetchval("SELECT count(*) = 2 FROM tasks WHERE lease_owner IS NOT NULL"))
+
+            await wait_for(both_claimed)
+            proc.send_signal(signal.SIGTERM)
+            # uvicorn re-raises the signal after its graceful shutdown, so the status is -SIGTERM.
+            assert await asyncio.to_thread(proc.wait, 20) in (0, -signal.SIGTERM)
+            rows = {
+                r["task_id"]: r
+                for r in await db.fetch("SELECT task_id, status, lease_owner, status_message FROM tasks")
+            }
+        finally:
+            await db.close()
+    assert rows[not_rerunnable]["status"] == "failed"
+    assert rows[rerunnable]["status"] == "working"
+    assert rows[rerunnable]["lease_owner"] is None
+    assert "re-queued" in rows[rerunnable]["status_message"]
+
+
+async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database_url: str) -> None:
+    async with mcp_tasks("serve", database_url) as (_proc, url):
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "service", "call", "count", "--arg", "n=2", "--arg", "interval_ms=10", "--url", url],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 0, done.stderr
+    assert '"text": "counted to 2"' in done.stdout
+    assert "progress 2/2" in done.stderr

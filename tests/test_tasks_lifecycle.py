@@ -309,3 +309,37 @@ async def test_expired_task_is_gone_T_TTL_5(database_url: str, http: httpx.Async
                 await asyncio.sleep(0.05)
         assert (await s.error("tasks/result", {"taskId": task_id}))["code"] == -32602
         assert (await s.result("tasks/list"))["tasks"] == []
+
+
+async def test_cancel_voids_an_unanswered_elicitation_on_the_stream_C_10(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
+    await wait_status(s, task_id, "input_required")
+    seen: list[dict[str, Any]] = []
+    other = RpcSession(http, s.url)
+    other.session_id, other.version = s.session_id, s.version
+    async for msg in s.stream("tasks/result", {"taskId": task_id}):
+        seen.append(msg)
+        if msg.get("method") == "elicitation/create":
+            await other.result("tasks/cancel", {"taskId": task_id})  # instead of answering
+    request_id = next(m["id"] for m in seen if m.get("method") == "elicitation/create")
+    voided = [m["params"] for m in seen if m.get("method") == "notifications/cancelled"]
+    assert voided == [{"requestId": request_id, "reason": "task cancelled", "_meta": {RELATED: {"taskId": task_id}}}]
+    assert seen[-1]["error"]["data"] == {"taskId": task_id, "status": "cancelled"}
+
+
+async def test_an_unanswered_elicitation_is_offered_again_to_the_next_stream_D_7(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("confirm", {"prompt": "again?"}))["task"]["taskId"]
+    await wait_status(s, task_id, "input_required")
+    first_ids = []
+    async for msg in s.stream("tasks/result", {"taskId": task_id}):
+        if msg.get("method") == "elicitation/create":
+            first_ids.append(msg["id"])
+            break  # the client drops the stream without answering
+    async for msg in s.stream("tasks/result", {"taskId": task_id}):
+        if msg.get("method") == "elicitation/create":
+            assert msg["id"] == first_ids[0]
+            await s.reply(msg["id"], {"action": "decline"})
+        final = msg
+    assert final["result"]["content"][0]["text"] == "action=decline"

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+# The reserved _meta key that ties a message to its task (T-ASSOC-1).
+RELATED_TASK = "io.modelcontextprotocol/related-task"
+
 
 class TaskStatus(enum.StrEnum):
     WORKING = "working"

@@ -5,10 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from service.domain.task import OutcomeKind, Task, TaskStatus
+from service.domain.task import RELATED_TASK, OutcomeKind, Task, TaskStatus
 from service.mcp.jsonrpc import INVALID_PARAMS, RpcFailure
-
-RELATED_TASK = "io.modelcontextprotocol/related-task"
 
 
 def iso(ts: datetime) -> str:

@@ -7,13 +7,11 @@ import contextlib
 import secrets
 from typing import Any
 
-from service.domain.task import Task, TaskStatus
+from service.domain.task import RELATED_TASK, Task, TaskStatus
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import EventHub, notify
 from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
-
-RELATED_TASK = "io.modelcontextprotocol/related-task"
 
 
 def parse_elicit_answer(answer: dict[str, Any]) -> ElicitAnswer:

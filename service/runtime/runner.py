@@ -121,6 +121,9 @@ class Runner:
             except Unavailable as exc:
                 log.warning("runner cannot claim: %s", exc)
                 claimed = 0
+            except Exception:  # keep claiming whatever one pass ran into
+                log.exception("runner claim pass failed")
+                claimed = 0
             if claimed < CLAIM_BATCH or self.busy >= self.concurrency:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -149,6 +152,9 @@ class Runner:
                     held = await repo.renew_leases(conn, self.owner, self.lease_ms)
             except Unavailable as exc:
                 log.warning("runner cannot renew leases: %s", exc)
+                continue
+            except Exception:
+                log.exception("runner lease renewal failed")
                 continue
             for key, job in list(self._running.items()):
                 if key not in held:  # cancelled, expired, or the lease was taken from us

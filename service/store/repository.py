@@ -171,6 +171,10 @@ async def claim_undelivered_messages(
     return list(await conn.fetch(Q["claim_undelivered_messages"], tenant_id, task_id, stream_id, stale_ms))
 
 
+async def unanswered_for_stream(conn: asyncpg.Connection, tenant_id: str, task_id: str, stream_id: str) -> list[str]:
+    return [r["rpc_id"] for r in await conn.fetch(Q["unanswered_for_stream"], tenant_id, task_id, stream_id)]
+
+
 async def release_messages(conn: asyncpg.Connection, tenant_id: str, stream_id: str) -> None:
     await conn.execute(Q["release_messages"], tenant_id, stream_id)
 

@@ -17,7 +17,7 @@ from service.domain.errors import (
     TaskSupportMismatch,
 )
 from service.domain.principal import Principal
-from service.domain.task import Task, clamp_ttl, new_task_id
+from service.domain.task import RELATED_TASK, Task, clamp_ttl, new_task_id
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import EventHub, notify
@@ -175,6 +175,13 @@ class TaskService:
                 while True:
                     task = await self.get(principal, task_id)
                     if task.status.is_terminal:
+                        # C-10: requests this stream carried and nobody answered are void now.
+                        async with self.db.connection() as conn:
+                            void = await repo.unanswered_for_stream(conn, principal.tenant_id, task_id, stream_id)
+                        for rpc_id in void:
+                            meta = {RELATED_TASK: {"taskId": task_id}}
+                            params = {"requestId": rpc_id, "reason": f"task {task.status.value}", "_meta": meta}
+                            yield Notice("notifications/cancelled", params)
                         yield Finished(task)
                         return
                     if last_status is not None and task.status != last_status:

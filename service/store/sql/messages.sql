@@ -32,3 +32,9 @@ RETURNING m.task_id, m.seq;
 -- The answer to one request, once it has come.
 SELECT answer FROM task_messages
 WHERE tenant_id = $1 AND task_id = $2 AND seq = $3 AND answered_at IS NOT NULL;
+
+-- name: unanswered_for_stream
+-- Requests this stream delivered that were never answered (void once the task has ended).
+SELECT rpc_id FROM task_messages
+WHERE tenant_id = $1 AND task_id = $2 AND delivered_to = $3 AND answered_at IS NULL
+ORDER BY seq;
