@@ -252,8 +252,9 @@ async def test_input_required_elicitation_is_delivered_on_tasks_result_stream_T_
     assert s.last_content_type.startswith("text/event-stream")
     final = seen[-1]
     assert final["result"]["content"][0]["text"] == "answer: ok=True"
-    statuses = [m["params"]["status"] for m in seen if m.get("method") == "notifications/tasks/status"]
-    assert statuses[-1] == "working"
+    # T-NOTIF-2: status notifications are optional and may skip fast transitions; those sent must be valid.
+    for note in (m for m in seen if m.get("method") == "notifications/tasks/status"):
+        assert_schema(note, "TaskStatusNotification")
     assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "completed"
 
 
