@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
 
+import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import make_asgi_app
@@ -13,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from service import __version__
 from service.auth.base import build_authenticator
+from service.auth.resource import PRM_PATH, protected_resource_metadata
 from service.config import Settings
 from service.core import Core, open_core
 from service.mcp.plain import Inflight
@@ -36,10 +40,11 @@ class _LateMcp:
 
 
 def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
-    authenticator = build_authenticator(settings)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Outbound HTTP (JWKS, discovery, introspection): short timeouts, no redirects to elsewhere.
+        http = httpx.AsyncClient(timeout=settings.oauth_http_timeout_s, follow_redirects=False)
+        authenticator = build_authenticator(settings, http)
         core = await open_core(settings, run_tasks=run_tasks)
         inflight = Inflight(core.signals)
         surface = Surface(core.tasks, core.sessions, core.registry, inflight, poll_s=settings.poll_interval_ms / 1000)
@@ -50,10 +55,22 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         finally:
             app.state.mcp = None
             await core.close()
+            await http.aclose()
 
     app = FastAPI(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.router.routes.append(Route("/mcp", endpoint=_LateMcp(app)))
     app.mount("/metrics", make_asgi_app())
+
+    if settings.effective_auth == "oauth":
+        metadata = protected_resource_metadata(settings)
+        path = urlsplit(settings.effective_public_url).path.rstrip("/")
+
+        async def resource_metadata() -> dict[str, Any]:
+            return metadata
+
+        # RFC 9728: the root form and the path-inserted form of the MCP endpoint (A-PRM-3/4).
+        for route in dict.fromkeys([PRM_PATH, PRM_PATH + path]):
+            app.add_api_route(route, resource_metadata, methods=["GET"])
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -144,12 +144,41 @@ async def _call_main(args: argparse.Namespace) -> int:
         return 1 if final.get("result", {}).get("isError") else 0
 
 
+def _dev_issuer(args: argparse.Namespace) -> None:
+    from service.auth.dev_issuer_cli import run_dev_issuer
+
+    settings = _settings()
+    key_path = None if args.ephemeral else settings.data_dir / "dev-issuer" / "signing-key.json"
+    run_dev_issuer(args.host, args.port, args.audience or settings.effective_audience, key_path)
+
+
+def _token(args: argparse.Namespace) -> None:
+    from service.auth.dev_issuer_cli import request_token
+
+    settings = _settings()
+    resource = args.resource or settings.effective_audience
+    print(request_token(args.issuer, tenant=args.tenant, subject=args.subject, scope=args.scope, resource=resource))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (and in-process runners)")
     sub.add_parser("worker", help="run task runners only, no HTTP")
     sub.add_parser("migrate", help="upgrade the configured database to the newest schema")
+    dev = sub.add_parser(
+        "dev-issuer", help="a local OAuth authorization server for trying hosted mode (NEVER production)"
+    )
+    dev.add_argument("--host", default="127.0.0.1")
+    dev.add_argument("--port", type=int, default=9000)
+    dev.add_argument("--audience", default=None, help="default token audience (default: the service's public URL)")
+    dev.add_argument("--ephemeral", action="store_true", help="keep the signing key in memory only")
+    tok = sub.add_parser("token", help="mint an access token from a running dev issuer")
+    tok.add_argument("--tenant", required=True)
+    tok.add_argument("--subject", required=True)
+    tok.add_argument("--scope", default="tasks")
+    tok.add_argument("--issuer", default="http://127.0.0.1:9000")
+    tok.add_argument("--resource", default=None, help="audience (default: the service's public URL)")
     call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
     call.add_argument("tool")
     call.add_argument("--arg", action="append", default=[], help="key=value (value parsed as JSON if it can be)")
@@ -167,5 +196,9 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(_worker_main())
     elif args.command == "migrate":
         _migrate(args)
+    elif args.command == "dev-issuer":
+        _dev_issuer(args)
+    elif args.command == "token":
+        _token(args)
     elif args.command == "call":
         sys.exit(asyncio.run(_call_main(args)))

@@ -47,6 +47,12 @@ class Settings(BaseSettings):
     oauth_jwks_url: str | None = None
     oauth_audience: str | None = None
     oauth_required_scopes: str = ""
+    oauth_introspection_url: str | None = None
+    oauth_client_id: str | None = None
+    oauth_client_secret: str | None = None
+    oauth_leeway_s: int = Field(default=30, ge=0, le=300)
+    oauth_jwks_cache_s: int = Field(default=300, ge=10, le=86_400)
+    oauth_http_timeout_s: float = Field(default=3.0, gt=0, le=30)
     tenant_claim: str = "tenant_id"
     allowed_origins: str = ""
     allowed_hosts: str = ""
@@ -112,6 +118,18 @@ class Settings(BaseSettings):
             return self.public_url.rstrip("/")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/mcp"
+
+    @property
+    def trusted_issuers(self) -> list[str]:
+        return [i.strip().rstrip("/") for i in (self.oauth_issuer or "").split(",") if i.strip()]
+
+    @property
+    def effective_audience(self) -> str:
+        return (self.oauth_audience or self.effective_public_url).rstrip("/")
+
+    @property
+    def required_scopes(self) -> frozenset[str]:
+        return frozenset(self.oauth_required_scopes.split())
 
     @property
     def tool_packs(self) -> list[str]:

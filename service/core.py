@@ -12,7 +12,7 @@ from service.runtime.maintenance import Maintenance
 from service.runtime.runner import Runner
 from service.store import migrate
 from service.store import repository as repo
-from service.store.db import Database
+from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import start_embedded
 from service.store.events import EventHub
 from service.tasks.cursor import CursorCodec
@@ -29,6 +29,7 @@ class Core:
     settings: Settings
     dsn: str
     db: Database
+    runner_db: Database
     hub: EventHub
     registry: Registry
     tasks: TaskService
@@ -42,6 +43,7 @@ class Core:
             await self.runner.stop()
         await self.maintenance.stop()
         await self.hub.stop()
+        await self.runner_db.close()
         await self.db.close()
 
 
@@ -66,8 +68,12 @@ async def resolve_database(settings: Settings) -> str:
 async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     registry = Registry.load(settings.tool_packs)
     dsn = await resolve_database(settings)
-    db = Database(dsn, pool_size=settings.db_pool_size)
+    db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE)
     await db.open()
+    runner_db = Database(
+        dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
+    )
+    await runner_db.open()
     hub = EventHub(dsn)
     await hub.start()
     async with db.connection() as conn:
@@ -83,7 +89,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     runner = None
     if run_tasks and settings.runner_concurrency > 0:
         runner = Runner(
-            db,
+            runner_db,
             hub,
             registry,
             concurrency=settings.runner_concurrency,
@@ -92,7 +98,9 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         )
         await runner.start()
     maintenance = Maintenance(
-        db, registry, interval_s=settings.sweep_interval_ms / 1000, session_idle_ms=settings.session_idle_ms
+        runner_db, registry, interval_s=settings.sweep_interval_ms / 1000, session_idle_ms=settings.session_idle_ms
     )
     await maintenance.start()
-    return Core(settings, dsn, db, hub, registry, tasks, SessionService(db), Signals(db, hub), runner, maintenance)
+    return Core(
+        settings, dsn, db, runner_db, hub, registry, tasks, SessionService(db), Signals(db, hub), runner, maintenance
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.requests import HTTPConnection
 
@@ -32,11 +32,11 @@ class SingleUser:
         return LOCAL_PRINCIPAL
 
 
-def build_authenticator(settings: Settings) -> Authenticator:
-    """The authenticator the settings ask for; refuses what this build cannot do safely."""
+def build_authenticator(settings: Settings, http: Any) -> Authenticator:
+    """The authenticator the settings ask for: single-user, or the OAuth resource server."""
     if settings.effective_auth == "none":
         return SingleUser()
-    raise RuntimeError(
-        "MCP_TASKS_AUTH=oauth (hosted mode) is not available in this build yet; "
-        "unset MCP_TASKS_OAUTH_ISSUER and bind 127.0.0.1 for single-user mode"
-    )
+    from service.auth.resource import OAuthResourceServer
+    from service.auth.tokens import TokenVerifier
+
+    return OAuthResourceServer(settings, TokenVerifier(settings, http))

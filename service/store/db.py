@@ -17,6 +17,10 @@ log = logging.getLogger(__name__)
 Connection = asyncpg.Connection
 Record = asyncpg.Record
 
+# Roles created by migration 0002: requests run tenant-scoped, runners across tenants.
+APP_ROLE = "mcp_tasks_app"
+RUNNER_ROLE = "mcp_tasks_runner"
+
 # Errors that mean "the database is not there right now", as opposed to a bug in our SQL.
 _UNAVAILABLE = (
     OSError,
@@ -43,8 +47,9 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 class Database:
     """Owns the asyncpg pool; hands out transactions."""
 
-    def __init__(self, dsn: str, *, pool_size: int) -> None:
+    def __init__(self, dsn: str, *, pool_size: int, role: str | None = None) -> None:
         self.dsn = dsn
+        self.role = role
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
 
@@ -56,10 +61,17 @@ class Database:
                 max_size=self._pool_size,
                 init=_init_connection,
                 command_timeout=60,
-                server_settings={"application_name": "mcp-tasks"},
+                # The role is a startup parameter, so it is the session default and survives the
+                # pool's RESET ALL: every statement runs as this role, under its RLS policies.
+                server_settings={"application_name": "mcp-tasks", **({"role": self.role} if self.role else {})},
             )
         except _UNAVAILABLE as exc:
             raise Unavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        except asyncpg.InsufficientPrivilegeError as exc:
+            raise RuntimeError(
+                f"the database user cannot act as {self.role} ({exc}); as the database owner run: "
+                f"GRANT {APP_ROLE}, {RUNNER_ROLE} TO <the user in MCP_TASKS_DATABASE_URL>"
+            ) from exc
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -73,10 +85,15 @@ class Database:
         return self._pool
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
-        """One transaction on one pooled connection; driver outages surface as ``Unavailable``."""
+    async def transaction(self, tenant_id: str | None = None) -> AsyncIterator[asyncpg.Connection]:
+        """One transaction on one pooled connection, scoped to ``tenant_id`` for row-level security.
+
+        Driver outages surface as ``Unavailable``.
+        """
         try:
             async with self.pool.acquire() as conn, conn.transaction():
+                if tenant_id is not None:
+                    await conn.execute("SELECT set_config('app.tenant_id', $1, true)", tenant_id)
                 yield conn
         except _UNAVAILABLE as exc:
             raise Unavailable(f"database unavailable: {exc}") from exc

@@ -108,7 +108,7 @@ class TaskService:
             raise InvalidArguments("task.ttl must be a non-negative integer (milliseconds)")
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
-        async with self.db.transaction() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             task = await repo.insert_task(
                 conn,
                 principal=principal,
@@ -126,7 +126,7 @@ class TaskService:
         return task
 
     async def get(self, principal: Principal, task_id: str) -> Task:
-        async with self.db.connection() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             task = await repo.get_task(conn, principal, task_id)
         if task is None:
             raise TaskNotFound(NOT_FOUND, task_id=task_id)
@@ -134,7 +134,7 @@ class TaskService:
 
     async def list(self, principal: Principal, cursor: str | None) -> tuple[list[Task], str | None]:
         after = self.cursors.decode(principal, cursor) if cursor is not None else None
-        async with self.db.connection() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             tasks = await repo.list_tasks(conn, principal, after=after, limit=PAGE_SIZE + 1)
         next_cursor = None
         if len(tasks) > PAGE_SIZE:
@@ -145,7 +145,7 @@ class TaskService:
 
     async def cancel(self, principal: Principal, task_id: str) -> Task:
         """T-CANCEL-5: the row is cancelled (and its lease dropped) before we answer."""
-        async with self.db.transaction() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             task = await repo.cancel_task(conn, principal, task_id, "cancelled by the requestor")
             if task is None:
                 existing = await repo.get_task(conn, principal, task_id)
@@ -176,7 +176,7 @@ class TaskService:
                     task = await self.get(principal, task_id)
                     if task.status.is_terminal:
                         # C-10: requests this stream carried and nobody answered are void now.
-                        async with self.db.connection() as conn:
+                        async with self.db.transaction(principal.tenant_id) as conn:
                             void = await repo.unanswered_for_stream(conn, principal.tenant_id, task_id, stream_id)
                         for rpc_id in void:
                             meta = {RELATED_TASK: {"taskId": task_id}}
@@ -187,7 +187,7 @@ class TaskService:
                     if last_status is not None and task.status != last_status:
                         yield StatusChanged(task)
                     last_status = task.status
-                    async with self.db.connection() as conn:
+                    async with self.db.transaction(principal.tenant_id) as conn:
                         pending = await repo.claim_undelivered_messages(
                             conn, principal.tenant_id, task_id, stream_id, STALE_DELIVERY_MS
                         )
@@ -209,7 +209,7 @@ class TaskService:
             if self.following[key] <= 0:
                 del self.following[key]
             with contextlib.suppress(Exception):
-                async with self.db.connection() as conn:
+                async with self.db.transaction(principal.tenant_id) as conn:
                     await repo.release_messages(conn, principal.tenant_id, stream_id)
 
     async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[FollowEvent]:
@@ -233,7 +233,7 @@ class TaskService:
 
     async def answer(self, principal: Principal, rpc_id: str, answer: dict[str, Any]) -> bool:
         """A client's JSON-RPC response to a task's request; False if it answers nothing of ours."""
-        async with self.db.transaction() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             row = await repo.answer_message(conn, principal, rpc_id, answer)
             if row is None:
                 return False

@@ -35,13 +35,13 @@ class SessionService:
     ) -> Session:
         # H-SESS-2: CSPRNG, visible ASCII only.
         session_id = secrets.token_urlsafe(24)
-        async with self.db.connection() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             await repo.insert_session(conn, principal, session_id, protocol_version, client_capabilities, client_info)
         return Session(session_id, protocol_version, client_capabilities)
 
     async def resolve(self, principal: Principal, session_id: str) -> Session | None:
         """The session if it exists and belongs to this principal (H-SESS-7); else None."""
-        async with self.db.connection() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             row = await repo.get_session(conn, principal, session_id)
             if row is None:
                 return None
@@ -50,9 +50,9 @@ class SessionService:
         return Session(row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"])
 
     async def set_log_level(self, principal: Principal, session_id: str, level: str) -> None:
-        async with self.db.connection() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             await repo.set_session_log_level(conn, principal.tenant_id, session_id, level)
 
     async def end(self, principal: Principal, session_id: str) -> bool:
-        async with self.db.connection() as conn:
+        async with self.db.transaction(principal.tenant_id) as conn:
             return await repo.delete_session(conn, principal, session_id)
