@@ -83,8 +83,8 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
             return JSONResponse({"status": "starting"}, status_code=503)
         try:
             current = await core.db.fetchval("SELECT version_num FROM alembic_version")
-        except Exception as exc:
-            return JSONResponse({"status": "database unreachable", "detail": str(exc)[:200]}, status_code=503)
+        except Exception:
+            return JSONResponse({"status": "database unreachable"}, status_code=503)
         head = migrate.head_revision()
         if current != head:
             return JSONResponse({"status": "migrations pending", "current": current, "head": head}, status_code=503)

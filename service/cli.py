@@ -28,12 +28,13 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from service.app import create_app
+    from service.core import check_schema
 
     settings = _settings()
     try:
         app = create_app(settings)
         if settings.database_url:
-            asyncio.run(_check_database(settings.database_url))
+            asyncio.run(check_schema(settings.database_url))
     except (RuntimeError, OSError) as exc:
         sys.exit(f"mcp-tasks serve: {exc}")
     uvicorn.run(
@@ -47,28 +48,13 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
-async def _check_database(dsn: str) -> None:
-    """Fail fast, with what to do, when the configured database is unreachable or not migrated."""
-    from service.store import migrate
-
-    try:
-        current = await migrate.current_revision(dsn)
-    except Exception as exc:
-        raise RuntimeError(f"cannot connect to MCP_TASKS_DATABASE_URL ({type(exc).__name__}: {exc})") from exc
-    if current != migrate.head_revision():
-        raise RuntimeError(
-            f"the database schema is at {current or 'nothing'}, this version needs {migrate.head_revision()}: "
-            "run `mcp-tasks migrate` first"
-        )
-
-
 async def _worker_main() -> None:
-    from service.core import open_core
+    from service.core import check_schema, open_core
 
     settings = _settings()
     try:
         if settings.database_url:
-            await _check_database(settings.database_url)
+            await check_schema(settings.database_url)
         core = await open_core(settings, run_tasks=True)
     except (RuntimeError, OSError) as exc:
         sys.exit(f"mcp-tasks worker: {exc}")

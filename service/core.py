@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass
 
 from service.config import Settings
-from service.domain.errors import Unavailable
 from service.runtime.maintenance import Maintenance
 from service.runtime.runner import Runner
 from service.store import migrate
@@ -47,18 +46,23 @@ class Core:
         await self.db.close()
 
 
+async def check_schema(dsn: str) -> None:
+    """Fail fast, saying what to do, when the database is unreachable or not at this version's schema."""
+    head = migrate.head_revision()
+    try:
+        current = await migrate.current_revision(dsn)
+    except Exception as exc:
+        raise RuntimeError(f"cannot connect to MCP_TASKS_DATABASE_URL ({type(exc).__name__}: {exc})") from exc
+    if current != head:
+        raise RuntimeError(
+            f"the database schema is at {current or 'nothing'}, this version needs {head}: run `mcp-tasks migrate`"
+        )
+
+
 async def resolve_database(settings: Settings) -> str:
-    """The configured database, or the embedded one (started and migrated here)."""
+    """The configured database (checked), or the embedded one (started and migrated here)."""
     if settings.database_url:
-        head = migrate.head_revision()
-        try:
-            current = await migrate.current_revision(settings.database_url)
-        except OSError as exc:
-            raise Unavailable(f"cannot reach PostgreSQL at MCP_TASKS_DATABASE_URL: {exc}") from exc
-        if current != head:
-            raise RuntimeError(
-                f"database schema is at {current or 'nothing'}, this version needs {head}: run `mcp-tasks migrate`"
-            )
+        await check_schema(settings.database_url)
         return settings.database_url
     dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
     await migrate.upgrade_async(dsn)

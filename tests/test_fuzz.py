@@ -22,10 +22,11 @@ METHODS = [
     "initialize", "ping", "tools/list", "tools/call", "tasks/get", "tasks/result", "tasks/list", "tasks/cancel",
     "notifications/initialized", "notifications/cancelled", "resources/read", "prompts/get", "completion/complete",
 ]  # fmt: skip
-ALLOWED_STATUS = {200, 202, 400, 404, 406, 413, 415}
+ALLOWED_STATUS = {200, 202, 400, 403, 404, 406, 413, 415}
 
+strings = st.text(max_size=30) | st.sampled_from(["a\x00b", "\x00", "[", "../", "𝄞", "\u2028"])
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False) | st.text(max_size=30),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False) | strings,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12,
 )
@@ -48,6 +49,15 @@ messages = st.fixed_dictionaries(
         "params": tool_params | task_params | json_values,
         "result": json_values,
         "error": json_values,
+    },
+)
+extra_headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "Host": st.sampled_from(["[", "[::1", "evil.example.com", "127.0.0.1:1", "localhost", ""]),
+        "Origin": st.sampled_from(["http://[", "null", "https://evil.example.com", "http://localhost:3000", "x"]),
+        "MCP-Protocol-Version": st.sampled_from(["2025-11-25", "2025-03-26", "1999-01-01", ""]),
+        "Accept": st.sampled_from(["*/*", "text/html", "application/json", ""]),
     },
 )
 bodies = messages.map(orjson.dumps) | st.lists(messages, max_size=3).map(orjson.dumps) | st.binary(max_size=200)
@@ -113,13 +123,14 @@ def test_random_json_rpc_bodies_get_clear_errors_never_500(threaded_server: str)
             deadline=None,
             suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
         )
-        @given(body=bodies, with_session=st.booleans())
-        def check(body: bytes, with_session: bool) -> None:
+        @given(body=bodies, with_session=st.booleans(), extra=extra_headers)
+        def check(body: bytes, with_session: bool, extra: dict[str, str]) -> None:
             h = headers if with_session else {"Accept": ACCEPT_BOTH, "Content-Type": "application/json"}
             try:
-                r = http.post(url, content=body, headers=h)
+                r = http.post(url, content=body, headers={**h, **extra})
             except httpx.ReadTimeout:
-                return  # a blocking tasks/result on a running task: allowed to wait
+                assert b"tasks/result" in body, "only a blocking tasks/result may keep the client waiting"
+                return
             _check_response(r)
 
         check()

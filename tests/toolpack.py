@@ -28,3 +28,34 @@ async def hang(ctx: ToolContext) -> str:
     """Waits until cancelled; not safe to re-run."""
     await asyncio.Event().wait()
     return "never"
+
+
+@pack.tool(task_support="optional")
+async def stubborn(ctx: ToolContext, seconds: float = 0.5) -> str:
+    """Ignores cancellation and finishes anyway (for T-CANCEL-6)."""
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        await asyncio.sleep(seconds)
+    return "finished anyway"
+
+
+@pack.tool(task_support="optional")
+async def nul_output(ctx: ToolContext) -> str:
+    """Returns text with a NUL character, which PostgreSQL cannot store as is."""
+    return "before\x00after"
+
+
+@pack.tool(task_support="optional")
+async def log_then_crash(ctx: ToolContext) -> str:
+    """Says something (switching a plain call to SSE), then ends with a JSON-RPC error."""
+    from service.tools.api import RpcError
+
+    await ctx.log("info", "about to fail")
+    raise RpcError(-32001, "failed after talking")
+
+
+@pack.tool(task_support="optional")
+async def leaky(ctx: ToolContext) -> str:
+    """Raises an exception whose message holds a secret."""
+    raise RuntimeError("dsn=postgresql://admin:hunter2@db/prod")

@@ -35,10 +35,6 @@ class TaskAlreadyTerminal(DomainError):
     pass
 
 
-class TaskWasCancelled(DomainError):
-    pass
-
-
 class InvalidCursor(DomainError):
     pass
 
@@ -56,10 +52,6 @@ class TaskSupportMismatch(DomainError):
 
 
 class CapacityExceeded(DomainError):
-    pass
-
-
-class InputUnavailable(DomainError):
     pass
 
 

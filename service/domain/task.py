@@ -26,23 +26,6 @@ class TaskStatus(enum.StrEnum):
 
 TERMINAL_STATUSES = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED})
 
-_ALLOWED: dict[TaskStatus, frozenset[TaskStatus]] = {
-    TaskStatus.WORKING: frozenset(
-        {TaskStatus.INPUT_REQUIRED, TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED}
-    ),
-    TaskStatus.INPUT_REQUIRED: frozenset(
-        {TaskStatus.WORKING, TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED}
-    ),
-    TaskStatus.COMPLETED: frozenset(),
-    TaskStatus.FAILED: frozenset(),
-    TaskStatus.CANCELLED: frozenset(),
-}
-
-
-def can_transition(old: TaskStatus, new: TaskStatus) -> bool:
-    """T-STATE-2: only the transitions of the spec's table; terminal never changes."""
-    return new in _ALLOWED[old]
-
 
 class OutcomeKind(enum.StrEnum):
     """How the underlying request ended, independent of any wire surface."""

@@ -14,12 +14,10 @@ from service.mcp.jsonrpc import (
 _CODES: dict[type[d.DomainError], int] = {
     d.TaskNotFound: INVALID_PARAMS,  # T-GET-2, T-RES-7, T-CANCEL-3; foreign tasks look the same
     d.TaskAlreadyTerminal: INVALID_PARAMS,  # T-CANCEL-2
-    d.TaskWasCancelled: INVALID_PARAMS,  # D-1
     d.InvalidCursor: INVALID_PARAMS,  # T-LIST-5
     d.InvalidArguments: INVALID_PARAMS,  # T-TOOL-6
     d.UnknownTool: INVALID_PARAMS,  # T-TOOL-6
     d.TaskSupportMismatch: METHOD_NOT_FOUND,  # T-TOOL-3, T-TOOL-5, D-3, D-4
-    d.InputUnavailable: INVALID_PARAMS,
     d.CapacityExceeded: -32000,
     d.Unavailable: SERVICE_UNAVAILABLE,
 }

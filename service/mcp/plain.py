@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from service.mcp import jsonrpc
-from service.runtime.context import parse_elicit_answer
 from service.tasks.signals import Signals
 from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
+from service.tools.execute import parse_elicit_answer, supports_form_elicitation
 
 # A plain call that asked the client for input gives up after this long without an answer.
 PLAIN_INPUT_TIMEOUT_S = 600.0
 
-CallKey = tuple[str, str, str]
+CallKey = tuple[str, str, str]  # (tenant, session, repr of the request id)
+AnswerKey = tuple[str, str, str]  # (tenant, subject, our request id): T-INPUT-7
 # RFC 5424 severities, lowest first (LoggingLevel in the schema).
 LOG_LEVELS = (
     "debug",
@@ -34,34 +36,35 @@ class Inflight:
 
     def __init__(self, signals: Signals) -> None:
         self.signals = signals
-        self.calls: dict[CallKey, asyncio.Task[Any]] = {}
-        self.pending: dict[tuple[str, str], asyncio.Future[dict[str, Any]]] = {}
+        # Requests in flight here that notifications/cancelled may stop: key -> how to stop it.
+        self.calls: dict[CallKey, Callable[[], object]] = {}
+        self.pending: dict[AnswerKey, asyncio.Future[dict[str, Any]]] = {}
         signals.listen(self._on_signal)
 
     def _on_signal(self, kind: str, event: dict[str, Any]) -> None:
         tenant = str(event.get("t"))
         if kind == "rpc_response":
-            self.resolve_local(tenant, str(event.get("rpc_id")), event.get("answer") or {})
+            self.resolve_local((tenant, str(event.get("sub")), str(event.get("rpc_id"))), event.get("answer") or {})
         elif kind == "cancel_request":
             self.cancel_local((tenant, str(event.get("s", "")), str(event.get("rid"))))
 
-    def resolve_local(self, tenant: str, rpc_id: str, answer: dict[str, Any]) -> bool:
-        fut = self.pending.get((tenant, rpc_id))
+    def resolve_local(self, key: AnswerKey, answer: dict[str, Any]) -> bool:
+        fut = self.pending.get(key)
         if fut is None or fut.done():
             return False
         fut.set_result(answer)
         return True
 
     def cancel_local(self, key: CallKey) -> bool:
-        job = self.calls.get(key)
-        if job is None:
+        stop = self.calls.get(key)
+        if stop is None:
             return False
-        job.cancel()
+        stop()
         return True
 
-    async def answer(self, tenant: str, rpc_id: str, answer: dict[str, Any]) -> None:
-        if not self.resolve_local(tenant, rpc_id, answer):
-            await self.signals.publish("rpc_response", tenant, rpc_id=rpc_id, answer=answer)
+    async def answer(self, tenant: str, subject: str, rpc_id: str, answer: dict[str, Any]) -> None:
+        if not self.resolve_local((tenant, subject, rpc_id), answer):
+            await self.signals.publish("rpc_response", tenant, sub=subject, rpc_id=rpc_id, answer=answer)
 
     async def cancel(self, key: CallKey) -> None:
         """C-4: stop a plain request, here or on whichever replica runs it."""
@@ -75,7 +78,7 @@ class PlainCallContext:
     def __init__(
         self,
         inflight: Inflight,
-        tenant: str,
+        owner: tuple[str, str],
         outbox: asyncio.Queue[dict[str, Any]],
         *,
         progress_token: str | int | None,
@@ -83,7 +86,7 @@ class PlainCallContext:
         log_level: str | None = None,
     ) -> None:
         self._inflight = inflight
-        self._tenant = tenant
+        self._owner = owner
         self._outbox = outbox
         self._token = progress_token
         self._caps = client_capabilities
@@ -114,6 +117,8 @@ class PlainCallContext:
         self._outbox.put_nowait(jsonrpc.notification("notifications/message", params))
 
     async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer:
+        if not supports_form_elicitation(self._caps):
+            raise InputNotSupported("this tool needs form elicitation, but the client did not declare it")
         params = {"mode": "form", "message": message, "requestedSchema": requested_schema}
         return parse_elicit_answer(await self._ask("elicitation/create", params, needs="elicitation"))
 
@@ -131,7 +136,7 @@ class PlainCallContext:
             )
         rpc_id = f"req-{secrets.token_urlsafe(12)}"
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        key = (self._tenant, rpc_id)
+        key = (*self._owner, rpc_id)
         self._inflight.pending[key] = fut
         try:
             self._outbox.put_nowait(jsonrpc.request(rpc_id, method, params))

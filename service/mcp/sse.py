@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
 
 from service.mcp.jsonrpc import dumps
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
 
@@ -21,12 +24,13 @@ async def send_sse(
     *,
     headers: dict[str, str] | None = None,
     keepalive_s: float = KEEPALIVE_S,
+    abort: asyncio.Event | None = None,
 ) -> None:
-    """Stream ``messages`` as SSE events until exhausted or the client goes away.
+    """Stream ``messages`` as SSE events until exhausted, aborted, or the client goes away.
 
     A disconnect is not a cancellation of the underlying work (H-POST-11, T-RES-8): it only ends
     this stream, and ``messages`` is closed so its clean-up (e.g. releasing undelivered
-    elicitations) runs at once.
+    elicitations) runs at once. ``abort`` ends the stream without a response (C-4, C-9).
     """
     raw_headers = [
         (b"content-type", b"text/event-stream"),
@@ -38,18 +42,28 @@ async def send_sse(
 
     async def pump() -> None:
         iterator = messages.__aiter__()
+        # One pending step survives keep-alives: a timeout must never cancel the generator itself.
+        step: asyncio.Future[dict[str, Any]] | None = None
         try:
             while True:
-                try:
-                    message = await asyncio.wait_for(anext(iterator), timeout=keepalive_s)
-                except TimeoutError:
+                if step is None:
+                    step = asyncio.ensure_future(anext(iterator))
+                done, _ = await asyncio.wait({step}, timeout=keepalive_s)
+                if not done:
                     await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
                     continue
+                finished, step = step, None
+                try:
+                    message = finished.result()
                 except StopAsyncIteration:
                     return
                 body = b"event: message\ndata: " + dumps(message) + b"\n\n"
                 await send({"type": "http.response.body", "body": body, "more_body": True})
         finally:
+            if step is not None:
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
@@ -63,18 +77,23 @@ async def send_sse(
 
     pump_task = asyncio.create_task(pump())
     watch_task = asyncio.create_task(watch_disconnect())
+    waiters: set[asyncio.Future[Any]] = {pump_task, watch_task}
+    abort_task = asyncio.create_task(abort.wait()) if abort is not None else None
+    if abort_task is not None:
+        waiters.add(abort_task)
+    disconnected = True
     try:
-        done, _ = await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        disconnected = watch_task.done()
     finally:
-        for t in (pump_task, watch_task):
+        for t in waiters:
             t.cancel()
-        for t in (pump_task, watch_task):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+        for t in waiters:
+            with contextlib.suppress(BaseException):
                 await t
-    if pump_task in done and not pump_task.cancelled() and pump_task.exception() is None:
+    if pump_task.done() and not pump_task.cancelled() and pump_task.exception() is not None:
+        log.error("SSE stream failed", exc_info=pump_task.exception())
+    if not disconnected:
+        # The client is still there: end the body properly (also after an abort or a failure).
         with contextlib.suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def is_sse_scope(scope: Scope) -> bool:  # pragma: no cover - helper for logging middleware
-    return scope.get("method") == "GET"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +14,11 @@ from service.domain.principal import Principal
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RequestId, RpcFailure
-from service.mcp.plain import LOG_LEVELS, Inflight, PlainCallContext
-from service.mcp.wire import related, task_result, task_to_wire
-from service.runtime.runner import run_tool
+from service.mcp.plain import LOG_LEVELS, CallKey, Inflight, PlainCallContext
+from service.mcp.wire import outcome_result, related, task_result, task_to_wire
 from service.tasks.service import ClientRequest, Finished, FollowEvent, Notice, StatusChanged, TaskService
 from service.tasks.sessions import Session, SessionService
+from service.tools.execute import run_tool
 from service.tools.registry import Registry
 
 LATEST = "2025-11-25"
@@ -41,12 +41,21 @@ class Call:
     def tasks_enabled(self) -> bool:
         return self.version in TASK_VERSIONS
 
+    @property
+    def cancel_key(self) -> CallKey:
+        """How notifications/cancelled names this request: same tenant, session and id."""
+        session_id = self.session.session_id if self.session else ""
+        return (self.principal.tenant_id, session_id, repr(self.request_id))
+
 
 @dataclass(frozen=True, slots=True)
 class Streamed:
-    """A reply sent as SSE: messages first, the JSON-RPC response last (or none if cancelled)."""
+    """A reply sent as SSE: messages first, the JSON-RPC response last (or none if cancelled).
+
+    ``cancel_key`` lets notifications/cancelled end the stream without a response (C-9)."""
 
     messages: AsyncIterator[dict[str, Any]]
+    cancel_key: CallKey | None = None
 
 
 Reply = dict[str, Any] | Streamed
@@ -78,7 +87,7 @@ def _task_ttl(task_param: Any) -> int | None:
     ttl = task_param.get("ttl")
     if ttl is None:
         return None
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl != int(ttl) or ttl < 0:
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl != int(ttl):
         raise RpcFailure(INVALID_PARAMS, "params.task.ttl must be a non-negative integer number of milliseconds")
     return int(ttl)
 
@@ -198,27 +207,23 @@ class Surface:
         outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         ctx = PlainCallContext(
             self.inflight,
-            call.principal.tenant_id,
+            call.principal.owner_key,
             outbox,
             progress_token=token,
             client_capabilities=caps,
             log_level=call.session.log_level if call.session else None,
         )
         job = asyncio.create_task(run_tool(self.registry, name, arguments, ctx))
-        key = (
-            call.principal.tenant_id,
-            call.session.session_id if call.session else "",
-            repr(call.request_id),
-        )
-        self.inflight.calls[key] = job
+        key = call.cancel_key
+        self.inflight.calls[key] = job.cancel
         job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))
         first = asyncio.create_task(outbox.get())
         await asyncio.wait({job, first}, return_when=asyncio.FIRST_COMPLETED)
         if job.done() and not first.done():
             first.cancel()
             if job.cancelled():
-                return Streamed(_empty())
-            return self._outcome_reply(job.result())
+                return Streamed(_nothing())
+            return outcome_result(job.result())
 
         async def stream() -> AsyncIterator[dict[str, Any]]:
             pending: set[asyncio.Future[Any]] = {first, job}
@@ -236,21 +241,15 @@ class Surface:
                         yield outbox.get_nowait()
                     if job.cancelled():
                         return  # C-4: a cancelled request gets no response
-                    reply = self._outcome_reply(job.result())
-                    yield jsonrpc.result_message(call.request_id, reply)
+                    try:
+                        yield jsonrpc.result_message(call.request_id, outcome_result(job.result()))
+                    except RpcFailure as failure:
+                        yield jsonrpc.error_message(call.request_id, failure.error_object())
                     return
             finally:
                 getter.cancel()
 
         return Streamed(stream())
-
-    @staticmethod
-    def _outcome_reply(outcome: Any) -> dict[str, Any]:
-        if outcome.kind.value == "rpc_error":
-            p = outcome.payload
-            raise RpcFailure(int(p.get("code", -32603)), str(p.get("message", "")), p.get("data"))
-        result: dict[str, Any] = outcome.payload
-        return result
 
     # --- tasks -----------------------------------------------------------------------------
 
@@ -277,20 +276,20 @@ class Surface:
         task = await self.tasks.get(call.principal, task_id)
         if task.status.is_terminal:
             return task_result(task)
-        return Streamed(self._follow(call, task_id))
+        return Streamed(self._follow(call, task_id), cancel_key=call.cancel_key)
 
     async def _follow(self, call: Call, task_id: str) -> AsyncIterator[dict[str, Any]]:
         events = self.tasks.follow(call.principal, task_id, poll_s=self.poll_s)
         try:
             async for event in events:
-                yield self._follow_message(call, event)
+                yield self.follow_message(call, event)
         except DomainError as exc:
             yield jsonrpc.error_message(call.request_id, to_rpc(exc).error_object())
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
     @staticmethod
-    def _follow_message(call: Call, event: FollowEvent) -> dict[str, Any]:
+    def follow_message(call: Call, event: FollowEvent) -> dict[str, Any]:
         if isinstance(event, ClientRequest):
             return jsonrpc.request(event.rpc_id, event.method, event.params)
         if isinstance(event, Notice):
@@ -346,7 +345,8 @@ def _template_matches(template: str, uri: str) -> bool:
     return uri.startswith(prefix) and len(uri) > len(prefix)
 
 
-async def _empty() -> AsyncIterator[dict[str, Any]]:
-    with contextlib.suppress(Exception):
-        return
-    yield {}  # pragma: no cover - makes this an async generator
+async def _nothing() -> AsyncIterator[dict[str, Any]]:
+    """An SSE reply with no messages: the stream of a request cancelled before it said anything."""
+    messages: tuple[dict[str, Any], ...] = ()
+    for message in messages:
+        yield message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from typing import Any, Final
@@ -10,7 +11,7 @@ from urllib.parse import urlsplit
 import orjson
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from service.auth.base import Authenticator, AuthFailure
 from service.config import Settings, is_loopback_host
@@ -53,6 +54,24 @@ async def send_json(send: Send, status: int, body: Any, headers: dict[str, str] 
     await send({"type": "http.response.body", "body": payload})
 
 
+def _hostname(url: str) -> str:
+    """The host of a URL-ish header value; '' (never an exception) when it is malformed."""
+    try:
+        return urlsplit(url).hostname or ""
+    except ValueError:
+        return ""
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _accepts(accept: str, media: str) -> bool:
     kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
     major = media.split("/", 1)[0]
@@ -78,8 +97,26 @@ class McpEndpoint:
         public = urlsplit(settings.effective_public_url)
         self._public_host = (public.hostname or "").lower()
         self._public_origin = f"{public.scheme}://{public.netloc}".lower()
+        self._keepalive_s = settings.sse_keepalive_ms / 1000
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, tracked_send)
+        except Exception:
+            ref = secrets.token_hex(6)
+            log.exception("unexpected error on %s /mcp (reference %s)", scope["method"], ref)
+            if not started:
+                error = {"code": INTERNAL_ERROR, "message": f"internal error (reference {ref}); retry, or report it"}
+                await send_json(send, 200, jsonrpc.error_message(None, error))
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
         try:
             headers = Headers(scope=scope)
@@ -117,7 +154,7 @@ class McpEndpoint:
     def _check_host_and_origin(self, headers: Headers) -> None:
         """H-ORIGIN-1/2 and DNS-rebinding defence: only our own Host names and allowed Origins."""
         host = headers.get("host", "")
-        hostname = urlsplit(f"//{host}").hostname or ""
+        hostname = _hostname(f"//{host}")
         allowed_hosts = self.settings.host_allowlist
         if not (
             hostname == self._public_host
@@ -129,7 +166,7 @@ class McpEndpoint:
         if origin is None:
             return
         origin_l = origin.rstrip("/").lower()
-        origin_host = urlsplit(origin_l).hostname or ""
+        origin_host = _hostname(origin_l)
         if (
             origin_l == self._public_origin
             or origin_l in self.settings.origin_allowlist
@@ -197,6 +234,13 @@ class McpEndpoint:
             message = orjson.loads(body)
         except orjson.JSONDecodeError:
             raise HttpError(400, PARSE_ERROR, "Parse error: the body is not valid UTF-8 JSON") from None
+        # PostgreSQL cannot store U+0000; refuse it here rather than fail deep inside (cheap pre-check first).
+        if b"\\u0000" in body and _has_nul(message):
+            if isinstance(message, dict) and "method" in message and jsonrpc.valid_id(message.get("id")):
+                error = {"code": INVALID_PARAMS, "message": "strings must not contain the NUL character (U+0000)"}
+                await send_json(send, 200, jsonrpc.error_message(message["id"], error))
+                return
+            raise HttpError(400, INVALID_REQUEST, "strings must not contain the NUL character (U+0000)")
         if isinstance(message, list):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: batches are not supported (H-GEN-3)")
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
@@ -263,7 +307,14 @@ class McpEndpoint:
             await send_json(send, 200, jsonrpc.error_message(request_id, error))
             return
         if isinstance(reply, Streamed):
-            await send_sse(send, receive, reply.messages, headers=extra)
+            abort = asyncio.Event()
+            if reply.cancel_key is not None:
+                self.surface.inflight.calls.setdefault(reply.cancel_key, abort.set)
+            try:
+                await send_sse(send, receive, reply.messages, headers=extra, keepalive_s=self._keepalive_s, abort=abort)
+            finally:
+                if reply.cancel_key is not None and self.surface.inflight.calls.get(reply.cancel_key) == abort.set:
+                    del self.surface.inflight.calls[reply.cancel_key]
         else:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
 
@@ -291,7 +342,7 @@ class McpEndpoint:
         answer = {"result": message["result"]} if "result" in message else {"error": message["error"]}
         rpc_key = str(rpc_id)
         if not await self.tasks.answer(principal, rpc_key, answer):
-            await self.surface.inflight.answer(principal.tenant_id, rpc_key, answer)
+            await self.surface.inflight.answer(principal.tenant_id, principal.subject, rpc_key, answer)
         await send_json(send, 202, None)
 
     # --- GET and DELETE ------------------------------------------------------------------------
@@ -301,12 +352,15 @@ class McpEndpoint:
         if not _accepts(headers.get("accept", ""), EVENT_STREAM):
             raise HttpError(406, INVALID_REQUEST, "Not Acceptable: GET needs Accept: text/event-stream")
         session = await self._session(headers, principal)
+        call = Call(principal, session, "", {})
+        # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
+        async with self.tasks.session_events(principal, session.session_id) as events:
 
-        async def messages() -> Any:
-            async for event in self.tasks.session_events(principal, session.session_id):
-                yield Surface._follow_message(Call(principal, session, "", {}), event)
+            async def messages() -> Any:
+                async for event in events:
+                    yield Surface.follow_message(call, event)
 
-        await send_sse(send, receive, messages())
+            await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
 
     async def _delete(self, send: Send, headers: Headers, principal: Principal) -> None:
         """H-SESS-6: end the session; its tasks live on, bound to the principal."""

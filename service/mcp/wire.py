@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from service.domain.task import RELATED_TASK, OutcomeKind, Task, TaskStatus
+from service.domain.task import RELATED_TASK, Outcome, OutcomeKind, Task, TaskStatus
 from service.mcp.jsonrpc import INVALID_PARAMS, RpcFailure
 
 
@@ -33,17 +33,21 @@ def related(task_id: str) -> dict[str, Any]:
     return {RELATED_TASK: {"taskId": task_id}}
 
 
-def task_result(task: Task) -> dict[str, Any]:
-    """What tasks/result answers for a terminal task (T-RES-2/4/5/6, D-1, D-2).
-
-    Raises RpcFailure for a JSON-RPC error outcome (replayed as stored) and for a cancelled task.
-    """
-    if task.status is TaskStatus.CANCELLED or task.outcome is None:
-        raise RpcFailure(INVALID_PARAMS, "Task was cancelled", {"taskId": task.task_id, "status": task.status.value})
-    outcome = task.outcome
+def outcome_result(outcome: Outcome) -> dict[str, Any]:
+    """The CallToolResult of an outcome; a JSON-RPC error outcome is raised as stored (T-RES-4, D-2)."""
     if outcome.kind is OutcomeKind.RPC_ERROR:
         p = outcome.payload
         raise RpcFailure(int(p.get("code", -32603)), str(p.get("message", "")), p.get("data"))
-    result = dict(outcome.payload)
+    return dict(outcome.payload)
+
+
+def task_result(task: Task) -> dict[str, Any]:
+    """What tasks/result answers for a terminal task (T-RES-2/4/5/6, D-1).
+
+    Raises RpcFailure for a JSON-RPC error outcome and for a cancelled task.
+    """
+    if task.status is TaskStatus.CANCELLED or task.outcome is None:
+        raise RpcFailure(INVALID_PARAMS, "Task was cancelled", {"taskId": task.task_id, "status": task.status.value})
+    result = outcome_result(task.outcome)
     result["_meta"] = {**(result.get("_meta") or {}), **related(task.task_id)}
     return result

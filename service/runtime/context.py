@@ -12,21 +12,7 @@ from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import EventHub, notify
 from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
-
-
-def parse_elicit_answer(answer: dict[str, Any]) -> ElicitAnswer:
-    """A client's JSON-RPC response to elicitation/create, as the tool sees it."""
-    if "error" in answer:
-        err = answer["error"] if isinstance(answer["error"], dict) else {}
-        raise RpcError(
-            int(err.get("code", -32603)) if isinstance(err.get("code"), int) else -32603,
-            f"the client refused the elicitation: {err.get('message', 'no message')}",
-        )
-    result = answer.get("result")
-    if not isinstance(result, dict) or result.get("action") not in ("accept", "decline", "cancel"):
-        raise RpcError(-32602, "the client answered the elicitation with an invalid ElicitResult")
-    content = result.get("content")
-    return ElicitAnswer(result["action"], content if isinstance(content, dict) else None)
+from service.tools.execute import parse_elicit_answer, supports_form_elicitation
 
 
 class TaskRunContext:
@@ -81,6 +67,11 @@ class TaskRunContext:
             "requestedSchema": requested_schema,
             "_meta": {RELATED_TASK: {"taskId": self._task.task_id}},
         }
+        if not supports_form_elicitation(self._task.client_capabilities):
+            raise InputNotSupported(
+                "this tool needs form elicitation, but the client did not declare it in "
+                "capabilities.elicitation; call it from a client that supports form elicitation"
+            )
         answer = await self._ask("elicitation/create", params, needs="elicitation")
         return parse_elicit_answer(answer)
 

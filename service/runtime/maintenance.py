@@ -7,10 +7,10 @@ import contextlib
 import logging
 
 from service.domain.errors import Unavailable
-from service.runtime.runner import runner_stopped_error
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import notify
+from service.tools.execute import runner_stopped_error
 from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,6 @@ class Maintenance:
         self.interval_s = interval_s
         self.session_idle_ms = session_idle_ms
         self._task: asyncio.Task[None] | None = None
-        self.expired_deleted = 0
-        self.reaped = 0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="maintenance")
@@ -71,7 +69,6 @@ class Maintenance:
                     await notify(conn, {"k": "status", "t": tenant, "id": task_id, "s": moved.session_id})
         if count:
             log.warning("reaped %d task(s) whose runner stopped", count)
-        self.reaped += count
         return count
 
     async def delete_expired(self) -> int:
@@ -85,5 +82,4 @@ class Maintenance:
             total += len(rows)
             if len(rows) < BATCH:
                 break
-        self.expired_deleted += total
         return total

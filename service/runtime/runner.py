@@ -8,47 +8,21 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any
 
 from service.domain.errors import Unavailable
-from service.domain.task import Outcome, OutcomeKind, Task
+from service.domain.task import Outcome, Task
 from service.runtime.context import TaskRunContext
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import Event, EventHub, notify
 from service.store.liveness import LivenessLock
-from service.tools.api import RpcError, ToolError, text
-from service.tools.registry import Registry, normalize_result
+from service.tools.execute import run_tool, runner_stopped_error
+from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
 
 TaskKey = tuple[str, str]
 CLAIM_BATCH = 16
-
-
-def tool_outcome(value: Any) -> Outcome:
-    payload = normalize_result(value)
-    kind = OutcomeKind.TOOL_ERROR if payload.get("isError") else OutcomeKind.RESULT
-    return Outcome(kind, payload)
-
-
-async def run_tool(registry: Registry, tool: str, arguments: dict[str, Any], ctx: Any) -> Outcome:
-    """Run one tool call to its outcome; only cancellation propagates."""
-    spec = registry.tools.get(tool)
-    if spec is None:
-        return Outcome(OutcomeKind.RPC_ERROR, {"code": -32602, "message": f"unknown tool {tool!r}"})
-    try:
-        return tool_outcome(await spec.fn(ctx, **arguments))
-    except ToolError as exc:
-        return Outcome(OutcomeKind.TOOL_ERROR, {"content": [text(str(exc))], "isError": True})
-    except RpcError as exc:
-        return Outcome(OutcomeKind.RPC_ERROR, exc.to_wire())
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        log.exception("tool %s raised", tool)
-        message = f"tool {tool!r} failed: {type(exc).__name__}: {exc}"
-        return Outcome(OutcomeKind.RPC_ERROR, {"code": -32603, "message": message[:1000]})
 
 
 class Runner:
@@ -125,11 +99,12 @@ class Runner:
                 log.exception("runner claim pass failed")
                 claimed = 0
             if claimed < CLAIM_BATCH or self.busy >= self.concurrency:
-                self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
 
     async def _claim(self) -> int:
+        # Cleared before the claim, so a wake-up that arrives during it is not lost.
+        self._wake.clear()
         free = self.concurrency - self.busy
         if free <= 0:
             return 0
@@ -144,20 +119,23 @@ class Runner:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
-            if not self._running:
+            # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
+            running = list(self._running)
+            if not running:
                 continue
             try:
                 await self.liveness.ensure()
                 async with self.db.connection() as conn:
-                    held = await repo.renew_leases(conn, self.owner, self.lease_ms)
+                    held = await repo.renew_leases(conn, self.owner, self.lease_ms, running)
             except Unavailable as exc:
                 log.warning("runner cannot renew leases: %s", exc)
                 continue
             except Exception:
                 log.exception("runner lease renewal failed")
                 continue
-            for key, job in list(self._running.items()):
-                if key not in held:  # cancelled, expired, or the lease was taken from us
+            for key in running:
+                job = self._running.get(key)
+                if job is not None and key not in held:  # cancelled, expired, or the lease was taken
                     job.cancel()
 
     async def _execute(self, task: Task) -> None:
@@ -170,7 +148,9 @@ class Runner:
             if self._stopping:
                 await self._hand_back(task)
         except Exception:
-            log.exception("runner failed to record the outcome of task %s", task.task_id[:8])
+            ref = secrets.token_hex(6)
+            log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
+            await self._record_unstorable(task, ref)
         finally:
             self._running.pop(key, None)
             self._wake.set()
@@ -180,6 +160,16 @@ class Runner:
             done = await repo.finish_task(conn, task.tenant_id, task.task_id, self.owner, outcome)
             if done is not None:
                 await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
+
+    async def _record_unstorable(self, task: Task, ref: str) -> None:
+        """The outcome could not be stored: fail the task with a stored error rather than leave it working."""
+        error = {"code": -32603, "message": f"the tool finished but its result could not be stored (reference {ref})"}
+        try:
+            async with self.db.transaction() as conn:
+                if await repo.fail_lost_task(conn, task.tenant_id, task.task_id, self.owner, error):
+                    await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
+        except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
+            log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
 
     async def _hand_back(self, task: Task) -> None:
         """On shutdown: re-queue a task whose tool is safe to re-run, otherwise fail it."""
@@ -199,13 +189,3 @@ class Runner:
                     await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
         except Exception as exc:  # the reaper will pick it up when our liveness lock goes
             log.warning("could not hand back task %s on shutdown: %s", task.task_id[:8], exc)
-
-
-def runner_stopped_error(tool: str) -> dict[str, Any]:
-    return {
-        "code": -32603,
-        "message": (
-            f"The runner executing tool {tool!r} stopped before the task finished (the process ended or "
-            "lost its lease), and the tool is not marked safe to re-run. Start the task again."
-        ),
-    }

@@ -10,7 +10,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from service.domain.errors import Unavailable
+from service.domain.errors import InvalidArguments, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,10 @@ _UNAVAILABLE = (
     asyncpg.CrashShutdownError,
     TimeoutError,
 )
+
+
+# Input PostgreSQL refuses to store (e.g. U+0000 in text or jsonb): the caller's fault, not ours.
+_UNSTORABLE = (asyncpg.CharacterNotInRepertoireError, asyncpg.UntranslatableCharacterError)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -97,6 +101,8 @@ class Database:
                 yield conn
         except _UNAVAILABLE as exc:
             raise Unavailable(f"database unavailable: {exc}") from exc
+        except _UNSTORABLE as exc:
+            raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
@@ -106,13 +112,9 @@ class Database:
                 yield conn
         except _UNAVAILABLE as exc:
             raise Unavailable(f"database unavailable: {exc}") from exc
+        except _UNSTORABLE as exc:
+            raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
 
     async def fetchval(self, sql: str, *args: Any) -> Any:
         async with self.connection() as conn:
             return await conn.fetchval(sql, *args)
-
-    async def pool_stats(self) -> tuple[int, int]:
-        """(in use, size) for metrics."""
-        pool = self.pool
-        size = pool.get_size()
-        return size - pool.get_idle_size(), size

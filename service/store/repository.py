@@ -131,8 +131,11 @@ async def claim_tasks(conn: asyncpg.Connection, owner: str, owner_key: int, leas
     return [task_from_row(r) for r in rows]
 
 
-async def renew_leases(conn: asyncpg.Connection, owner: str, lease_ms: int) -> set[tuple[str, str]]:
-    rows = await conn.fetch(Q["renew_leases"], owner, lease_ms)
+async def renew_leases(
+    conn: asyncpg.Connection, owner: str, lease_ms: int, running: list[tuple[str, str]]
+) -> set[tuple[str, str]]:
+    tenants, task_ids = [k[0] for k in running], [k[1] for k in running]
+    rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids)
     return {(r["tenant_id"], r["task_id"]) for r in rows}
 
 
@@ -141,7 +144,11 @@ async def find_lost_leases(conn: asyncpg.Connection, limit: int) -> list[asyncpg
 
 
 async def requeue_task(conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, message: str) -> Task | None:
-    return _task_or_none(await conn.fetchrow(Q["requeue_task"], tenant_id, task_id, owner, message))
+    """Back to the queue; questions the previous run asked are voided with it."""
+    task = _task_or_none(await conn.fetchrow(Q["requeue_task"], tenant_id, task_id, owner, message))
+    if task is not None:
+        await conn.execute(Q["void_unanswered_messages"], tenant_id, task_id)
+    return task
 
 
 async def fail_lost_task(
@@ -173,6 +180,10 @@ async def claim_undelivered_messages(
 
 async def unanswered_for_stream(conn: asyncpg.Connection, tenant_id: str, task_id: str, stream_id: str) -> list[str]:
     return [r["rpc_id"] for r in await conn.fetch(Q["unanswered_for_stream"], tenant_id, task_id, stream_id)]
+
+
+async def touch_deliveries(conn: asyncpg.Connection, tenant_id: str, stream_id: str) -> None:
+    await conn.execute(Q["touch_deliveries"], tenant_id, stream_id)
 
 
 async def release_messages(conn: asyncpg.Connection, tenant_id: str, stream_id: str) -> None:

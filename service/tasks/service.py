@@ -172,6 +172,8 @@ class TaskService:
         try:
             async with self.hub.subscribe(("task", principal.tenant_id, task_id)) as events:
                 last_status = None
+                loop = asyncio.get_running_loop()
+                touched = loop.time()
                 while True:
                     task = await self.get(principal, task_id)
                     if task.status.is_terminal:
@@ -193,6 +195,10 @@ class TaskService:
                         )
                     for msg in pending:
                         yield ClientRequest(msg["rpc_id"], msg["method"], msg["params"])
+                    if loop.time() - touched > STALE_DELIVERY_MS / 3000:
+                        touched = loop.time()
+                        async with self.db.transaction(principal.tenant_id) as conn:
+                            await repo.touch_deliveries(conn, principal.tenant_id, stream_id)
                     # Wait for something to happen; notices are passed on without a re-read.
                     while True:
                         try:
@@ -212,24 +218,30 @@ class TaskService:
                 async with self.db.transaction(principal.tenant_id) as conn:
                     await repo.release_messages(conn, principal.tenant_id, stream_id)
 
-    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[FollowEvent]:
+    @contextlib.asynccontextmanager
+    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[FollowEvent]]:
         """For a session's GET stream: status changes and notices of tasks that session created,
-        unless a tasks/result stream in this process already carries them (no duplicates)."""
-        async with self.hub.subscribe(("session", principal.tenant_id, session_id)) as events:
-            while True:
-                event = await events.get()
-                task_id = str(event.get("id", ""))
-                if (principal.tenant_id, task_id) in self.following:
-                    continue
-                kind = event.get("k")
-                if kind in ("progress", "log") and isinstance(event.get("params"), dict):
-                    method = "notifications/progress" if kind == "progress" else "notifications/message"
-                    yield Notice(method, event["params"])
-                elif kind == "status":
-                    try:
-                        yield StatusChanged(await self.get(principal, task_id))
-                    except TaskNotFound:
+        unless a tasks/result stream in this process already carries them (no duplicates).
+        Subscribed on entry, so nothing is missed between subscribing and iterating."""
+        async with self.hub.subscribe(("session", principal.tenant_id, session_id)) as queue:
+
+            async def events() -> AsyncIterator[FollowEvent]:
+                while True:
+                    event = await queue.get()
+                    task_id = str(event.get("id", ""))
+                    if (principal.tenant_id, task_id) in self.following:
                         continue
+                    kind = event.get("k")
+                    if kind in ("progress", "log") and isinstance(event.get("params"), dict):
+                        method = "notifications/progress" if kind == "progress" else "notifications/message"
+                        yield Notice(method, event["params"])
+                    elif kind == "status":
+                        try:
+                            yield StatusChanged(await self.get(principal, task_id))
+                        except TaskNotFound:
+                            continue
+
+            yield events()
 
     async def answer(self, principal: Principal, rpc_id: str, answer: dict[str, Any]) -> bool:
         """A client's JSON-RPC response to a task's request; False if it answers nothing of ours."""

@@ -19,8 +19,8 @@ async def echo(ctx: ToolContext, text: str) -> str:
 @pack.tool(rerunnable=True)
 async def sleep(ctx: ToolContext, seconds: float) -> str:
     """Wait the given number of seconds (cancellable), reporting progress about once a second."""
-    if seconds < 0 or seconds > 86_400:
-        raise ToolError("seconds must be between 0 and 86400")
+    if not 0 <= seconds <= 86_400:  # also refuses NaN
+        raise ToolError("seconds must be a number between 0 and 86400")
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     step = 0

@@ -10,8 +10,18 @@ RETURNING seq;
 UPDATE task_messages
 SET delivered_to = $3, delivered_at = clock_timestamp()
 WHERE tenant_id = $1 AND task_id = $2 AND answered_at IS NULL
-  AND (delivered_to IS NULL OR delivered_at < clock_timestamp() - $4 * interval '1 millisecond')
+  AND (delivered_to IS NULL
+       OR (delivered_to <> $3 AND delivered_at < clock_timestamp() - $4 * interval '1 millisecond'))
 RETURNING seq, rpc_id, method, params;
+
+-- name: touch_deliveries
+-- A live stream keeps its claim on the requests it delivered (they are not stale).
+UPDATE task_messages SET delivered_at = clock_timestamp()
+WHERE tenant_id = $1 AND delivered_to = $2 AND answered_at IS NULL;
+
+-- name: void_unanswered_messages
+-- A task re-queued to run again from the start: its old questions can no longer be answered.
+DELETE FROM task_messages WHERE tenant_id = $1 AND task_id = $2 AND answered_at IS NULL;
 
 -- name: release_messages
 -- A stream closed before its requests were answered: let the next stream take them.

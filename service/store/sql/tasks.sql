@@ -67,11 +67,14 @@ WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id
 RETURNING t.*;
 
 -- name: renew_leases
--- Heartbeat: extend every lease this runner holds; rows that are gone or cancelled are not returned.
-UPDATE tasks
+-- Heartbeat for the tasks this runner is executing now; rows gone, cancelled or taken are not returned.
+-- Leases of tasks it no longer executes are left to lapse, so the reaper handles them.
+UPDATE tasks t
 SET lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond'
-WHERE lease_owner = $1 AND status IN ('working', 'input_required')
-RETURNING tenant_id, task_id;
+FROM unnest($3::text[], $4::text[]) AS running(tenant_id, task_id)
+WHERE t.tenant_id = running.tenant_id AND t.task_id = running.task_id
+  AND t.lease_owner = $1 AND t.status IN ('working', 'input_required')
+RETURNING t.tenant_id, t.task_id;
 
 -- name: find_lost_leases
 -- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
