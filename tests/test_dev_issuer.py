@@ -21,14 +21,9 @@ from authlib.oauth2.rfc7636 import create_s256_code_challenge
 from joserfc import jwt
 from joserfc.jwk import KeySet
 
-from service.auth.dev_issuer import (
-    DEV_HEADER,
-    DevIssuerConfig,
-    create_dev_issuer_app,
-    load_or_create_signing_key,
-    mint_access_token,
-)
+from service.auth.dev_issuer import DEV_HEADER, create_dev_issuer_app
 from service.auth.dev_issuer_cli import request_token
+from service.auth.dev_keys import DevIssuerConfig, load_or_create_signing_key, mint_access_token
 
 AUDIENCE = "http://127.0.0.1:8000/mcp"
 REDIRECT = "http://127.0.0.1:33418/callback"
