@@ -4,6 +4,8 @@
 #   - ts_task_client.mjs (TypeScript SDK 1.32.2): every step ok, for a plain task and an input_required one
 #   - conformance 0.1.16: every server scenario, no failure
 #   - conformance 0.2.0-alpha.12 --requirements 2025-11-25: every message schema-valid, no scored failure
+#   - hosted mode: ts_task_client.mjs --oauth through the dev issuer (401 challenge, discovery, PKCE), and
+#     py_task_client.py with a dev-issuer token
 # Peers are installed under $PEERS (default /tmp/peers), outside the project tree.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -87,6 +89,34 @@ conformance_total conformance_alpha_2025-11-25
 if grep -q 'FAILURE' -r "$LOGS/alpha-results" 2>/dev/null; then
   echo "        (a not-scored alpha scenario reported a FAILURE; see $LOGS/alpha-results)"
 fi
+
+# --- hosted mode: the dev issuer and a second service that trusts it -------------------------------
+free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+ISSUER_PORT="$(free_port)"; HOSTED_PORT="$(free_port)"
+ISSUER="http://127.0.0.1:$ISSUER_PORT"; HOSTED_URL="http://127.0.0.1:$HOSTED_PORT/mcp"
+MCP_TASKS_DATA_DIR="$LOGS/dev-issuer" MCP_TASKS_PUBLIC_URL="$HOSTED_URL" \
+  "$BIN/mcp-tasks" dev-issuer --port "$ISSUER_PORT" >"$LOGS/dev-issuer.log" 2>&1 &
+ISSUER_PID=$!
+MCP_TASKS_PORT="$HOSTED_PORT" MCP_TASKS_OAUTH_ISSUER="$ISSUER" \
+  "$BIN/mcp-tasks" serve >"$LOGS/hosted-server.log" 2>&1 &
+HOSTED_PID=$!
+trap 'kill $ISSUER_PID $HOSTED_PID 2>/dev/null || true; cleanup' EXIT
+for _ in $(seq 1 150); do
+  curl -fsS "$ISSUER/jwks" >/dev/null 2>&1 && curl -fsS "http://127.0.0.1:$HOSTED_PORT/readyz" >/dev/null 2>&1 && break
+  sleep 0.2
+done
+echo "== hosted mode at $HOSTED_URL, dev issuer at $ISSUER"
+oauth_flow() {  # the TS SDK's whole discovery flow, and the 401 challenge it starts from
+  (cd "$PEERS/js" && node ts_task_client.mjs "$HOSTED_URL" --oauth --tool sleep --args '{"seconds":1}') || return 1
+}
+check ts_task_client_oauth oauth_flow
+if grep -q '401 WWW-Authenticate: Bearer resource_metadata=' "$LOGS/ts_task_client_oauth.log"; then
+  passed=$((passed + 1)); echo "  ok    unauthenticated_request_gets_401_challenge"
+else
+  failed=$((failed + 1)); echo "  FAIL  unauthenticated_request_gets_401_challenge (log: $LOGS/ts_task_client_oauth.log)"
+fi
+HOSTED_TOKEN="$("$BIN/mcp-tasks" token --issuer "$ISSUER" --tenant acme --subject alice --resource "$HOSTED_URL")"
+check py_task_client_hosted env MCP_TOKEN="$HOSTED_TOKEN" "$PEERS/venv-mcp1/bin/python" "$SHARED/peers/py_task_client.py" "$HOSTED_URL"
 
 echo "interop: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
