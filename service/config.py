@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from limits import parse_many
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -64,6 +65,8 @@ class Settings(BaseSettings):
     max_active_tasks_per_requestor: int = Field(default=16, ge=1)
     max_active_tasks_per_tenant: int = Field(default=256, ge=1)
     rate_limit: str = "1200/minute"
+    rate_limit_unauthenticated: str = "60/minute"
+    rate_limit_not_found: str = "60/minute"
     rate_limit_storage: str = "memory://"
     runner_concurrency: int = Field(default=32, ge=0, le=10_000)
     tools: str = "service.tools.demo"
@@ -75,6 +78,8 @@ class Settings(BaseSettings):
     sse_keepalive_ms: int = Field(default=15_000, ge=50, le=300_000)
     db_pool_size: int = Field(default=10, ge=1, le=1_000)
     log_level: str = "INFO"
+    log_format: Literal["json", "text"] = "json"
+    metrics_tenant_label: bool = False
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -90,6 +95,11 @@ class Settings(BaseSettings):
                 f"MCP_TASKS_DEFAULT_TTL_MS ({self.effective_default_ttl_ms}) exceeds "
                 f"MCP_TASKS_MAX_TTL_MS ({self.effective_max_ttl_ms})"
             )
+        for name in ("rate_limit", "rate_limit_unauthenticated", "rate_limit_not_found"):
+            try:
+                parse_many(getattr(self, name))
+            except ValueError:
+                raise ValueError(f"MCP_TASKS_{name.upper()} is not a rate such as '1200/minute'") from None
         if self.min_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
         return self

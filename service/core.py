@@ -87,6 +87,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         min_ttl_ms=settings.min_ttl_ms,
         max_ttl_ms=settings.effective_max_ttl_ms,
         poll_interval_ms=settings.poll_interval_ms,
+        max_active_per_requestor=settings.max_active_tasks_per_requestor,
+        max_active_per_tenant=settings.max_active_tasks_per_tenant,
     )
     poll_s = settings.poll_interval_ms / 1000
     tasks = TaskService(db, hub, registry, policy, CursorCodec(cursor_key))
@@ -102,7 +104,11 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         )
         await runner.start()
     maintenance = Maintenance(
-        runner_db, registry, interval_s=settings.sweep_interval_ms / 1000, session_idle_ms=settings.session_idle_ms
+        runner_db,
+        registry,
+        interval_s=settings.sweep_interval_ms / 1000,
+        session_idle_ms=settings.session_idle_ms,
+        pools={"app": db, "runner": runner_db},
     )
     await maintenance.start()
     return Core(

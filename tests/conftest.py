@@ -97,6 +97,12 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "lease_ms": 3_000,
         "tools": "service.tools.demo,tests.toolpack",
         "db_pool_size": 5,
+        # Generous: most tests are not about the guardrails, which have tests of their own.
+        "max_active_tasks_per_requestor": 1_000,
+        "max_active_tasks_per_tenant": 10_000,
+        "rate_limit": "100000/minute",
+        "rate_limit_unauthenticated": "100000/minute",
+        "rate_limit_not_found": "100000/minute",
     }
     values.update(overrides)
     return Settings(**values)

@@ -13,12 +13,15 @@ from service.domain.principal import LOCAL_PRINCIPAL, Principal
 class AuthFailure(Exception):
     """An HTTP-level refusal (401/403) with the challenge header to send."""
 
-    def __init__(self, status: int, error: str, description: str, headers: dict[str, str]) -> None:
+    def __init__(
+        self, status: int, error: str, description: str, headers: dict[str, str], *, reason: str | None = None
+    ) -> None:
         super().__init__(description)
         self.status = status
         self.error = error
         self.description = description
         self.headers = headers
+        self.reason = reason or error  # a short bounded label for audit rows and metrics
 
 
 class Authenticator(Protocol):

@@ -50,14 +50,16 @@ class OAuthResourceServer:
         self._metadata_url = metadata_url(settings)
         self._scope = " ".join(sorted(settings.required_scopes) or DEFAULT_SCOPES)
 
-    def _challenge(self, status: int, error: str | None, description: str, **extra: str) -> AuthFailure:
+    def _challenge(
+        self, status: int, error: str | None, description: str, *, reason: str | None = None, **extra: str
+    ) -> AuthFailure:
         parts = [f'resource_metadata="{self._metadata_url}"']
         if error:
             parts.append(f'error="{error}"')
             parts.append(f'error_description="{_quote(description)}"')
         parts.append(f'scope="{self._scope}"')
         headers = {"WWW-Authenticate": "Bearer " + ", ".join(parts), **extra}
-        return AuthFailure(status, error or "unauthorized", description, headers)
+        return AuthFailure(status, error or "unauthorized", description, headers, reason=reason or error or "no_token")
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         client = conn.client.host if conn.client else "-"
@@ -73,12 +75,14 @@ class OAuthResourceServer:
         token = token.strip()
         if scheme.lower() != "bearer" or not token or " " in token:
             self._log_denied("malformed_header", client, None)
-            raise self._challenge(401, "invalid_token", "the Authorization header must be 'Bearer <token>'")
+            raise self._challenge(
+                401, "invalid_token", "the Authorization header must be 'Bearer <token>'", reason="malformed_header"
+            )
         try:
             principal = await self.verifier.verify(token)
         except TokenRejected as exc:
             self._log_denied(exc.reason, client, token)
-            raise self._challenge(401, "invalid_token", exc.description) from None
+            raise self._challenge(401, "invalid_token", exc.description, reason=exc.reason) from None
         except IssuerUnavailable as exc:
             log.warning("auth unavailable: %s", exc)
             raise AuthFailure(
@@ -86,11 +90,15 @@ class OAuthResourceServer:
                 "temporarily_unavailable",
                 "the authorization server's keys cannot be fetched right now; retry shortly",
                 {"Retry-After": "5"},
+                reason="issuer_unavailable",
             ) from None
         missing = self.settings.required_scopes - principal.scopes
         if missing:
             self._log_denied("insufficient_scope", client, token, principal)
-            raise self._challenge(403, "insufficient_scope", f"the token lacks scope(s): {' '.join(sorted(missing))}")
+            raise self._challenge(
+                403, "insufficient_scope", f"the token lacks scope(s): {' '.join(sorted(missing))}",
+                reason="insufficient_scope",
+            )  # fmt: skip
         return principal
 
     @staticmethod

@@ -21,3 +21,12 @@ class Principal:
 
 
 LOCAL_PRINCIPAL = Principal(tenant_id="local", subject="local", issuer="local", client_id="local")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """A principal in one request: what the audit trail records besides the change itself."""
+
+    principal: Principal
+    request_id: str | None = None
+    address: str | None = None

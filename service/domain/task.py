@@ -74,6 +74,8 @@ class Task:
     progress_token: str | int | None = None
     client_capabilities: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
+    client_id: str = ""
+    issuer: str = ""
 
 
 def new_task_id() -> str:

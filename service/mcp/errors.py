@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from service.domain import errors as d
 from service.mcp.jsonrpc import (
+    CAPACITY_EXCEEDED,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     METHOD_NOT_FOUND,
@@ -18,7 +19,7 @@ _CODES: dict[type[d.DomainError], int] = {
     d.InvalidArguments: INVALID_PARAMS,  # T-TOOL-6
     d.UnknownTool: INVALID_PARAMS,  # T-TOOL-6
     d.TaskSupportMismatch: METHOD_NOT_FOUND,  # T-TOOL-3, T-TOOL-5, D-3, D-4
-    d.CapacityExceeded: -32000,
+    d.CapacityExceeded: CAPACITY_EXCEEDED,
     d.Unavailable: SERVICE_UNAVAILABLE,
 }
 

@@ -11,8 +11,10 @@ INVALID_REQUEST: Final = -32600
 METHOD_NOT_FOUND: Final = -32601
 INVALID_PARAMS: Final = -32602
 INTERNAL_ERROR: Final = -32603
-# Server-defined range (-32000..-32099).
+# Server-defined range (-32000..-32099); docs/decisions.md lists them.
+CAPACITY_EXCEEDED: Final = -32000
 SERVICE_UNAVAILABLE: Final = -32001
+RATE_LIMITED: Final = -32029
 
 RequestId = str | int
 

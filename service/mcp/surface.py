@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from service import __version__
-from service.domain.errors import DomainError, InvalidArguments
-from service.domain.principal import Principal
+from service.domain.errors import CapacityExceeded, DomainError, InvalidArguments, TaskNotFound
+from service.domain.principal import Caller, Principal
+from service.guard.ratelimit import RateLimiter
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
-from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RequestId, RpcFailure
+from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
 from service.mcp.plain import LOG_LEVELS, CallKey, Inflight, PlainCallContext
 from service.mcp.wire import outcome_result, related, task_result, task_to_wire
+from service.observability import metrics
+from service.tasks.audit import AuditLog
 from service.tasks.service import ClientRequest, Finished, FollowEvent, Notice, StatusChanged, TaskService
 from service.tasks.sessions import Session, SessionService
 from service.tools.execute import run_tool
@@ -24,14 +27,19 @@ from service.tools.registry import Registry
 LATEST = "2025-11-25"
 SUPPORTED_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26")
 TASK_VERSIONS = frozenset({"2025-11-25"})
+LOOKUPS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
 
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    principal: Principal
+    caller: Caller
     session: Session | None
     request_id: RequestId
     params: dict[str, Any]
+
+    @property
+    def principal(self) -> Principal:
+        return self.caller.principal
 
     @property
     def version(self) -> str:
@@ -94,10 +102,20 @@ def _task_ttl(task_param: Any) -> int | None:
 
 class Surface:
     def __init__(
-        self, tasks: TaskService, sessions: SessionService, registry: Registry, inflight: Inflight, *, poll_s: float
+        self,
+        tasks: TaskService,
+        sessions: SessionService,
+        registry: Registry,
+        inflight: Inflight,
+        limiter: RateLimiter,
+        audit: AuditLog,
+        *,
+        poll_s: float,
     ) -> None:
         self.tasks = tasks
         self.sessions = sessions
+        self.limiter = limiter
+        self.audit = audit
         self.registry = registry
         self.inflight = inflight
         self.poll_s = poll_s
@@ -151,8 +169,27 @@ class Surface:
         handler = self._methods.get(method)
         if handler is None or (method.startswith("tasks/") and not call.tasks_enabled):
             raise RpcFailure(METHOD_NOT_FOUND, f"method not found: {method}")
+        lookup = method in LOOKUPS
+        if lookup and (limited := await self.limiter.lookups_blocked(call.principal)):
+            # T-SEC-11: too many lookups of ids that do not exist (or are not yours) look like enumeration.
+            await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
+            metrics.rate_limited.labels(limited.scope).inc()
+            raise RpcFailure(
+                RATE_LIMITED,
+                limited.message,
+                {"retryAfter": limited.retry_after_s},
+                http_status=429,
+                headers={"Retry-After": str(limited.retry_after_s)},
+            )
         try:
             return await handler(call)
+        except TaskNotFound as exc:
+            if lookup:
+                await self.limiter.lookup_missed(call.principal)
+            raise to_rpc(exc) from None
+        except CapacityExceeded as exc:
+            metrics.cap_refusals.labels(str(exc.details.get("scope", ""))).inc()
+            raise to_rpc(exc) from None
         except DomainError as exc:
             raise to_rpc(exc) from None
 
@@ -186,7 +223,7 @@ class Surface:
         # T-CAP-5: params.task is ignored where tasks were not negotiated.
         if call.tasks_enabled and "task" in params:
             task = await self.tasks.create(
-                call.principal,
+                call.caller,
                 tool=name,
                 arguments=arguments,
                 ttl_ms=_task_ttl(params["task"]),
@@ -194,6 +231,7 @@ class Surface:
                 session_id=call.session.session_id if call.session else None,
                 client_capabilities=caps,
             )
+            metrics.tasks_created.labels(task.tool, metrics.tenant(task.tenant_id)).inc()
             # D-5: the CreateTaskResult carries related-task metadata.
             return {"task": task_to_wire(task), "_meta": related(task.task_id)}
         # Sessions below 2025-11-25 cannot augment, so taskSupport does not bind them.
@@ -254,16 +292,18 @@ class Surface:
     # --- tasks -----------------------------------------------------------------------------
 
     async def tasks_get(self, call: Call) -> Reply:
-        return task_to_wire(await self.tasks.get(call.principal, _str_param(call.params, "taskId")))
+        return task_to_wire(await self.tasks.get(call.caller, _str_param(call.params, "taskId")))
 
     async def tasks_cancel(self, call: Call) -> Reply:
-        return task_to_wire(await self.tasks.cancel(call.principal, _str_param(call.params, "taskId")))
+        task = await self.tasks.cancel(call.caller, _str_param(call.params, "taskId"))
+        metrics.tasks_finished.labels(task.tool, "cancelled", metrics.tenant(task.tenant_id)).inc()
+        return task_to_wire(task)
 
     async def tasks_list(self, call: Call) -> Reply:
         cursor = call.params.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
             raise RpcFailure(INVALID_PARAMS, "params.cursor must be a string")
-        tasks, next_cursor = await self.tasks.list(call.principal, cursor)
+        tasks, next_cursor = await self.tasks.list(call.caller, cursor)
         out: dict[str, Any] = {"tasks": [task_to_wire(t) for t in tasks]}
         if next_cursor:
             out["nextCursor"] = next_cursor
@@ -273,13 +313,14 @@ class Surface:
         """T-RES-3: block until terminal. Answer JSON if it already is; else SSE carrying the
         task's requests to the client (elicitation), its notices, and finally the result."""
         task_id = _str_param(call.params, "taskId")
-        task = await self.tasks.get(call.principal, task_id)
+        task = await self.tasks.get(call.caller, task_id)
         if task.status.is_terminal:
+            await self.tasks.record_retrieval(call.caller, task)
             return task_result(task)
         return Streamed(self._follow(call, task_id), cancel_key=call.cancel_key)
 
     async def _follow(self, call: Call, task_id: str) -> AsyncIterator[dict[str, Any]]:
-        events = self.tasks.follow(call.principal, task_id, poll_s=self.poll_s)
+        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s)
         try:
             async for event in events:
                 yield self.follow_message(call, event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -16,12 +17,16 @@ from starlette.types import Message, Receive, Scope, Send
 from service.auth.base import Authenticator, AuthFailure
 from service.config import Settings, is_loopback_host
 from service.domain.errors import DomainError
-from service.domain.principal import Principal
+from service.domain.principal import Caller, Principal
+from service.guard.ratelimit import RateLimited, RateLimiter
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
-from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RpcFailure
+from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
 from service.mcp.sse import send_sse
 from service.mcp.surface import SUPPORTED_VERSIONS, Call, Streamed, Surface
+from service.observability import logging as logctx
+from service.observability import metrics
+from service.tasks.audit import AuditLog
 from service.tasks.service import TaskService
 from service.tasks.sessions import Session, SessionService
 
@@ -52,6 +57,19 @@ async def send_json(send: Send, status: int, body: Any, headers: dict[str, str] 
     raw.append((b"content-length", str(len(payload)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _throttled(limited: RateLimited) -> HttpError:
+    """HTTP 429 with Retry-After and a JSON-RPC error body (code in the server-defined range)."""
+    metrics.rate_limited.labels(limited.scope).inc()
+    return HttpError(429, RATE_LIMITED, limited.message, {"Retry-After": str(limited.retry_after_s)})
+
+
+def _request_id(given: str | None) -> str:
+    """The caller's X-Request-Id when it is a sane token, else a fresh one (logs and audit rows carry it)."""
+    if given and len(given) <= 64 and all(c.isalnum() or c in "-_.:" for c in given):
+        return given
+    return secrets.token_hex(8)
 
 
 def _hostname(url: str) -> str:
@@ -88,9 +106,13 @@ class McpEndpoint:
         sessions: SessionService,
         tasks: TaskService,
         surface: Surface,
+        limiter: RateLimiter,
+        audit: AuditLog,
     ) -> None:
         self.settings = settings
         self.auth = authenticator
+        self.limiter = limiter
+        self.audit = audit
         self.sessions = sessions
         self.tasks = tasks
         self.surface = surface
@@ -101,10 +123,18 @@ class McpEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        request_id = _request_id(Headers(scope=scope).get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = request_id
+        logctx.request_id.set(request_id)
+        status = 0
+        started_at = time.perf_counter()
 
         async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = True
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
@@ -115,19 +145,42 @@ class McpEndpoint:
             if not started:
                 error = {"code": INTERNAL_ERROR, "message": f"internal error (reference {ref}); retry, or report it"}
                 await send_json(send, 200, jsonrpc.error_message(None, error))
+        finally:
+            log.info(
+                "%s /mcp %s",
+                scope["method"],
+                status,
+                extra={"status": status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
+            )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
         try:
             headers = Headers(scope=scope)
             self._check_host_and_origin(headers)
-            principal = await self.auth.authenticate(HTTPConnection(scope, receive))
+            client = scope.get("client")
+            address = client[0] if client else "-"
+            request_id = scope["state"]["request_id"]
+            try:
+                principal = await self.auth.authenticate(HTTPConnection(scope, receive))
+            except AuthFailure as refused:
+                metrics.auth_failures.labels(refused.reason).inc()
+                # Before authentication the only key is the client address (T-SEC-6).
+                await self.audit.deny(None, f"auth:{refused.reason}", address=address, request_id=request_id)
+                if refused.status == 401 and (limited := await self.limiter.authentication_failed(address)):
+                    raise _throttled(limited) from None
+                raise
+            caller = Caller(principal, request_id, address)
+            logctx.tenant.set(principal.tenant_id)
+            if limited := await self.limiter.request(principal):
+                await self.audit.deny(caller, "rate_limited", scope=limited.scope)
+                raise _throttled(limited)
             if method == "POST":
-                await self._post(scope, receive, send, headers, principal)
+                await self._post(scope, receive, send, headers, caller)
             elif method == "GET":
-                await self._get(receive, send, headers, principal)
+                await self._get(receive, send, headers, caller)
             elif method == "DELETE":
-                await self._delete(send, headers, principal)
+                await self._delete(send, headers, caller.principal)
             else:
                 raise HttpError(405, INVALID_REQUEST, f"method {method} not allowed", {"Allow": "GET, POST, DELETE"})
         except AuthFailure as exc:
@@ -218,7 +271,7 @@ class McpEndpoint:
 
     # --- POST ----------------------------------------------------------------------------------
 
-    async def _post(self, scope: Scope, receive: Receive, send: Send, headers: Headers, principal: Principal) -> None:
+    async def _post(self, scope: Scope, receive: Receive, send: Send, headers: Headers, caller: Caller) -> None:
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if content_type != JSON:
             raise HttpError(415, INVALID_REQUEST, "Content-Type must be application/json")
@@ -253,18 +306,26 @@ class McpEndpoint:
             if not isinstance(method, str):
                 raise HttpError(400, INVALID_REQUEST, "Invalid Request: method must be a string")
             if "id" not in message:
-                await self._notification(send, headers, principal, method, message.get("params"))
+                await self._notification(send, headers, caller, method, message.get("params"))
                 return
-            await self._request(receive, send, headers, principal, message)
+            label = metrics.method(method)
+            logctx.method.set(label)
+            started = time.perf_counter()
+            outcome = "internal_error"
+            try:
+                outcome = await self._request(receive, send, headers, caller, message)
+            finally:
+                metrics.requests.labels(label, outcome).inc()
+                metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
             return
         if "id" in message and ("result" in message) != ("error" in message):
-            await self._client_response(send, headers, principal, message)
+            await self._client_response(send, headers, caller, message)
             return
         raise HttpError(400, INVALID_REQUEST, "Invalid Request: neither a request, a notification nor a response")
 
     async def _request(
-        self, receive: Receive, send: Send, headers: Headers, principal: Principal, message: dict[str, Any]
-    ) -> None:
+        self, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
+    ) -> str:
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
@@ -281,12 +342,12 @@ class McpEndpoint:
                 version = self.surface.negotiate(params)
                 caps = params.get("capabilities") or {}
                 info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None
-                session = await self.sessions.open(principal, version, caps, info)
+                session = await self.sessions.open(caller.principal, version, caps, info)
                 extra["Mcp-Session-Id"] = session.session_id
                 reply: Any = self.surface.initialize_result(version)
             else:
-                session = await self._session(headers, principal)
-                reply = await self.surface.dispatch(method, Call(principal, session, request_id, params))
+                session = await self._session(headers, caller.principal)
+                reply = await self.surface.dispatch(method, Call(caller, session, request_id, params))
         except RpcFailure as failure:
             await send_json(
                 send,
@@ -294,7 +355,7 @@ class McpEndpoint:
                 jsonrpc.error_message(request_id, failure.error_object()),
                 failure.headers,
             )
-            return
+            return "error"
         except (HttpError, DomainError):
             raise
         except Exception:
@@ -305,7 +366,7 @@ class McpEndpoint:
                 "message": f"internal error (reference {ref}); retry, or report the reference",
             }
             await send_json(send, 200, jsonrpc.error_message(request_id, error))
-            return
+            return "internal_error"
         if isinstance(reply, Streamed):
             abort = asyncio.Event()
             if reply.cancel_key is not None:
@@ -317,44 +378,43 @@ class McpEndpoint:
                     del self.surface.inflight.calls[reply.cancel_key]
         else:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
+        return "ok"
 
-    async def _notification(self, send: Send, headers: Headers, principal: Principal, method: str, params: Any) -> None:
+    async def _notification(self, send: Send, headers: Headers, caller: Caller, method: str, params: Any) -> None:
         """H-POST-2: accepted notifications get 202 and no body."""
         if method != "notifications/initialized" or headers.get(SESSION_HEADER):
-            session = await self._session(headers, principal)
+            session = await self._session(headers, caller.principal)
         else:
             session = None
         if method == "notifications/cancelled" and isinstance(params, dict) and session is not None:
             # C-3/D-8: this only cancels plain requests; tasks are cancelled with tasks/cancel.
             rid = params.get("requestId")
             if jsonrpc.valid_id(rid):
-                await self.surface.inflight.cancel((principal.tenant_id, session.session_id, repr(rid)))
+                await self.surface.inflight.cancel((caller.principal.tenant_id, session.session_id, repr(rid)))
         await send_json(send, 202, None)
 
-    async def _client_response(
-        self, send: Send, headers: Headers, principal: Principal, message: dict[str, Any]
-    ) -> None:
+    async def _client_response(self, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]) -> None:
         """The client's answer to our request (T-INPUT-5): correlate by id, under this principal."""
-        await self._session(headers, principal)
+        await self._session(headers, caller.principal)
         rpc_id = message["id"]
         if not jsonrpc.valid_id(rpc_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid response: id must be a string or an integer")
         answer = {"result": message["result"]} if "result" in message else {"error": message["error"]}
         rpc_key = str(rpc_id)
-        if not await self.tasks.answer(principal, rpc_key, answer):
-            await self.surface.inflight.answer(principal.tenant_id, principal.subject, rpc_key, answer)
+        if not await self.tasks.answer(caller, rpc_key, answer):
+            await self.surface.inflight.answer(caller.principal.tenant_id, caller.principal.subject, rpc_key, answer)
         await send_json(send, 202, None)
 
     # --- GET and DELETE ------------------------------------------------------------------------
 
-    async def _get(self, receive: Receive, send: Send, headers: Headers, principal: Principal) -> None:
+    async def _get(self, receive: Receive, send: Send, headers: Headers, caller: Caller) -> None:
         """H-GET-1/2: a stream for this session's task status changes and notices."""
         if not _accepts(headers.get("accept", ""), EVENT_STREAM):
             raise HttpError(406, INVALID_REQUEST, "Not Acceptable: GET needs Accept: text/event-stream")
-        session = await self._session(headers, principal)
-        call = Call(principal, session, "", {})
+        session = await self._session(headers, caller.principal)
+        call = Call(caller, session, "", {})
         # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
-        async with self.tasks.session_events(principal, session.session_id) as events:
+        async with self.tasks.session_events(caller.principal, session.session_id) as events:
 
             async def messages() -> Any:
                 async for event in events:

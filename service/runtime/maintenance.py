@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 from service.domain.errors import Unavailable
+from service.observability import metrics
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import notify
@@ -20,8 +21,17 @@ BATCH = 500
 
 
 class Maintenance:
-    def __init__(self, db: Database, registry: Registry, *, interval_s: float, session_idle_ms: int) -> None:
+    def __init__(
+        self,
+        db: Database,
+        registry: Registry,
+        *,
+        interval_s: float,
+        session_idle_ms: int,
+        pools: dict[str, Database] | None = None,
+    ) -> None:
         self.db = db
+        self.pools = pools or {"runner": db}
         self.registry = registry
         self.interval_s = interval_s
         self.session_idle_ms = session_idle_ms
@@ -49,8 +59,20 @@ class Maintenance:
     async def run_once(self) -> None:
         await self.reap_lost_leases()
         await self.delete_expired()
+        await self.observe()
         async with self.db.connection() as conn:
             await repo.delete_idle_sessions(conn, self.session_idle_ms)
+
+    async def observe(self) -> None:
+        """Gauges read from the database and the pools (cluster-wide task counts; this process's pools)."""
+        async with self.db.connection() as conn:
+            counts = await repo.count_active_by_status(conn)
+        for status in ("working", "input_required"):
+            metrics.tasks_active.labels(status).set(counts.get(status, 0))
+        for name, db in self.pools.items():
+            in_use, size = db.pool_usage()
+            metrics.db_pool_connections.labels(name, "in_use").set(in_use)
+            metrics.db_pool_connections.labels(name, "idle").set(size - in_use)
 
     async def reap_lost_leases(self) -> int:
         count = 0
@@ -58,12 +80,17 @@ class Maintenance:
             for row in await repo.find_lost_leases(conn, BATCH):
                 tenant, task_id, owner = row["tenant_id"], row["task_id"], row["lease_owner"]
                 spec = self.registry.tools.get(row["tool"])
-                if spec is not None and spec.rerunnable and row["attempts"] < MAX_ATTEMPTS:
+                rerun = spec is not None and spec.rerunnable and row["attempts"] < MAX_ATTEMPTS
+                metrics.lease_losses.labels("requeued" if rerun else "failed").inc()
+                if rerun:
                     message = f"re-running: the previous runner stopped (attempt {row['attempts'] + 1})"
                     moved = await repo.requeue_task(conn, tenant, task_id, owner, message)
                     await notify(conn, {"k": "created", "t": tenant, "id": task_id})
                 else:
                     moved = await repo.fail_lost_task(conn, tenant, task_id, owner, runner_stopped_error(row["tool"]))
+                    if moved is not None:
+                        await repo.audit_task_event(conn, moved, "complete", "failed", reason="runner_stopped")
+                        metrics.tasks_finished.labels(moved.tool, "failed", metrics.tenant(tenant)).inc()
                 if moved is not None:
                     count += 1
                     await notify(conn, {"k": "status", "t": tenant, "id": task_id, "s": moved.session_id})
@@ -77,9 +104,11 @@ class Maintenance:
         while True:
             async with self.db.transaction() as conn:
                 rows = await repo.delete_expired_tasks(conn, BATCH)
-                for row in rows:
-                    await notify(conn, {"k": "deleted", "t": row["tenant_id"], "id": row["task_id"]})
+                for task in rows:
+                    await repo.audit_task_event(conn, task, "expire", task.status.value)
+                    await notify(conn, {"k": "deleted", "t": task.tenant_id, "id": task.task_id})
             total += len(rows)
+            metrics.sweeper_deleted.inc(len(rows))
             if len(rows) < BATCH:
                 break
         return total

@@ -8,9 +8,12 @@ import logging
 import os
 import secrets
 import socket
+import time
+from datetime import UTC, datetime
 
 from service.domain.errors import Unavailable
 from service.domain.task import Outcome, Task
+from service.observability import metrics
 from service.runtime.context import TaskRunContext
 from service.store import repository as repo
 from service.store.db import Database
@@ -56,6 +59,7 @@ class Runner:
         return len(self._running)
 
     async def start(self) -> None:
+        metrics.runner_slots.set(self.concurrency)
         await self.liveness.acquire()
         self.hub.listeners.append(self._on_event)
         self._loops = [
@@ -111,9 +115,12 @@ class Runner:
         await self.liveness.ensure()
         async with self.db.transaction() as conn:
             tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, min(free, CLAIM_BATCH))
+        now = datetime.now(UTC)
         for task in tasks:
             key = (task.tenant_id, task.task_id)
+            metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
             self._running[key] = asyncio.create_task(self._execute(task), name=f"task-{task.task_id[:8]}")
+        metrics.runner_slots_in_use.set(self.busy)
         return len(tasks)
 
     async def _heartbeat_loop(self) -> None:
@@ -141,8 +148,10 @@ class Runner:
     async def _execute(self, task: Task) -> None:
         key = (task.tenant_id, task.task_id)
         ctx = TaskRunContext(task, owner=self.owner, db=self.db, hub=self.hub, poll_s=self.poll_s)
+        started = time.perf_counter()
         try:
             outcome = await run_tool(self.registry, task.tool, task.arguments, ctx)
+            metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if self._stopping:
@@ -153,12 +162,15 @@ class Runner:
             await self._record_unstorable(task, ref)
         finally:
             self._running.pop(key, None)
+            metrics.runner_slots_in_use.set(self.busy)
             self._wake.set()
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
         async with self.db.transaction() as conn:
             done = await repo.finish_task(conn, task.tenant_id, task.task_id, self.owner, outcome)
             if done is not None:
+                await repo.audit_task_event(conn, done, "complete", done.status.value, kind=outcome.kind.value)
+                metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()
                 await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
@@ -166,7 +178,8 @@ class Runner:
         error = {"code": -32603, "message": f"the tool finished but its result could not be stored (reference {ref})"}
         try:
             async with self.db.transaction() as conn:
-                if await repo.fail_lost_task(conn, task.tenant_id, task.task_id, self.owner, error):
+                if failed := await repo.fail_lost_task(conn, task.tenant_id, task.task_id, self.owner, error):
+                    await repo.audit_task_event(conn, failed, "complete", "failed", reason="unstorable")
                     await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
@@ -185,6 +198,8 @@ class Runner:
                     moved = await repo.fail_lost_task(
                         conn, task.tenant_id, task.task_id, self.owner, runner_stopped_error(task.tool)
                     )
+                    if moved is not None:
+                        await repo.audit_task_event(conn, moved, "complete", "failed", reason="runner_stopped")
                 if moved is not None:
                     await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
         except Exception as exc:  # the reaper will pick it up when our liveness lock goes

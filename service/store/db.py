@@ -104,6 +104,13 @@ class Database:
         except _UNSTORABLE as exc:
             raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
 
+    def pool_usage(self) -> tuple[int, int]:
+        """(connections in use, pool size) for metrics; (0, 0) when closed."""
+        if self._pool is None:
+            return 0, 0
+        size = self._pool.get_size()
+        return size - self._pool.get_idle_size(), size
+
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
         """A pooled connection in autocommit, for single statements."""

@@ -34,6 +34,8 @@ def task_from_row(row: asyncpg.Record) -> Task:
         progress_token=row["progress_token"],
         client_capabilities=row["client_capabilities"],
         attempts=row["attempts"],
+        client_id=row["client_id"],
+        issuer=row["issuer"],
     )
 
 
@@ -158,8 +160,19 @@ async def fail_lost_task(
     return _task_or_none(row)
 
 
-async def delete_expired_tasks(conn: asyncpg.Connection, limit: int) -> list[asyncpg.Record]:
-    return list(await conn.fetch(Q["delete_expired_tasks"], limit))
+async def count_active_by_status(conn: asyncpg.Connection) -> dict[str, int]:
+    return {r["status"]: r["n"] for r in await conn.fetch(Q["count_active_by_status"])}
+
+
+async def delete_expired_tasks(conn: asyncpg.Connection, limit: int) -> list[Task]:
+    return [task_from_row(r) for r in await conn.fetch(Q["delete_expired_tasks"], limit)]
+
+
+async def lock_and_count_active(conn: asyncpg.Connection, principal: Principal) -> tuple[int, int]:
+    """Take the tenant's create lock (until commit), then count (requestor, tenant) active tasks."""
+    await conn.execute(Q["lock_tenant_creates"], principal.tenant_id)
+    row = await conn.fetchrow(Q["count_active"], principal.tenant_id, principal.subject)
+    return int(row["requestor"]), int(row["tenant"])
 
 
 # --- messages ---------------------------------------------------------------------------------
@@ -248,6 +261,54 @@ async def delete_session(conn: asyncpg.Connection, principal: Principal, session
 
 async def delete_idle_sessions(conn: asyncpg.Connection, idle_ms: int) -> None:
     await conn.execute(Q["delete_idle_sessions"], idle_ms)
+
+
+# --- audit ------------------------------------------------------------------------------------
+
+
+async def audit_task_event(conn: asyncpg.Connection, task: Task, action: str, outcome: str, **detail: Any) -> None:
+    """An audit event about a task, attributed to the task's own principal (runner-side changes)."""
+    await append_audit(
+        conn,
+        task.tenant_id,
+        action,
+        outcome,
+        subject=task.subject,
+        client_id=task.client_id,
+        issuer=task.issuer,
+        task_id=task.task_id,
+        detail=detail or None,
+    )
+
+
+async def append_audit(
+    conn: asyncpg.Connection,
+    tenant_id: str,
+    action: str,
+    outcome: str,
+    *,
+    subject: str = "",
+    client_id: str = "",
+    issuer: str = "",
+    task_id: str | None = None,
+    request_id: str | None = None,
+    address: str | None = None,
+    detail: dict[str, Any] | None = None,
+) -> None:
+    """Append to the tenant's hash chain inside the caller's transaction (migration 0003)."""
+    await conn.execute(
+        Q["append_audit"], tenant_id, action, outcome, subject, client_id, issuer, task_id, request_id, address, detail
+    )
+
+
+async def audit_events(
+    conn: asyncpg.Connection, tenant_id: str | None, since: datetime | None, after: tuple[str, int], limit: int
+) -> list[asyncpg.Record]:
+    return list(await conn.fetch(Q["audit_events"], tenant_id, since, after[0], after[1], limit))
+
+
+async def audit_chain_problems(conn: asyncpg.Connection, tenant_id: str | None) -> list[asyncpg.Record]:
+    return list(await conn.fetch(Q["audit_chain_problems"], tenant_id))
 
 
 # --- keys -------------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.domain.errors import (
+    CapacityExceeded,
+    DomainError,
     InvalidArguments,
     TaskAlreadyTerminal,
     TaskNotFound,
     TaskSupportMismatch,
 )
-from service.domain.principal import Principal
+from service.domain.principal import Caller, Principal
 from service.domain.task import RELATED_TASK, Task, clamp_ttl, new_task_id
 from service.store import repository as repo
 from service.store.db import Database
@@ -36,6 +38,28 @@ class TaskPolicy:
     min_ttl_ms: int
     max_ttl_ms: int
     poll_interval_ms: int
+    max_active_per_requestor: int = 16
+    max_active_per_tenant: int = 256
+
+
+async def audit(
+    conn: Any, caller: Caller, action: str, outcome: str, task_id: str | None = None, **detail: Any
+) -> None:
+    """Append one audit event for this caller inside the current transaction."""
+    p = caller.principal
+    await repo.append_audit(
+        conn,
+        p.tenant_id,
+        action,
+        outcome,
+        subject=p.subject,
+        client_id=p.client_id,
+        issuer=p.issuer,
+        task_id=task_id,
+        request_id=caller.request_id,
+        address=caller.address,
+        detail=detail or None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +117,7 @@ class TaskService:
 
     async def create(
         self,
-        principal: Principal,
+        caller: Caller,
         *,
         tool: str,
         arguments: dict[str, Any],
@@ -103,36 +127,73 @@ class TaskService:
         client_capabilities: dict[str, Any],
         surface: str = "2025-11-25",
     ) -> Task:
+        """Check the caps and insert under the tenant's create lock, so no replica can overshoot."""
         _spec, valid = self.check_call(tool, arguments, as_task=True)
         if ttl_ms is not None and ttl_ms < 0:
             raise InvalidArguments("task.ttl must be a non-negative integer (milliseconds)")
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
+        principal = caller.principal
+        refusal: DomainError | None = None
         async with self.db.transaction(principal.tenant_id) as conn:
-            task = await repo.insert_task(
-                conn,
-                principal=principal,
-                task_id=new_task_id(),
-                session_id=session_id,
-                surface=surface,
-                tool=tool,
-                arguments=valid,
-                client_capabilities=client_capabilities,
-                progress_token=progress_token,
-                ttl_ms=granted,
-                poll_interval_ms=p.poll_interval_ms,
-            )
-            await notify(conn, {"k": "created", "t": principal.tenant_id, "id": task.task_id})
+            mine, tenant = await repo.lock_and_count_active(conn, principal)
+            if mine >= p.max_active_per_requestor or tenant >= p.max_active_per_tenant:
+                scope, limit, current = (
+                    ("requestor", p.max_active_per_requestor, mine)
+                    if mine >= p.max_active_per_requestor
+                    else ("tenant", p.max_active_per_tenant, tenant)
+                )
+                refusal = CapacityExceeded(
+                    f"too many active tasks for this {scope}: {current} of at most {limit}; "
+                    "wait for one to finish (or cancel one) and try again",
+                    scope=scope,
+                    limit=limit,
+                    current=current,
+                )
+                await audit(conn, caller, "deny", "cap_exceeded", scope=scope, limit=limit, current=current, tool=tool)
+            else:
+                task = await repo.insert_task(
+                    conn,
+                    principal=principal,
+                    task_id=new_task_id(),
+                    session_id=session_id,
+                    surface=surface,
+                    tool=tool,
+                    arguments=valid,
+                    client_capabilities=client_capabilities,
+                    progress_token=progress_token,
+                    ttl_ms=granted,
+                    poll_interval_ms=p.poll_interval_ms,
+                )
+                await audit(conn, caller, "create", "working", task.task_id, tool=tool, ttl_ms=granted)
+                await notify(conn, {"k": "created", "t": principal.tenant_id, "id": task.task_id})
+        if refusal is not None:
+            raise refusal
         return task
 
-    async def get(self, principal: Principal, task_id: str) -> Task:
+    async def _load(self, principal: Principal, task_id: str) -> Task | None:
         async with self.db.transaction(principal.tenant_id) as conn:
-            task = await repo.get_task(conn, principal, task_id)
+            return await repo.get_task(conn, principal, task_id)
+
+    async def get(self, caller: Caller, task_id: str) -> Task:
+        """The caller's task; a miss (unknown, expired or someone else's) is audited as a denial."""
+        task = await self._load(caller.principal, task_id)
         if task is None:
+            await self._deny_not_found(caller, task_id)
             raise TaskNotFound(NOT_FOUND, task_id=task_id)
         return task
 
-    async def list(self, principal: Principal, cursor: str | None) -> tuple[list[Task], str | None]:
+    async def _deny_not_found(self, caller: Caller, task_id: str) -> None:
+        async with self.db.transaction(caller.principal.tenant_id) as conn:
+            await audit(conn, caller, "deny", "not_found", task_id[:200])
+
+    async def record_retrieval(self, caller: Caller, task: Task) -> None:
+        """T-SEC-10: a terminal result was handed out."""
+        async with self.db.transaction(caller.principal.tenant_id) as conn:
+            await audit(conn, caller, "retrieve", task.status.value, task.task_id)
+
+    async def list(self, caller: Caller, cursor: str | None) -> tuple[list[Task], str | None]:
+        principal = caller.principal
         after = self.cursors.decode(principal, cursor) if cursor is not None else None
         async with self.db.transaction(principal.tenant_id) as conn:
             tasks = await repo.list_tasks(conn, principal, after=after, limit=PAGE_SIZE + 1)
@@ -143,29 +204,40 @@ class TaskService:
             next_cursor = self.cursors.encode(principal, last.created_at, last.task_id)
         return tasks, next_cursor
 
-    async def cancel(self, principal: Principal, task_id: str) -> Task:
+    async def cancel(self, caller: Caller, task_id: str) -> Task:
         """T-CANCEL-5: the row is cancelled (and its lease dropped) before we answer."""
+        principal = caller.principal
+        refusal: DomainError | None = None
         async with self.db.transaction(principal.tenant_id) as conn:
             task = await repo.cancel_task(conn, principal, task_id, "cancelled by the requestor")
             if task is None:
                 existing = await repo.get_task(conn, principal, task_id)
                 if existing is None:
-                    raise TaskNotFound(NOT_FOUND, task_id=task_id)
-                raise TaskAlreadyTerminal(
-                    f"Cannot cancel task: already in terminal status '{existing.status.value}'",
-                    task_id=task_id,
-                    status=existing.status.value,
-                )
-            await notify(conn, {"k": "cancel", "t": principal.tenant_id, "id": task_id})
-            await notify(conn, {"k": "status", "t": principal.tenant_id, "id": task_id, "s": task.session_id})
+                    await audit(conn, caller, "deny", "not_found", task_id[:200])
+                    refusal = TaskNotFound(NOT_FOUND, task_id=task_id)
+                else:
+                    await audit(conn, caller, "cancel", f"refused:{existing.status.value}", task_id)
+                    refusal = TaskAlreadyTerminal(
+                        f"Cannot cancel task: already in terminal status '{existing.status.value}'",
+                        task_id=task_id,
+                        status=existing.status.value,
+                    )
+            else:
+                await audit(conn, caller, "cancel", "cancelled", task_id)
+                await notify(conn, {"k": "cancel", "t": principal.tenant_id, "id": task_id})
+                await notify(conn, {"k": "status", "t": principal.tenant_id, "id": task_id, "s": task.session_id})
+        if refusal is not None:
+            raise refusal
+        assert task is not None
         return task
 
-    async def follow(self, principal: Principal, task_id: str, *, poll_s: float) -> AsyncIterator[FollowEvent]:
+    async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[FollowEvent]:
         """Everything a blocking tasks/result stream carries, ending with the terminal task.
 
         Requests to the client are claimed for this stream alone (no broadcast, H-MULTI-2) and
         released if the stream goes away unanswered, so the next tasks/result gets them.
         """
+        principal = caller.principal
         stream_id = secrets.token_urlsafe(12)
         key = (principal.tenant_id, task_id)
         self.following[key] += 1
@@ -175,7 +247,7 @@ class TaskService:
                 loop = asyncio.get_running_loop()
                 touched = loop.time()
                 while True:
-                    task = await self.get(principal, task_id)
+                    task = await self.get(caller, task_id)
                     if task.status.is_terminal:
                         # C-10: requests this stream carried and nobody answered are void now.
                         async with self.db.transaction(principal.tenant_id) as conn:
@@ -184,6 +256,7 @@ class TaskService:
                             meta = {RELATED_TASK: {"taskId": task_id}}
                             params = {"requestId": rpc_id, "reason": f"task {task.status.value}", "_meta": meta}
                             yield Notice("notifications/cancelled", params)
+                        await self.record_retrieval(caller, task)
                         yield Finished(task)
                         return
                     if last_status is not None and task.status != last_status:
@@ -236,18 +309,21 @@ class TaskService:
                         method = "notifications/progress" if kind == "progress" else "notifications/message"
                         yield Notice(method, event["params"])
                     elif kind == "status":
-                        try:
-                            yield StatusChanged(await self.get(principal, task_id))
-                        except TaskNotFound:
-                            continue
+                        task = await self._load(principal, task_id)
+                        if task is not None:
+                            yield StatusChanged(task)
 
             yield events()
 
-    async def answer(self, principal: Principal, rpc_id: str, answer: dict[str, Any]) -> bool:
+    async def answer(self, caller: Caller, rpc_id: str, answer: dict[str, Any]) -> bool:
         """A client's JSON-RPC response to a task's request; False if it answers nothing of ours."""
+        principal = caller.principal
         async with self.db.transaction(principal.tenant_id) as conn:
             row = await repo.answer_message(conn, principal, rpc_id, answer)
             if row is None:
                 return False
+            result = answer.get("result")
+            outcome = str(result.get("action", "answered")) if isinstance(result, dict) else "error"
+            await audit(conn, caller, "input", outcome[:40], row["task_id"])
             await notify(conn, {"k": "answer", "t": principal.tenant_id, "id": row["task_id"]})
         return True

@@ -117,4 +117,9 @@ USING (
     FOR UPDATE SKIP LOCKED
 ) doomed
 WHERE t.tenant_id = doomed.tenant_id AND t.task_id = doomed.task_id
-RETURNING t.tenant_id, t.task_id, t.status, t.lease_owner;
+RETURNING t.*;
+
+-- name: count_active_by_status
+-- Cluster-wide non-terminal tasks by status, for the tasks_active gauge (uses the partial index).
+SELECT status::text AS status, count(*) AS n FROM tasks
+WHERE status IN ('working', 'input_required') GROUP BY status;

@@ -1,0 +1,1 @@
+"""Guardrails: rate limits (concurrency caps and TTL clamps live with the task use cases)."""

@@ -1,0 +1,106 @@
+"""Rate limits (T-SEC-6) on slowapi's limiter: per principal, per client address before
+authentication, and a tighter budget for task lookups that find nothing (id enumeration).
+
+The MCP endpoint is a pure ASGI app whose key (the verified principal) exists only after
+authentication, so slowapi's route decorators do not fit; its ``Limiter`` still configures the
+storage (``memory://`` or ``redis://…`` shared by every replica) and the moving-window strategy,
+which we call directly. Remote storage is hit from a worker thread so the event loop never blocks.
+A storage outage fails open: requests pass, and the failure is logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from limits import RateLimitItem, parse
+from slowapi import Limiter
+
+from service.config import Settings
+from service.domain.principal import Principal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimited:
+    """Over a limit: answer 429 with Retry-After."""
+
+    scope: str  # principal | unauthenticated | not_found
+    limit: str
+    retry_after_s: int
+
+    @property
+    def message(self) -> str:
+        return (
+            f"rate limit exceeded ({self.limit} per {self.scope.replace('_', ' ')}); retry after {self.retry_after_s} s"
+        )
+
+
+class RateLimiter:
+    def __init__(self, settings: Settings, *, on_storage_error: Callable[[], None] | None = None) -> None:
+        self._limiter = Limiter(
+            key_func=lambda *_: "",  # keys are chosen per call below, not from the request
+            storage_uri=settings.rate_limit_storage,
+            strategy="moving-window",
+            key_prefix="mcp_tasks",
+        )
+        self._strategy = self._limiter.limiter
+        self._remote = not settings.rate_limit_storage.startswith("memory://")
+        self._limits = {
+            "principal": parse(settings.rate_limit),
+            "unauthenticated": parse(settings.rate_limit_unauthenticated),
+            "not_found": parse(settings.rate_limit_not_found),
+        }
+        self._texts = {
+            "principal": settings.rate_limit,
+            "unauthenticated": settings.rate_limit_unauthenticated,
+            "not_found": settings.rate_limit_not_found,
+        }
+        self._on_storage_error = on_storage_error
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._remote:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def _apply(self, scope: str, key: str, *, hit: bool) -> RateLimited | None:
+        item: RateLimitItem = self._limits[scope]
+        try:
+            allowed = await self._call(self._strategy.hit if hit else self._strategy.test, item, key)
+            if allowed:
+                return None
+            stats = await self._call(self._strategy.get_window_stats, item, key)
+        except Exception as exc:  # storage down: fail open rather than refuse every caller
+            log.warning("rate limit storage error (%s); letting the request through", type(exc).__name__)
+            if self._on_storage_error is not None:
+                self._on_storage_error()
+            return None
+        return RateLimited(scope, self._texts[scope], max(1, math.ceil(stats.reset_time - time.time())))
+
+    @staticmethod
+    def _principal_key(principal: Principal) -> str:
+        return f"p:{principal.tenant_id}:{principal.subject}"
+
+    async def request(self, principal: Principal) -> RateLimited | None:
+        """Count one authenticated request against the principal's budget."""
+        return await self._apply("principal", self._principal_key(principal), hit=True)
+
+    async def unauthenticated_blocked(self, address: str) -> RateLimited | None:
+        """Is this address out of failed-authentication budget? (checked before verifying a token)"""
+        return await self._apply("unauthenticated", f"a:{address}", hit=False)
+
+    async def authentication_failed(self, address: str) -> RateLimited | None:
+        return await self._apply("unauthenticated", f"a:{address}", hit=True)
+
+    async def lookups_blocked(self, principal: Principal) -> RateLimited | None:
+        """Has this principal spent its budget of lookups that found nothing?"""
+        return await self._apply("not_found", self._principal_key(principal), hit=False)
+
+    async def lookup_missed(self, principal: Principal) -> None:
+        await self._apply("not_found", self._principal_key(principal), hit=True)

