@@ -1,0 +1,239 @@
+"""Guardrails: concurrency caps, rate limits, metrics (T-SEC-6, T-SEC-7, T-SEC-9, T-SEC-11)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import RunningServer, make_settings, serve
+from tests.issuer import LocalIssuer
+from tests.rpc import ACCEPT_BOTH, RpcSession
+from tests.test_auth import run_issuer
+from tests.test_durability import mcp_tasks
+
+INIT = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+}
+
+
+async def session(http: httpx.AsyncClient, url: str, token: str | None = None) -> RpcSession:
+    s = RpcSession(http, url, token=token)
+    await s.initialize()
+    return s
+
+
+# --- concurrency caps (T-SEC-7) ---------------------------------------------------------------------
+
+
+async def test_requestor_cap_refuses_with_limit_and_count_and_frees_on_terminal_T_SEC_7(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    async with serve(make_settings(database_url, max_active_tasks_per_requestor=2)) as running:
+        s = await session(http, running.url)
+        first = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        await s.call_tool_as_task("hang", {})
+        error = await s.error("tools/call", {"name": "hang", "arguments": {}, "task": {}})
+        assert error["code"] == -32000
+        assert error["data"] == {"scope": "requestor", "limit": 2, "current": 2}
+        assert len((await s.result("tasks/list"))["tasks"]) == 2  # no row written for the refusal
+        await s.result("tasks/cancel", {"taskId": first})  # a terminal task frees its slot at once
+        assert (await s.call_tool_as_task("hang", {}))["task"]["status"] == "working"
+
+
+async def test_tenant_cap_counts_every_subject_of_the_tenant(database_url: str, http: httpx.AsyncClient) -> None:
+    async with run_issuer(LocalIssuer()) as issuer:
+        settings = make_settings(
+            database_url,
+            auth="oauth",
+            oauth_issuer=issuer.url,
+            max_active_tasks_per_requestor=2,
+            max_active_tasks_per_tenant=3,
+        )
+        async with serve(settings) as running:
+            alice = await session(http, running.url, issuer.mint(running.url, sub="alice"))
+            bob = await session(http, running.url, issuer.mint(running.url, sub="bob"))
+            other = await session(http, running.url, issuer.mint(running.url, sub="carol", tenant_id="globex"))
+            await alice.call_tool_as_task("hang", {})
+            await alice.call_tool_as_task("hang", {})
+            await bob.call_tool_as_task("hang", {})
+            error = await bob.error("tools/call", {"name": "hang", "arguments": {}, "task": {}})
+            assert error["data"] == {"scope": "tenant", "limit": 3, "current": 3}
+            assert (await other.call_tool_as_task("hang", {}))["task"]["status"] == "working"
+
+
+@pytest.mark.slow
+async def test_two_processes_creating_at_once_never_overshoot_the_cap(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    cap = 5
+    env = {"MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR": str(cap), "MCP_TASKS_RATE_LIMIT": "100000/minute"}
+    async with (
+        mcp_tasks("serve", database_url, **env) as (_a, url_a),
+        mcp_tasks("serve", database_url, **env) as (_b, url_b),
+    ):
+        sessions = [await session(http, url) for url in (url_a, url_b) for _ in range(4)]
+
+        async def create(s: RpcSession) -> dict[str, Any]:
+            return await s.send("tools/call", {"name": "hang", "arguments": {}, "task": {}})
+
+        answers = await asyncio.gather(*(create(sessions[i % len(sessions)]) for i in range(40)))
+    created = [a for a in answers if "result" in a]
+    refused = [a for a in answers if "error" in a]
+    assert len(created) == cap
+    assert len(refused) == 40 - cap
+    assert all(a["error"]["code"] == -32000 for a in refused)
+    db = await asyncpg.connect(database_url)
+    try:
+        assert await db.fetchval("SELECT count(*) FROM tasks") == cap
+    finally:
+        await db.close()
+
+
+# --- rate limits (T-SEC-6, T-SEC-11) ----------------------------------------------------------------
+
+
+async def test_over_the_rate_limit_is_429_with_retry_after_and_a_json_rpc_error_T_SEC_6(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    async with serve(make_settings(database_url, rate_limit="4/minute")) as running:
+        s = await session(http, running.url)  # initialize + initialized: 2 of 4
+        assert "result" in await s.send("ping")
+        assert "result" in await s.send("ping")
+        r = await http.post(running.url, json=s.message("ping"), headers=s.headers())
+        assert r.status_code == 429
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert r.json()["error"]["code"] == -32029
+
+
+async def test_lookups_that_find_nothing_have_a_tighter_budget_T_SEC_11(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    async with serve(make_settings(database_url, rate_limit_not_found="3/minute")) as running:
+        s = await session(http, running.url)
+        task_id = (await s.call_tool_as_task("echo", {"text": "x"}))["task"]["taskId"]
+        assert (await s.result("tasks/get", {"taskId": task_id}))["taskId"] == task_id  # hits do not count
+        for i in range(3):
+            assert (await s.error("tasks/get", {"taskId": f"guess-{i}"}))["code"] == -32602
+        r = await http.post(running.url, json=s.message("tasks/get", {"taskId": task_id}), headers=s.headers())
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == -32029
+        assert r.json()["id"] is not None
+        assert "result" in await s.send("tools/list")  # only lookups are held back
+
+
+async def test_failed_authentication_is_limited_by_client_address(database_url: str, http: httpx.AsyncClient) -> None:
+    async with run_issuer(LocalIssuer()) as issuer:
+        settings = make_settings(
+            database_url, auth="oauth", oauth_issuer=issuer.url, rate_limit_unauthenticated="2/minute"
+        )
+        async with serve(settings) as running:
+            bad = {"Accept": ACCEPT_BOTH, "Authorization": "Bearer nope"}
+            statuses = [(await http.post(running.url, json=INIT, headers=bad)).status_code for _ in range(3)]
+            assert statuses == [401, 401, 429]
+
+
+@pytest.mark.slow
+async def test_two_processes_sharing_one_redis_share_one_budget(database_url: str, http: httpx.AsyncClient) -> None:
+    async with run_issuer(LocalIssuer()) as issuer:
+        env = {
+            "MCP_TASKS_OAUTH_ISSUER": issuer.url,
+            "MCP_TASKS_RATE_LIMIT": "6/minute",
+            "MCP_TASKS_RATE_LIMIT_STORAGE": "redis://127.0.0.1:6379",
+        }
+        async with (
+            mcp_tasks("serve", database_url, **env) as (_a, url_a),
+            mcp_tasks("serve", database_url, **env) as (_b, url_b),
+        ):
+            subject = f"budget-{secrets.token_hex(6)}"  # a fresh key: earlier runs cannot have spent it
+
+            async def initialize(url: str) -> int:
+                # Each server verifies the token against its own audience (its own URL).
+                headers = {"Accept": ACCEPT_BOTH, "Authorization": f"Bearer {issuer.mint(url, sub=subject)}"}
+                return (await http.post(url, json=INIT, headers=headers)).status_code
+
+            statuses = [await initialize(url_a if i % 2 else url_b) for i in range(10)]
+    assert statuses.count(200) == 6
+    assert statuses.count(429) == 4
+
+
+# --- metrics (T-SEC-9) ------------------------------------------------------------------------------
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+async def metrics_of(
+    http: httpx.AsyncClient, server: RunningServer
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = await http.get(server.url.removesuffix("/mcp") + "/metrics")
+    assert r.status_code == 200
+    return scrape(r.text)
+
+
+def value(m: dict[Any, float], name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture
+async def metered(database_url: str) -> AsyncIterator[RunningServer]:
+    async with serve(make_settings(database_url, max_active_tasks_per_requestor=1)) as running:
+        yield running
+
+
+async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: httpx.AsyncClient) -> None:
+    before = await metrics_of(http, metered)
+    s = await session(http, metered.url)
+    task_id = (await s.call_tool_as_task("echo", {"text": "m"}))["task"]["taskId"]
+    await s.result("tasks/result", {"taskId": task_id})
+    await s.error("tasks/get", {"taskId": "nope"})
+    hang = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+    await s.error("tools/call", {"name": "hang", "arguments": {}, "task": {}})  # over the cap of 1
+    await s.result("tasks/cancel", {"taskId": hang})
+    await asyncio.sleep(0.5)  # one maintenance pass refreshes the gauges
+    after = await metrics_of(http, metered)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("mcp_tasks_tasks_created_total", tool="echo", tenant="") == 1
+    assert delta("mcp_tasks_tasks_finished_total", tool="echo", status="completed", tenant="") == 1
+    assert delta("mcp_tasks_tasks_finished_total", tool="hang", status="cancelled", tenant="") == 1
+    assert delta("mcp_tasks_cap_refusals_total", scope="requestor") == 1
+    assert delta("mcp_tasks_requests_total", method="tasks/get", outcome="error") == 1
+    assert delta("mcp_tasks_requests_total", method="tasks/result", outcome="ok") == 1
+    assert delta("mcp_tasks_request_duration_seconds_count", method="tools/call") == 3
+    assert delta("mcp_tasks_task_run_seconds_count", tool="echo") == 1
+    assert value(after, "mcp_tasks_runner_slots") > 0
+    assert ("mcp_tasks_tasks_active", (("status", "working"),)) in after
+    assert value(after, "mcp_tasks_db_pool_connections", pool="app", state="idle") >= 0
+    names = {name for name, _ in after}
+    assert all(n.startswith(("mcp_tasks_", "python_", "process_")) for n in names)
+    assert not any(label == "task_id" or label == "subject" for _, labels in after for label, _v in labels)
+
+
+async def test_auth_failures_are_counted_by_reason(database_url: str, http: httpx.AsyncClient) -> None:
+    issuer = LocalIssuer()
+    async with run_issuer(issuer), serve(make_settings(database_url, auth="oauth", oauth_issuer=issuer.url)) as running:
+        before = await metrics_of(http, running)
+        await http.post(running.url, json=INIT, headers={"Accept": ACCEPT_BOTH})
+        expired = issuer.mint(running.url, exp=1, iat=0, nbf=None)
+        await http.post(running.url, json=INIT, headers={"Accept": ACCEPT_BOTH, "Authorization": f"Bearer {expired}"})
+        after = await metrics_of(http, running)
+    for reason in ("no_token", "expired"):
+        moved = value(after, "mcp_tasks_auth_failures_total", reason=reason)
+        assert moved - value(before, "mcp_tasks_auth_failures_total", reason=reason) == 1, reason
