@@ -62,6 +62,13 @@ async def _worker_main() -> None:
         core = await open_core(settings, run_tasks=True)
     except (RuntimeError, OSError) as exc:
         sys.exit(f"mcp-tasks worker: {exc}")
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        from service.observability import metrics
+
+        metrics.configure(tenant_label=settings.metrics_tenant_label)
+        start_http_server(settings.metrics_port, addr=settings.host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -80,6 +80,7 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"
     metrics_tenant_label: bool = False
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
