@@ -19,7 +19,12 @@ tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", de
 method: contextvars.ContextVar[str | None] = contextvars.ContextVar("method", default=None)
 
 _CONTEXT = (("request_id", request_id), ("tenant", tenant), ("method", method))
-_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+# color_message: uvicorn's ANSI-coloured copy of the message.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
