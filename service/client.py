@@ -72,7 +72,7 @@ class McpClient:
         """Every message the server sends for this request, the response last."""
         async with self.http.stream("POST", self.url, json=self._msg(method, params), headers=self._headers()) as r:
             if r.headers.get("content-type", "").startswith("text/event-stream"):
-                async for message in _sse_messages(r):
+                async for message in sse_messages(r):
                     yield message
             else:
                 yield orjson.loads(await r.aread())
@@ -89,7 +89,7 @@ class McpClient:
     async def _final(self, r: httpx.Response) -> dict[str, Any]:
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             last: dict[str, Any] = {}
-            async for message in _sse_messages(r):
+            async for message in sse_messages(r):
                 last = message
         else:
             last = orjson.loads(await r.aread())
@@ -99,7 +99,7 @@ class McpClient:
         return result
 
 
-async def _sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     data: list[str] = []
     async for line in r.aiter_lines():
         if line == "":

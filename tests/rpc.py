@@ -9,6 +9,10 @@ from typing import Any
 import httpx
 import orjson
 
+from service.client import sse_messages
+
+__all__ = ["ACCEPT_BOTH", "RpcSession", "sse_messages"]
+
 ACCEPT_BOTH = "application/json, text/event-stream"
 
 
@@ -102,16 +106,3 @@ class RpcSession:
         return await self.result(
             "tools/call", {"name": name, "arguments": arguments, "task": task if task is not None else {}, **params}
         )
-
-
-async def sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    data: list[str] = []
-    async for line in r.aiter_lines():
-        if line == "":
-            if data:
-                payload = "\n".join(data)
-                data = []
-                if payload:
-                    yield orjson.loads(payload)
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))

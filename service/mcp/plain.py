@@ -10,8 +10,8 @@ from typing import Any
 
 from service.mcp import jsonrpc
 from service.tasks.signals import Signals
-from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
-from service.tools.execute import parse_elicit_answer, supports_form_elicitation
+from service.tools.api import ElicitAnswer, RpcError
+from service.tools.execute import parse_elicit_answer, parse_sample_answer, require_capability
 
 # A plain call that asked the client for input gives up after this long without an answer.
 PLAIN_INPUT_TIMEOUT_S = 600.0
@@ -117,23 +117,14 @@ class PlainCallContext:
         self._outbox.put_nowait(jsonrpc.notification("notifications/message", params))
 
     async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer:
-        if not supports_form_elicitation(self._caps):
-            raise InputNotSupported("this tool needs form elicitation, but the client did not declare it")
         params = {"mode": "form", "message": message, "requestedSchema": requested_schema}
         return parse_elicit_answer(await self._ask("elicitation/create", params, needs="elicitation"))
 
     async def sample(self, params: dict[str, Any]) -> dict[str, Any]:
-        answer = await self._ask("sampling/createMessage", params, needs="sampling")
-        if "error" in answer or not isinstance(answer.get("result"), dict):
-            raise RpcError(-32603, "the client refused the sampling request")
-        result: dict[str, Any] = answer["result"]
-        return result
+        return parse_sample_answer(await self._ask("sampling/createMessage", params, needs="sampling"))
 
     async def _ask(self, method: str, params: dict[str, Any], *, needs: str) -> dict[str, Any]:
-        if needs not in self._caps:
-            raise InputNotSupported(
-                f"this tool needs {needs} from the client, but the client did not declare the {needs!r} capability"
-            )
+        require_capability(self._caps, needs)
         rpc_id = f"req-{secrets.token_urlsafe(12)}"
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         key = (*self._owner, rpc_id)

@@ -11,8 +11,8 @@ from service.domain.task import RELATED_TASK, Task, TaskStatus
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import EventHub, notify
-from service.tools.api import ElicitAnswer, InputNotSupported, RpcError
-from service.tools.execute import parse_elicit_answer, supports_form_elicitation
+from service.tools.api import ElicitAnswer
+from service.tools.execute import parse_elicit_answer, parse_sample_answer, require_capability
 
 
 class TaskRunContext:
@@ -67,29 +67,15 @@ class TaskRunContext:
             "requestedSchema": requested_schema,
             "_meta": {RELATED_TASK: {"taskId": self._task.task_id}},
         }
-        if not supports_form_elicitation(self._task.client_capabilities):
-            raise InputNotSupported(
-                "this tool needs form elicitation, but the client did not declare it in "
-                "capabilities.elicitation; call it from a client that supports form elicitation"
-            )
-        answer = await self._ask("elicitation/create", params, needs="elicitation")
-        return parse_elicit_answer(answer)
+        return parse_elicit_answer(await self._ask("elicitation/create", params, needs="elicitation"))
 
     async def sample(self, params: dict[str, Any]) -> dict[str, Any]:
         params = {**params, "_meta": {RELATED_TASK: {"taskId": self._task.task_id}}}
-        answer = await self._ask("sampling/createMessage", params, needs="sampling")
-        if "error" in answer or not isinstance(answer.get("result"), dict):
-            raise RpcError(-32603, "the client refused the sampling request")
-        result: dict[str, Any] = answer["result"]
-        return result
+        return parse_sample_answer(await self._ask("sampling/createMessage", params, needs="sampling"))
 
     async def _ask(self, method: str, params: dict[str, Any], *, needs: str) -> dict[str, Any]:
         """Queue a request for the client, go input_required, wait for the answer, go working."""
-        if needs not in self._task.client_capabilities:
-            raise InputNotSupported(
-                f"this tool needs {needs} from the client, but the client did not declare the "
-                f"{needs!r} capability; call it from a client that supports {needs}"
-            )
+        require_capability(self._task.client_capabilities, needs)
         t = self._task
         rpc_id = f"task-{secrets.token_urlsafe(12)}"
         async with self._hub.subscribe(("task", t.tenant_id, t.task_id)) as events:

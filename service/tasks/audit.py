@@ -26,6 +26,26 @@ class ChainProblem:
     problem: str
 
 
+async def audit(
+    conn: Any, caller: Caller, action: str, outcome: str, task_id: str | None = None, **detail: Any
+) -> None:
+    """Append one audit event for this caller inside the current transaction."""
+    p = caller.principal
+    await repo.append_audit(
+        conn,
+        p.tenant_id,
+        action,
+        outcome,
+        subject=p.subject,
+        client_id=p.client_id,
+        issuer=p.issuer,
+        task_id=task_id,
+        request_id=caller.request_id,
+        address=caller.address,
+        detail=detail or None,
+    )
+
+
 class AuditLog:
     def __init__(self, db: Database, *, on_write_failure: Any = None) -> None:
         self.db = db
@@ -46,11 +66,7 @@ class AuditLog:
         try:
             async with self.db.transaction(tenant) as conn:
                 if caller is not None:
-                    p = caller.principal
-                    await repo.append_audit(
-                        conn, tenant, "deny", outcome, subject=p.subject, client_id=p.client_id, issuer=p.issuer,
-                        request_id=caller.request_id, address=caller.address, detail=detail or None,
-                    )  # fmt: skip
+                    await audit(conn, caller, "deny", outcome, **detail)
                 else:
                     await repo.append_audit(
                         conn, tenant, "deny", outcome, request_id=request_id, address=address, detail=detail or None

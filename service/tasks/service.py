@@ -23,6 +23,7 @@ from service.domain.task import RELATED_TASK, Task, clamp_ttl, new_task_id
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import EventHub, notify
+from service.tasks.audit import audit
 from service.tasks.cursor import CursorCodec
 from service.tools.registry import Registry, ToolSpec
 
@@ -40,26 +41,6 @@ class TaskPolicy:
     poll_interval_ms: int
     max_active_per_requestor: int = 16
     max_active_per_tenant: int = 256
-
-
-async def audit(
-    conn: Any, caller: Caller, action: str, outcome: str, task_id: str | None = None, **detail: Any
-) -> None:
-    """Append one audit event for this caller inside the current transaction."""
-    p = caller.principal
-    await repo.append_audit(
-        conn,
-        p.tenant_id,
-        action,
-        outcome,
-        subject=p.subject,
-        client_id=p.client_id,
-        issuer=p.issuer,
-        task_id=task_id,
-        request_id=caller.request_id,
-        address=caller.address,
-        detail=detail or None,
-    )
 
 
 @dataclass(frozen=True, slots=True)

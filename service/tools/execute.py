@@ -8,7 +8,7 @@ import secrets
 from typing import Any
 
 from service.domain.task import Outcome, OutcomeKind
-from service.tools.api import ElicitAnswer, RpcError, ToolContext, ToolError, text
+from service.tools.api import ElicitAnswer, InputNotSupported, RpcError, ToolContext, ToolError, text
 from service.tools.registry import Registry, normalize_result
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,28 @@ def supports_form_elicitation(capabilities: dict[str, Any]) -> bool:
     """T-CAP-8: an empty elicitation object means form mode; otherwise form must be listed."""
     elicitation = capabilities.get("elicitation")
     return isinstance(elicitation, dict) and (not elicitation or "form" in elicitation)
+
+
+def require_capability(capabilities: dict[str, Any], needs: str) -> None:
+    """A tool may only ask the client for what the client declared (T-CAP-8, D-6)."""
+    if needs == "elicitation" and not supports_form_elicitation(capabilities):
+        raise InputNotSupported(
+            "this tool needs form elicitation, but the client did not declare it in capabilities.elicitation; "
+            "call it from a client that supports form elicitation"
+        )
+    if needs not in capabilities:
+        raise InputNotSupported(
+            f"this tool needs {needs} from the client, but the client did not declare the {needs!r} capability; "
+            f"call it from a client that supports {needs}"
+        )
+
+
+def parse_sample_answer(answer: dict[str, Any]) -> dict[str, Any]:
+    """A client's JSON-RPC response to sampling/createMessage, as the tool sees it."""
+    result = answer.get("result")
+    if "error" in answer or not isinstance(result, dict):
+        raise RpcError(-32603, "the client refused the sampling request")
+    return result
 
 
 def parse_elicit_answer(answer: dict[str, Any]) -> ElicitAnswer:
