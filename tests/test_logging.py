@@ -1,0 +1,51 @@
+"""Structured logs: JSON lines with request id, tenant and method; never tokens or tool arguments."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import httpx
+import orjson
+import pytest
+
+from service.observability.logging import JsonFormatter
+from tests.conftest import RunningServer
+from tests.rpc import RpcSession
+
+
+@pytest.fixture
+def json_log() -> io.StringIO:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    yield stream
+    root.removeHandler(handler)
+    root.setLevel(old_level)
+
+
+async def test_request_lines_are_json_with_request_id_tenant_and_method(
+    server: RunningServer, http: httpx.AsyncClient, json_log: io.StringIO
+) -> None:
+    s = RpcSession(http, server.url)
+    await s.initialize()
+    secret_argument = "do-not-log-this-argument-value"
+    r = await http.post(
+        server.url,
+        json=s.message("tools/call", {"name": "echo", "arguments": {"text": secret_argument}}),
+        headers=s.headers(**{"X-Request-Id": "req-123"}),
+    )
+    assert r.headers["x-request-id"] == "req-123"
+    lines = [orjson.loads(line) for line in json_log.getvalue().splitlines()]
+    mine = [e for e in lines if e.get("request_id") == "req-123" and e["logger"] == "service.mcp.transport"]
+    assert mine, lines
+    entry = mine[-1]
+    assert entry["tenant"] == "local"
+    assert entry["method"] == "tools/call"
+    assert entry["status"] == 200
+    assert {"time", "level", "message", "duration_ms"} <= entry.keys()
+    assert secret_argument not in json_log.getvalue()
