@@ -122,6 +122,7 @@ BAD_TOKENS: dict[str, Callable[[LocalIssuer, str], str]] = {
     "wrong-audience": lambda i, a: i.mint(a, aud="https://other.example.com/mcp"),
     "missing-subject": lambda i, a: i.mint(a, sub=None),
     "missing-tenant": lambda i, a: i.mint(a, tenant_id=None),
+    "reserved-tenant": lambda i, a: i.mint(a, tenant_id="-"),
     "id-token-type": lambda i, a: i.mint(a, header={"typ": "id_token+jwt"}),
     "inactive-opaque": lambda i, a: "opaque-but-inactive",
 }

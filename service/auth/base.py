@@ -14,7 +14,14 @@ class AuthFailure(Exception):
     """An HTTP-level refusal (401/403) with the challenge header to send."""
 
     def __init__(
-        self, status: int, error: str, description: str, headers: dict[str, str], *, reason: str | None = None
+        self,
+        status: int,
+        error: str,
+        description: str,
+        headers: dict[str, str],
+        *,
+        reason: str | None = None,
+        principal: Principal | None = None,
     ) -> None:
         super().__init__(description)
         self.status = status
@@ -22,6 +29,7 @@ class AuthFailure(Exception):
         self.description = description
         self.headers = headers
         self.reason = reason or error  # a short bounded label for audit rows and metrics
+        self.principal = principal  # set when the token was valid but not enough (403)
 
 
 class Authenticator(Protocol):

@@ -51,7 +51,14 @@ class OAuthResourceServer:
         self._scope = " ".join(sorted(settings.required_scopes) or DEFAULT_SCOPES)
 
     def _challenge(
-        self, status: int, error: str | None, description: str, *, reason: str | None = None, **extra: str
+        self,
+        status: int,
+        error: str | None,
+        description: str,
+        *,
+        reason: str | None = None,
+        principal: Principal | None = None,
+        **extra: str,
     ) -> AuthFailure:
         parts = [f'resource_metadata="{self._metadata_url}"']
         if error:
@@ -59,7 +66,14 @@ class OAuthResourceServer:
             parts.append(f'error_description="{_quote(description)}"')
         parts.append(f'scope="{self._scope}"')
         headers = {"WWW-Authenticate": "Bearer " + ", ".join(parts), **extra}
-        return AuthFailure(status, error or "unauthorized", description, headers, reason=reason or error or "no_token")
+        return AuthFailure(
+            status,
+            error or "unauthorized",
+            description,
+            headers,
+            reason=reason or error or "no_token",
+            principal=principal,
+        )
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         client = conn.client.host if conn.client else "-"
@@ -98,6 +112,7 @@ class OAuthResourceServer:
             raise self._challenge(
                 403, "insufficient_scope", f"the token lacks scope(s): {' '.join(sorted(missing))}",
                 reason="insufficient_scope",
+                principal=principal,
             )  # fmt: skip
         return principal
 

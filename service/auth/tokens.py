@@ -37,6 +37,8 @@ ALLOWED_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", 
 # RFC 9068 says at+jwt; many identity providers send JWT or nothing (docs/decisions.md A-3).
 ALLOWED_TYP = frozenset({"at+jwt", "application/at+jwt", "jwt"})
 REFRESH_MIN_S = 10.0
+# The audit chain of denials made before any tenant is known (service/tasks/audit.py).
+RESERVED_TENANT = "-"
 CACHE_SIZE = 10_000
 INTROSPECTION_CACHE_S = 30.0
 
@@ -164,6 +166,8 @@ class TokenVerifier:
         tenant = claims.get(self.settings.tenant_claim)
         if not isinstance(tenant, str) or not tenant:
             raise TokenRejected("claims", f"the token has no tenant claim ({self.settings.tenant_claim})")
+        if tenant == RESERVED_TENANT:
+            raise TokenRejected("claims", f"tenant {RESERVED_TENANT!r} is reserved (unauthenticated audit events)")
         client_id = claims.get("client_id", claims.get("azp", ""))
         scopes = claims.get("scope", claims.get("scp", ""))
         scope_set = frozenset(scopes.split()) if isinstance(scopes, str) else frozenset(map(str, scopes or []))

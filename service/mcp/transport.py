@@ -165,10 +165,12 @@ class McpEndpoint:
                 principal = await self.auth.authenticate(HTTPConnection(scope, receive))
             except AuthFailure as refused:
                 metrics.auth_failures.labels(refused.reason).inc()
-                # Before authentication the only key is the client address (T-SEC-6).
-                await self.audit.deny(None, f"auth:{refused.reason}", address=address, request_id=request_id)
+                # Before authentication the only key is the client address (T-SEC-6). Once throttled,
+                # refusals are only counted: writing a row each would hand a flood a lever on the database.
                 if refused.status == 401 and (limited := await self.limiter.authentication_failed(address)):
                     raise _throttled(limited) from None
+                who = Caller(refused.principal, request_id, address) if refused.principal else None
+                await self.audit.deny(who, f"auth:{refused.reason}", address=address, request_id=request_id)
                 raise
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)

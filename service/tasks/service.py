@@ -304,7 +304,11 @@ class TaskService:
             if row is None:
                 return False
             result = answer.get("result")
-            outcome = str(result.get("action", "answered")) if isinstance(result, dict) else "error"
-            await audit(conn, caller, "input", outcome[:40], row["task_id"])
+            action = result.get("action") if isinstance(result, dict) else None
+            # Only known words reach the audit trail: the client chooses this value.
+            outcome = (
+                action if action in ("accept", "decline", "cancel") else "invalid" if result is not None else "error"
+            )
+            await audit(conn, caller, "input", str(outcome), row["task_id"])
             await notify(conn, {"k": "answer", "t": principal.tenant_id, "id": row["task_id"]})
         return True
