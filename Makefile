@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test lint format interop clean
+.PHONY: help run test lint format interop bench bench-smoke clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -23,16 +23,22 @@ test: $(STAMP) ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASK
 	$(BIN)/pytest
 
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
-	$(BIN)/ruff check service tests
-	$(BIN)/ruff format --check service tests
+	$(BIN)/ruff check service tests bench
+	$(BIN)/ruff format --check service tests bench
 	$(BIN)/mypy
 
 format: $(STAMP) ## apply ruff's fixes and formatting
-	$(BIN)/ruff check --fix service tests
-	$(BIN)/ruff format service tests
+	$(BIN)/ruff check --fix service tests bench
+	$(BIN)/ruff format service tests bench
 
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
 	scripts/interop.sh
+
+bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes) -> docs/performance-results.json
+	$(BIN)/python bench/run.py
+
+bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and the floor only), as in CI
+	$(BIN)/python bench/run.py --smoke --out /var/tmp/mcp-tasks-bench-smoke.json
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -191,6 +191,12 @@ async def _audit_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the load generator has its own options (mcp-tasks bench --help)
+        from service.bench.loadgen import main as bench_main
+
+        log_setup.configure("WARNING", "text")
+        sys.exit(bench_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (and in-process runners)")
@@ -216,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     export = audit_sub.add_parser("export", help="write events as JSON lines, in chain order")
     export.add_argument("--tenant", default=None)
     export.add_argument("--since", default=None, help="ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00")
+    sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
     call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
     call.add_argument("tool")
     call.add_argument("--arg", action="append", default=[], help="key=value (value parsed as JSON if it can be)")

@@ -1,0 +1,248 @@
+"""The load generator behind ``mcp-tasks bench``: many MCP sessions driving one workload at any endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import ssl
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Final
+
+import httpx
+import orjson
+
+from service.bench.config import WORKLOADS, BenchConfig, BenchError, BenchUsageError, validate
+from service.bench.probe import ProbeError, ServerProbe, ServerWindow
+from service.bench.report import ProgressLine, summary
+from service.bench.stats import Recorder, latency_summary
+from service.bench.wire import REQUEST_TIMEOUT_S, McpSession, RequestFailed
+from service.bench.workloads import Client, Workload, cancel_held, run_op
+
+__all__ = ["BenchConfig", "BenchError", "BenchUsageError", "main", "run_bench"]
+
+TICK_S: Final = 0.5
+CLEANUP_BUDGET_S: Final = 30.0
+
+
+@dataclass
+class _Phase:
+    """Shared by all workers; one event loop, so plain fields need no lock."""
+
+    max_ops: int | None
+    measuring: bool = False
+    stopped: bool = False
+    started: int = 0
+
+
+async def _open_sessions(clients: list[Client]) -> None:
+    outcomes = await asyncio.gather(*(c.session.initialize() for c in clients), return_exceptions=True)
+    kinds = Counter(o.kind if isinstance(o, RequestFailed) else type(o).__name__ for o in outcomes if o is not None)
+    if kinds:
+        listed = ", ".join(f"{k}={n}" for k, n in sorted(kinds.items()))
+        raise BenchError(f"{kinds.total()} of {len(clients)} sessions failed to initialize ({listed})")
+
+
+async def _hold_tasks(config: BenchConfig, workload: Workload, clients: list[Client], progress: ProgressLine) -> None:
+    rec = Recorder()
+    started = perf_counter()
+
+    def tick() -> None:
+        if rec.ops % 100 == 0:
+            progress.show("setup", perf_counter() - started, rec.ops, rec.failed_ops)
+
+    await asyncio.gather(*(workload.hold(c, config.held, rec, tick) for c in clients))
+    if rec.failed_ops:
+        listed = ", ".join(f"{k}={n}" for k, n in sorted(rec.kinds.items()))
+        raise BenchError(
+            f"{rec.failed_ops} of {rec.ops} held tasks could not be created ({listed}); "
+            "raise the server's task limits or spread the load over more --token principals"
+        )
+
+
+async def _measure(
+    config: BenchConfig, workload: Workload, clients: list[Client], probe: ServerProbe | None, progress: ProgressLine
+) -> dict[str, Any]:
+    phase = _Phase(config.max_ops)
+    warm, measured = Recorder(), Recorder()
+    op = workload.operation()
+
+    async def worker(client: Client) -> None:
+        while not phase.stopped:
+            if not phase.measuring:
+                await run_op(op, client, warm)
+                continue
+            if phase.max_ops is not None:
+                if phase.started >= phase.max_ops:
+                    return
+                phase.started += 1
+            await run_op(op, client, measured)
+
+    window: ServerWindow | None = None
+    began = perf_counter()
+    start = began
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            if phase.measuring:
+                if window is not None:
+                    window.sample()
+                progress.show("measuring", perf_counter() - start, measured.ops, measured.failed_ops)
+            else:
+                progress.show("warm-up", perf_counter() - began, warm.ops, warm.failed_ops)
+
+    progress.reset_rate()
+    workers = [asyncio.create_task(worker(c)) for c in clients]
+    ticking = asyncio.create_task(ticker())
+    try:
+        if config.warmup_s > 0:
+            await asyncio.wait(workers, timeout=config.warmup_s)
+        window = ServerWindow(probe) if probe is not None else None
+        phase.measuring = True
+        start = perf_counter()
+        progress.reset_rate()
+        await asyncio.wait(workers, timeout=config.duration_s)
+        # Operations in flight finish and count: they started inside the measured phase.
+        phase.stopped = True
+        await asyncio.gather(*workers)
+        duration = perf_counter() - start
+        if window is not None:
+            window.finish()
+    finally:
+        for task in (*workers, ticking):
+            task.cancel()
+        await asyncio.gather(*workers, ticking, return_exceptions=True)
+    progress.show("done", duration, measured.ops, measured.failed_ops, rate=measured.ops / max(duration, 1e-9))
+    pending = measured.successes("tools/call") if config.workload == "create" else None
+    return {
+        "workload": config.workload,
+        "url": config.url,
+        "clients": config.clients,
+        "duration_s": round(duration, 3),
+        "ops": measured.ops,
+        "errors": measured.failed_ops,
+        "error_kinds": dict(sorted(measured.kinds.items())),
+        "throughput_per_s": round(measured.ops / duration, 1) if duration > 0 else 0.0,
+        "methods": measured.methods(),
+        "op_latency": latency_summary(measured.op_samples),
+        "server": window.summary(measured.ops, pending) if window is not None else None,
+        "warmup": {"ops": warm.ops, "errors": warm.failed_ops},
+    }
+
+
+async def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """Run one workload and return the result; raises BenchUsageError (bad config) or BenchError (setup)."""
+    validate(config)
+    try:
+        probe = ServerProbe(config.server_pid) if config.server_pid is not None else None
+    except ProbeError as exc:
+        raise BenchUsageError(str(exc)) from None
+    workload = Workload.build(config.workload, config.tool, config.hold_tool, config.ttl_ms)
+    progress = ProgressLine(config.workload, config.progress)
+    tokens = list(config.tokens)
+    ssl_context = httpx.create_ssl_context()
+    async with contextlib.AsyncExitStack() as stack:
+        clients: list[Client] = []
+        for i in range(config.clients):
+            http = await stack.enter_async_context(_http_client(ssl_context))
+            token = tokens[i % len(tokens)] if tokens else None
+            clients.append(Client(McpSession(http, config.url, token=token), random.Random(i)))
+        try:
+            await _open_sessions(clients)
+            if config.workload == "get":
+                await _hold_tasks(config, workload, clients, progress)
+            result = await _measure(config, workload, clients, probe, progress)
+        finally:
+            progress.close()
+            # Not measured: leave the server as unloaded as we found it, within a bounded time.
+            cleanup = await cancel_held(clients, CLEANUP_BUDGET_S)
+            await asyncio.gather(*(c.session.close() for c in clients))
+    result["cleanup"] = cleanup.as_dict()
+    return result
+
+
+def _http_client(ssl_context: ssl.SSLContext) -> httpx.AsyncClient:
+    """A keep-alive HTTP/1.1 client for one simulated client.
+
+    One small pool per client rather than one shared pool: httpcore scans every pooled connection on
+    each request, which made a shared 32-connection pool the generator's main CPU cost. The SSL
+    context is shared because building one per client is slow. trust_env=False: a proxy from the
+    environment would be measured too, silently.
+    """
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=2, max_keepalive_connections=2),
+        timeout=REQUEST_TIMEOUT_S,
+        verify=ssl_context,
+        trust_env=False,
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mcp-tasks bench", description="Load an MCP Tasks endpoint (ours or another).")
+    p.add_argument("--url", default="http://127.0.0.1:8000/mcp", help="MCP endpoint (default %(default)s)")
+    p.add_argument("--workload", required=True, choices=WORKLOADS)
+    p.add_argument("--clients", type=int, default=32, help="concurrent sessions (default %(default)s)")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds (default %(default)s)")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first (default %(default)s)")
+    p.add_argument("--max-ops", type=int, default=None, help="stop after this many measured operations")
+    p.add_argument("--held", type=int, default=200, help="tasks held per client for 'get' (default %(default)s)")
+    p.add_argument("--token", action="append", default=[], help="bearer token; repeat for round-robin principals")
+    p.add_argument("--tool", default="echo", help="tool for plain/lifecycle, args {text: x}")
+    p.add_argument("--hold-tool", default="sleep", help="tool for get/create, args {seconds: 3600}")
+    p.add_argument("--ttl-ms", type=int, default=3_600_000, help="params.task.ttl (default %(default)s)")
+    p.add_argument("--server-pid", type=int, default=None, help="measure this process tree's CPU and RSS")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback host")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the result here")
+    p.add_argument("--quiet", action="store_true", help="no progress line and no summary")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``mcp-tasks bench``: 0 = no failed operation, 1 = some failed (or setup failed), 2 = bad usage."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on bad usage; the caller wants a status
+        return exc.code if isinstance(exc.code, int) else 2
+    config = BenchConfig(
+        url=args.url,
+        workload=args.workload,
+        clients=args.clients,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        max_ops=args.max_ops,
+        held=args.held,
+        tokens=tuple(args.token),
+        tool=args.tool,
+        hold_tool=args.hold_tool,
+        ttl_ms=args.ttl_ms,
+        server_pid=args.server_pid,
+        allow_remote=args.allow_remote,
+        progress=not args.quiet,
+    )
+    try:
+        result = asyncio.run(run_bench(config))
+    except BenchUsageError as exc:
+        print(f"mcp-tasks bench: {exc}", file=sys.stderr)
+        return 2
+    except BenchError as exc:
+        print(f"mcp-tasks bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    encoded = orjson.dumps(result, option=orjson.OPT_INDENT_2)
+    if args.json is not None:
+        try:
+            args.json.write_bytes(encoded + b"\n")
+        except OSError as exc:
+            print(f"mcp-tasks bench: cannot write {args.json}: {exc.strerror}", file=sys.stderr)
+    if not args.quiet:
+        print(summary(result), file=sys.stderr)
+    sys.stdout.write(encoded.decode() + "\n")
+    sys.stdout.flush()
+    return 1 if result["errors"] else 0

@@ -1,0 +1,121 @@
+"""The four workloads: what one operation is, what is set up before measuring, and what is cleaned up after."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Final
+
+from service.bench.stats import Recorder, created_task, tool_result
+from service.bench.wire import McpSession, RequestFailed
+
+HOLD_SECONDS: Final = 3600
+
+
+@dataclass(slots=True)
+class Client:
+    """One simulated client: its session and the tasks it must cancel before leaving."""
+
+    session: McpSession
+    rng: random.Random
+    held: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Prebuilt request parameters, so an operation allocates no more than the wire needs."""
+
+    name: str
+    plain_call: dict[str, Any]
+    task_call: dict[str, Any]
+    hold_call: dict[str, Any]
+
+    @classmethod
+    def build(cls, name: str, tool: str, hold_tool: str, ttl_ms: int) -> Workload:
+        task = {"ttl": ttl_ms}
+        return cls(
+            name=name,
+            plain_call={"name": tool, "arguments": {"text": "x"}},
+            task_call={"name": tool, "arguments": {"text": "x"}, "task": task},
+            hold_call={"name": hold_tool, "arguments": {"seconds": HOLD_SECONDS}, "task": task},
+        )
+
+    def operation(self) -> Callable[[Client, Recorder], Awaitable[bool]]:
+        return {"plain": self.plain, "lifecycle": self.lifecycle, "get": self.get, "create": self.create}[self.name]
+
+    async def plain(self, client: Client, rec: Recorder) -> bool:
+        return await rec.call(client.session, "tools/call", self.plain_call, tool_result) is not None
+
+    async def lifecycle(self, client: Client, rec: Recorder) -> bool:
+        created = await rec.call(client.session, "tools/call", self.task_call, created_task)
+        if created is None:
+            return False
+        task_id = {"taskId": created["task"]["taskId"]}
+        if await rec.call(client.session, "tasks/get", task_id) is None:
+            return False
+        # tasks/result blocks until the task is terminal and returns what the call would have returned.
+        return await rec.call(client.session, "tasks/result", task_id, tool_result) is not None
+
+    async def get(self, client: Client, rec: Recorder) -> bool:
+        task_id = {"taskId": client.rng.choice(client.held)}
+        return await rec.call(client.session, "tasks/get", task_id) is not None
+
+    async def create(self, client: Client, rec: Recorder) -> bool:
+        created = await rec.call(client.session, "tools/call", self.hold_call, created_task)
+        if created is None:
+            return False
+        client.held.append(created["task"]["taskId"])
+        return True
+
+    async def hold(self, client: Client, count: int, rec: Recorder, progress: Callable[[], None]) -> None:
+        """Setup of ``get``: create ``count`` long tasks that stay pending while measuring."""
+        for _ in range(count):
+            started = perf_counter()
+            ok = await self.create(client, rec)
+            rec.op_done(ok, perf_counter() - started)
+            progress()
+
+
+async def run_op(op: Callable[[Client, Recorder], Awaitable[bool]], client: Client, rec: Recorder) -> None:
+    started = perf_counter()
+    ok = await op(client, rec)
+    rec.op_done(ok, perf_counter() - started)
+
+
+@dataclass(slots=True)
+class Cleanup:
+    """How the best-effort cancellation of held tasks went (never part of the measurement)."""
+
+    cancelled: int = 0
+    failed: int = 0
+    left: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"cancelled": self.cancelled, "failed": self.failed, "left": self.left}
+
+
+async def cancel_held(clients: list[Client], budget_s: float) -> Cleanup:
+    """Cancel every client's held tasks within ``budget_s``; what is left expires with its TTL."""
+    outcome = Cleanup()
+
+    async def cancel_own(client: Client) -> None:
+        # Each client cancels through its own session: some servers bind tasks to the creating session.
+        while client.held:
+            try:
+                await client.session.request("tasks/cancel", {"taskId": client.held[-1]})
+                outcome.cancelled += 1
+            except RequestFailed:
+                outcome.failed += 1
+            # Popped only now: a task whose cancel the budget interrupted is still counted as left.
+            client.held.pop()
+
+    try:
+        async with asyncio.timeout(budget_s):
+            await asyncio.gather(*(cancel_own(c) for c in clients))
+    except TimeoutError:
+        pass
+    outcome.left = sum(len(c.held) for c in clients)
+    return outcome
