@@ -34,7 +34,7 @@ format: $(STAMP) ## apply ruff's fixes and formatting
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
 	scripts/interop.sh
 
-bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes) -> docs/performance-results.json
+bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes); see docs/performance.md
 	$(BIN)/python bench/run.py
 
 bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and the floor only), as in CI

@@ -235,7 +235,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=10.0)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "performance-results.json"))
+    ap.add_argument("--out", default="/var/tmp/mcp-tasks-bench-results.json", help="raw results (JSON)")
     ap.add_argument("--smoke", action="store_true", help="one short round, ours and the floor only (CI)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1k/100k/1M stored-tasks scale run")
     args = ap.parse_args()
