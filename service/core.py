@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from service.config import Settings
+from service.observability import metrics
 from service.runtime.maintenance import Maintenance
 from service.runtime.runner import Runner
 from service.store import migrate
@@ -44,6 +45,7 @@ class Core:
         await self.hub.stop()
         await self.runner_db.close()
         await self.db.close()
+        metrics.process_exiting()
 
 
 async def check_schema(dsn: str) -> None:

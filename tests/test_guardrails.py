@@ -237,3 +237,22 @@ async def test_auth_failures_are_counted_by_reason(database_url: str, http: http
     for reason in ("no_token", "expired"):
         moved = value(after, "mcp_tasks_auth_failures_total", reason=reason)
         assert moved - value(before, "mcp_tasks_auth_failures_total", reason=reason) == 1, reason
+
+
+@pytest.mark.slow
+async def test_metrics_of_several_processes_add_up_in_multiprocess_mode(
+    database_url: str, http: httpx.AsyncClient, tmp_path: Any
+) -> None:
+    shared = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    async with (
+        mcp_tasks("worker", database_url, **shared),
+        mcp_tasks("serve", database_url, MCP_TASKS_RUNNER_CONCURRENCY="0", **shared) as (_proc, url),
+    ):
+        s = await session(http, url)
+        for i in range(3):
+            task_id = (await s.call_tool_as_task("echo", {"text": str(i)}))["task"]["taskId"]
+            await s.result("tasks/result", {"taskId": task_id})  # finished by the worker process
+        r = await http.get(url.removesuffix("/mcp") + "/metrics")
+    m = scrape(r.text)
+    assert value(m, "mcp_tasks_tasks_created_total", tool="echo", tenant="") == 3  # counted by the front end
+    assert value(m, "mcp_tasks_tasks_finished_total", tool="echo", status="completed", tenant="") == 3  # by the worker

@@ -75,6 +75,12 @@ def method(value: str) -> str:
     return value if value in KNOWN_METHODS else "other"
 
 
+def process_exiting() -> None:
+    """In multiprocess mode, drop this process's live gauges (runner slots, pool use) on the way out."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+
 def exposition() -> bytes:
     """The text exposition of this process, or of all processes in multiprocess mode."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
