@@ -284,24 +284,25 @@ def median_of(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _num(v: float, fmt: str = ".0f", suffix: str = "") -> str:
+    return "-" if v != v else f"{v:{fmt}}{suffix}"  # NaN (not measured) prints as a dash
+
+
 def render(report: dict[str, Any]) -> str:
     """A markdown table of medians and ratios (pasted into docs/performance.md)."""
     lines = [
         "| workload | ours | official SDK | FastMCP | floor | ours / best peer | target |",
         "|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for workload, per in report["results"].items():
         value = {name: median_of(runs, "throughput_per_s") for name, runs in per.items()}
         peers = [v for k, v in value.items() if k in ("sdk", "fastmcp")]
-        best = max(peers) if peers else float("nan")
-        ratio = value.get("ours", float("nan")) / best if peers else float("nan")
-        lines.append(
-            f"| {workload} | {value.get('ours', float('nan')):.0f} | {value.get('sdk', float('nan')):.0f} | "
-            f"{value.get('fastmcp', float('nan')):.0f} | {value.get('floor', float('nan')):.0f} | {ratio:.2f}x | "
-            f">= {TARGETS[workload]:.0f}x |"
-        )
+        ratio = value.get("ours", nan) / max(peers) if peers else nan
+        cells = [_num(value.get(k, nan)) for k in ("ours", "sdk", "fastmcp", "floor")]
+        lines.append(f"| {workload} | {' | '.join(cells)} | {_num(ratio, '.2f', 'x')} | >= {TARGETS[workload]:.0f}x |")
     for stored, p99 in (report.get("scale") or {}).items():
-        lines.append(f"\ntasks/get p99 with {stored} tasks stored: {p99:.2f} ms")
+        lines.append(f"\ntasks/get p99 with {stored} tasks stored: {_num(p99, '.2f')} ms")
     return "\n".join(lines)
 
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-import httpx
 import orjson
 import pytest
 
-from service.bench import BenchConfig, BenchUsageError, main, run_bench
+from service.bench import BenchConfig, BenchUsageError, main, run_bench, wire
+from service.bench.sse import SseParser
 from service.bench.wire import McpSession, RequestFailed
-from tests.conftest import make_settings, serve
+from tests.conftest import free_port, make_settings, serve
 
 METHODS = {
     "plain": {"tools/call"},
@@ -105,34 +111,177 @@ def test_cli_exits_2_on_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == ""
 
 
-async def test_sse_answers_with_crlf_lines_and_notifications_first_are_parsed() -> None:
-    # The SDK peers answer with sse-starlette: CRLF line ends, progress notifications before the response.
-    def answer(request: httpx.Request) -> httpx.Response:
-        rpc_id = orjson.loads(request.content)["id"]
+# A scripted answer: the raw pieces to write for one request (head and parsed body), and whether to close after.
+Answer = Callable[[bytes, dict[str, Any]], tuple[list[bytes], bool]]
+
+
+@dataclass
+class ScriptedServer:
+    """A tiny HTTP/1.1 server on loopback that answers every request with raw bytes from a script."""
+
+    url: str
+    connections: int = 0
+    heads: list[bytes] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(answer: Answer) -> AsyncIterator[ScriptedServer]:
+    handlers: set[asyncio.Task[Any]] = set()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        writers.append(writer)
+        state.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                body = await reader.readexactly(int(length.group(1))) if length else b""
+                state.heads.append(head)
+                pieces, close = answer(head, orjson.loads(body) if body else {})
+                for piece in pieces:
+                    writer.write(piece)
+                    await writer.drain()
+                if close:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # the client went away
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    state = ScriptedServer(url=f"http://127.0.0.1:{port}/mcp")
+    try:
+        yield state
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+        await server.wait_closed()
+
+
+def rpc_id_of(message: dict[str, Any]) -> bytes:
+    return str(message["id"]).encode()
+
+
+def chunked(*pieces: bytes) -> list[bytes]:
+    return [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces]
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_chunked_sse_answers_with_crlf_lines_and_notifications_first_keep_the_connection() -> None:
+    # The SDK peers answer with sse-starlette: chunked, CRLF line ends, notifications before the response.
+    def answer(head: bytes, message: dict[str, Any]) -> tuple[list[bytes], bool]:
+        response = (
+            b'event: message\r\ndata: {"jsonrpc":"2.0","id":' + rpc_id_of(message) + b',"result":{"ok":1}}\r\n\r\n'
+        )
         events = [
             b": keepalive\r\n\r\n",
-            b'event: message\r\ndata: {"jsonrpc":"2.0","method":"notifications/progress","params":{}}\r\n\r\n',
-            b'event: message\r\ndata: {"jsonrpc":"2.0","id":' + str(rpc_id).encode() + b',"result":{"ok":1}}\r\n\r\n',
+            b'event: message\r\ndata: {"jsonrpc":"2.0","method":"notifications/progress","params":{}}\r',
+            b"\n\r\n" + response[:30],  # a CRLF and an event cut across chunks
+            response[30:],
         ]
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"".join(events))
+        # A chunk extension and a trailer field are legal and must be skipped.
+        body = [b"3;name=value\r\n: k\r\n", *chunked(*events), b"0\r\nx-trailer: 1\r\n\r\n"]
+        return [SSE_HEAD, *body], False
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-        session = McpSession(http, "http://127.0.0.1/mcp", token=None)
-        assert await session.request("tasks/get", {"taskId": "t"}) == {"ok": 1}
+    async with scripted_server(answer) as server:
+        session = McpSession(server.url, token="t0k")
+        try:
+            assert await session.request("tasks/get", {"taskId": "t"}) == {"ok": 1}
+            assert await session.request("tasks/get", {"taskId": "t"}) == {"ok": 1}
+        finally:
+            await session.close()
+    assert server.connections == session.connection.opened == 1
+    assert server.heads[0].startswith(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nAuthorization: Bearer t0k\r\n" in server.heads[0]
+
+
+async def test_connection_close_and_bodies_ending_with_the_connection_make_the_client_reconnect() -> None:
+    def answer(head: bytes, message: dict[str, Any]) -> tuple[list[bytes], bool]:
+        body = b'{"jsonrpc":"2.0","id":' + rpc_id_of(message) + b',"result":{"n":' + rpc_id_of(message) + b"}}"
+        if message["id"] == 1:
+            return [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)], True
+        return [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + body], True  # framed by the close
+
+    async with scripted_server(answer) as server:
+        session = McpSession(server.url, token=None)
+        try:
+            assert await session.request("tools/call", {}) == {"n": 1}
+            assert await session.request("tools/call", {}) == {"n": 2}
+            assert await session.request("tools/call", {}) == {"n": 3}
+        finally:
+            await session.close()
+    assert server.connections == session.connection.opened == 3
+
+
+async def test_an_sse_stream_held_open_after_the_answer_costs_only_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wire, "SSE_DRAIN_S", 0.05)
+
+    def answer(head: bytes, message: dict[str, Any]) -> tuple[list[bytes], bool]:
+        event = b'data: {"jsonrpc":"2.0","id":' + rpc_id_of(message) + b',"result":{}}\n\n'
+        return [SSE_HEAD, *chunked(event)], False  # no final chunk: the stream stays open
+
+    async with scripted_server(answer) as server:
+        session = McpSession(server.url, token=None)
+        try:
+            assert await session.request("tasks/result", {"taskId": "t"}) == {}
+            assert await session.request("tasks/result", {"taskId": "t"}) == {}
+        finally:
+            await session.close()
+    assert session.connection.opened == 2
 
 
 async def test_error_statuses_and_rpc_errors_become_failure_kinds() -> None:
-    def answer(request: httpx.Request) -> httpx.Response:
-        method = orjson.loads(request.content)["method"]
-        if method == "tasks/get":
-            return httpx.Response(404, json={"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "x"}})
-        return httpx.Response(200, json={"jsonrpc": "2.0", "id": 2, "error": {"code": -32602, "message": "x"}})
+    def answer(head: bytes, message: dict[str, Any]) -> tuple[list[bytes], bool]:
+        if message["method"] == "tasks/get":
+            body = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"x"}}'
+            return [b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)], False
+        if message["method"] == "tasks/list":
+            return [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"], True  # cut short
+        if message["method"] == "tasks/cancel":
+            return [b"SPDY/3 200 OK\r\n\r\n"], True
+        body = b'{"jsonrpc":"2.0","id":' + rpc_id_of(message) + b',"error":{"code":-32602,"message":"x"}}'
+        return [b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)], False
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-        session = McpSession(http, "http://127.0.0.1/mcp", token=None)
-        with pytest.raises(RequestFailed) as status:
-            await session.request("tasks/get", {"taskId": "t"})
-        with pytest.raises(RequestFailed) as rpc:
-            await session.request("tasks/result", {"taskId": "t"})
-    assert status.value.kind == "http_404"
-    assert rpc.value.kind == "rpc_-32602"
+    kinds = {}
+    async with scripted_server(answer) as server:
+        session = McpSession(server.url, token=None)
+        try:
+            for method in ("tasks/get", "tasks/result", "tasks/list", "tasks/cancel"):
+                with pytest.raises(RequestFailed) as failure:
+                    await session.request(method, {"taskId": "t"})
+                kinds[method] = failure.value.kind
+        finally:
+            await session.close()
+    assert kinds == {
+        "tasks/get": "http_404",
+        "tasks/result": "rpc_-32602",
+        "tasks/list": "transport_ConnectionLost",
+        "tasks/cancel": "transport_BadResponse",
+    }
+
+
+async def test_a_refused_connection_is_a_transport_failure() -> None:
+    session = McpSession(f"http://127.0.0.1:{free_port()}/mcp", token=None)
+    with pytest.raises(RequestFailed) as failure:
+        await session.request("tools/call", {})
+    await session.close()
+    assert failure.value.kind == "transport_ConnectFailed"
+
+
+def test_sse_events_are_the_same_however_the_stream_is_cut() -> None:
+    stream = b': ping\r\n\r\nevent: message\r\ndata: {"a":1}\r\n\r\ndata: x\ndata: y\n\ndata:z\r\rdata: cut'
+    whole = SseParser().feed(stream)
+    parser = SseParser()
+    one_by_one = [event for i in range(len(stream)) for event in parser.feed(stream[i : i + 1])]
+    assert whole == one_by_one == [b'{"a":1}', b"x\ny", b"z"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import ssl
 import sys
@@ -14,14 +13,13 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
 
-import httpx
 import orjson
 
 from service.bench.config import WORKLOADS, BenchConfig, BenchError, BenchUsageError, validate
 from service.bench.probe import ProbeError, ServerProbe, ServerWindow
 from service.bench.report import ProgressLine, summary
 from service.bench.stats import Recorder, latency_summary
-from service.bench.wire import REQUEST_TIMEOUT_S, McpSession, RequestFailed
+from service.bench.wire import McpSession, RequestFailed
 from service.bench.workloads import Client, Workload, cancel_held, run_op
 
 __all__ = ["BenchConfig", "BenchError", "BenchUsageError", "main", "run_bench"]
@@ -146,41 +144,26 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
     workload = Workload.build(config.workload, config.tool, config.hold_tool, config.ttl_ms)
     progress = ProgressLine(config.workload, config.progress)
     tokens = list(config.tokens)
-    ssl_context = httpx.create_ssl_context()
-    async with contextlib.AsyncExitStack() as stack:
-        clients: list[Client] = []
-        for i in range(config.clients):
-            http = await stack.enter_async_context(_http_client(ssl_context))
-            token = tokens[i % len(tokens)] if tokens else None
-            clients.append(Client(McpSession(http, config.url, token=token), random.Random(i)))
-        try:
-            await _open_sessions(clients)
-            if config.workload == "get":
-                await _hold_tasks(config, workload, clients, progress)
-            result = await _measure(config, workload, clients, probe, progress)
-        finally:
-            progress.close()
-            # Not measured: leave the server as unloaded as we found it, within a bounded time.
-            cleanup = await cancel_held(clients, CLEANUP_BUDGET_S)
-            await asyncio.gather(*(c.session.close() for c in clients))
+    # One TLS context for every client (https only): building one per client is slow.
+    ssl_context = ssl.create_default_context() if config.url.startswith("https:") else None
+    clients: list[Client] = []
+    for i in range(config.clients):
+        token = tokens[i % len(tokens)] if tokens else None
+        session = McpSession(config.url, token=token, ssl_context=ssl_context)
+        clients.append(Client(session, random.Random(i)))
+    try:
+        await _open_sessions(clients)
+        if config.workload == "get":
+            await _hold_tasks(config, workload, clients, progress)
+        result = await _measure(config, workload, clients, probe, progress)
+    finally:
+        progress.close()
+        # Not measured: leave the server as unloaded as we found it, within a bounded time.
+        cleanup = await cancel_held(clients, CLEANUP_BUDGET_S)
+        # Every session closes its own connection, whether or not its DELETE got through.
+        await asyncio.gather(*(c.session.close() for c in clients))
     result["cleanup"] = cleanup.as_dict()
     return result
-
-
-def _http_client(ssl_context: ssl.SSLContext) -> httpx.AsyncClient:
-    """A keep-alive HTTP/1.1 client for one simulated client.
-
-    One small pool per client rather than one shared pool: httpcore scans every pooled connection on
-    each request, which made a shared 32-connection pool the generator's main CPU cost. The SSL
-    context is shared because building one per client is slow. trust_env=False: a proxy from the
-    environment would be measured too, silently.
-    """
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=2, max_keepalive_connections=2),
-        timeout=REQUEST_TIMEOUT_S,
-        verify=ssl_context,
-        trust_env=False,
-    )
 
 
 def _parser() -> argparse.ArgumentParser:

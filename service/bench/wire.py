@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import ssl
 from typing import Any, Final
 
-import httpx
 import orjson
+
+from service.bench.http1 import Connection, Endpoint, HttpError, Response
+from service.bench.sse import SseParser
 
 PROTOCOL_VERSION: Final = "2025-11-25"
 REQUEST_TIMEOUT_S: Final = 30.0
@@ -26,19 +28,22 @@ class RequestFailed(Exception):
 
 
 class McpSession:
-    """One simulated client's MCP session: its own ``initialize``, its own headers, sequential requests."""
+    """One simulated client's MCP session: its own connection, ``initialize`` and headers; sequential requests."""
 
-    __slots__ = ("_headers", "_http", "_next_id", "_timeout_s", "_url", "session_id")
+    __slots__ = ("_delete_head", "_headers", "_next_id", "_post_head", "_timeout_s", "connection", "session_id")
 
     def __init__(
-        self, http: httpx.AsyncClient, url: str, *, token: str | None, timeout_s: float = REQUEST_TIMEOUT_S
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self._http = http
-        self._url = url
+        self.connection = Connection(Endpoint.from_url(url, ssl_context))
         self._timeout_s = timeout_s
         self._next_id = 0
         self.session_id: str | None = None
-        # Built once and reused: per-request header dicts are measurable churn at tens of thousands of ops/s.
         self._headers = {
             "Content-Type": "application/json",
             "Accept": "application/json, text/event-stream",
@@ -46,6 +51,14 @@ class McpSession:
         }
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        self._post_head = self._delete_head = b""
+        self._build_heads()
+
+    def _build_heads(self) -> None:
+        # Built once per session (and again after initialize): per-request header encoding is measurable churn.
+        endpoint = self.connection.endpoint
+        self._post_head = endpoint.head("POST", self._headers)
+        self._delete_head = endpoint.head("DELETE", self._headers)
 
     async def initialize(self) -> None:
         """Open the session (``initialize`` + ``notifications/initialized``); raises RequestFailed."""
@@ -61,6 +74,7 @@ class McpSession:
         version = result.get("protocolVersion")
         if isinstance(version, str) and version:
             self._headers["MCP-Protocol-Version"] = version
+        self._build_heads()
         await self.notify("notifications/initialized")
 
     async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -72,39 +86,38 @@ class McpSession:
         body = orjson.dumps({"jsonrpc": "2.0", "method": method})
         try:
             async with asyncio.timeout(self._timeout_s):
-                response = await self._http.post(self._url, content=body, headers=self._headers)
-        except (TimeoutError, httpx.TimeoutException):
+                response = await self.connection.request(self._post_head, body)
+                await response.read()
+        except TimeoutError:
             raise RequestFailed("timeout") from None
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             raise RequestFailed(f"transport_{type(exc).__name__}") from None
-        if response.status_code not in _OK_STATUSES:
-            raise RequestFailed(f"http_{response.status_code}")
+        if response.status not in _OK_STATUSES:
+            raise RequestFailed(f"http_{response.status}")
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """End the session with DELETE (H-SESS-6), best effort: a server may answer 405 or be gone."""
-        if self.session_id is None:
-            return
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._http.delete(self._url, headers=self._headers)
-        except (TimeoutError, httpx.HTTPError):
+            if self.session_id is not None:
+                async with asyncio.timeout(timeout_s):
+                    response = await self.connection.request(self._delete_head, b"")
+                    await response.read()
+        except (TimeoutError, HttpError):
             pass
+        finally:
+            await self.connection.close()
 
     async def _exchange(self, method: str, params: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         self._next_id += 1
         rpc_id = self._next_id
         body = orjson.dumps({"jsonrpc": "2.0", "id": rpc_id, "method": method, "params": params})
-        request = self._http.build_request("POST", self._url, content=body, headers=self._headers)
         try:
             async with asyncio.timeout(self._timeout_s):
-                response = await self._http.send(request, stream=True)
-                try:
-                    message = await self._answer(response, rpc_id)
-                finally:
-                    await response.aclose()
-        except (TimeoutError, httpx.TimeoutException):
+                response = await self.connection.request(self._post_head, body)
+                message = await _answer(response, rpc_id)
+        except TimeoutError:
             raise RequestFailed("timeout") from None
-        except httpx.HTTPError as exc:
+        except HttpError as exc:
             raise RequestFailed(f"transport_{type(exc).__name__}") from None
         except orjson.JSONDecodeError:
             raise RequestFailed("protocol_bad_json") from None
@@ -122,50 +135,48 @@ class McpSession:
             raise RequestFailed("protocol_no_result")
         return result, response.headers.get("mcp-session-id")
 
-    async def _answer(self, response: httpx.Response, rpc_id: int) -> dict[str, Any]:
-        status = response.status_code
-        if status != 200:
-            # Read the (small) body so the connection stays reusable; the status alone names the failure.
-            await response.aread()
-            raise RequestFailed(f"http_{status}" if status not in _OK_STATUSES else "protocol_no_response")
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
-            return await _sse_answer(response, rpc_id)
-        message = orjson.loads(await response.aread())
-        if not isinstance(message, dict):
-            raise RequestFailed("protocol_not_object")
-        return message
+
+async def _answer(response: Response, rpc_id: int) -> dict[str, Any]:
+    status = response.status
+    if status != 200:
+        # Read the (small) body so the connection stays reusable; the status alone names the failure.
+        await response.read()
+        raise RequestFailed(f"http_{status}" if status not in _OK_STATUSES else "protocol_no_response")
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return await _sse_answer(response, rpc_id)
+    message = orjson.loads(await response.read())
+    if not isinstance(message, dict):
+        raise RequestFailed("protocol_not_object")
+    return message
 
 
-async def _sse_answer(response: httpx.Response, rpc_id: int) -> dict[str, Any]:
+async def _sse_answer(response: Response, rpc_id: int) -> dict[str, Any]:
     """The JSON-RPC response with ``rpc_id`` from an SSE stream; notifications and server requests are skipped."""
-    chunks = response.aiter_bytes()
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        if b"\r" in buffer:
-            # sse-starlette (the SDK peers) ends lines with CRLF; a CR split across chunks is rejoined here.
-            buffer = buffer.replace(b"\r\n", b"\n")
-        while (end := buffer.find(b"\n\n")) >= 0:
-            event, buffer = buffer[:end], buffer[end + 2 :]
-            message = _event_message(event)
-            if message is not None and message.get("id") == rpc_id and ("result" in message or "error" in message):
-                await _drain(chunks)
+    parser = SseParser()
+    while piece := await response.next_chunk():
+        for data in parser.feed(piece):
+            message = orjson.loads(data)
+            if (
+                isinstance(message, dict)
+                and message.get("id") == rpc_id
+                and ("result" in message or "error" in message)
+            ):
+                await _drain(response)
                 return message
     raise RequestFailed("protocol_no_response")
 
 
-def _event_message(event: bytes) -> dict[str, Any] | None:
-    data = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-    if not data:
-        return None  # a comment (keep-alive) or an event without data
-    message = orjson.loads(b"\n".join(data))
-    return message if isinstance(message, dict) else None
+async def _drain(response: Response) -> None:
+    """Read the stream to its end so the connection can carry the next request.
 
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    The answer is already in hand: a stream that stays open past SSE_DRAIN_S, or breaks, costs only the
+    connection (the next request opens a new one), never the request.
+    """
+    if response.done:
+        return
     try:
         async with asyncio.timeout(SSE_DRAIN_S):
-            async for _ in chunks:
+            while await response.next_chunk():
                 pass
-    except TimeoutError:
+    except (TimeoutError, HttpError):
         pass
