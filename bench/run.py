@@ -187,6 +187,17 @@ def start_floor(logs: Path) -> Server:
     return Server("floor", url, proc)
 
 
+def postgres_cpu_s() -> float:
+    """CPU seconds of the local PostgreSQL cluster's processes (ours runs on it; the peers do not)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        if proc.info["name"] == "postgres" and proc.info["cpu_times"] is not None:
+            total += proc.info["cpu_times"].user + proc.info["cpu_times"].system
+    return total
+
+
 def run_load(server: Server, workload: str, duration: float, out: Path) -> dict[str, Any]:
     cfg = WORKLOADS[workload]
     cmd = [str(BIN / "mcp-tasks"), "bench", "--url", server.url, "--workload", workload,
@@ -196,10 +207,14 @@ def run_load(server: Server, workload: str, duration: float, out: Path) -> dict[
         cmd += ["--held", str(cfg["held"])]
     for token in server.tokens:
         cmd += ["--token", token]
+    db_before = postgres_cpu_s()
     subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
+    db_cpu = postgres_cpu_s() - db_before
     if not out.exists():
         return {"error": "the load generator produced no result"}
     result: dict[str, Any] = json.loads(out.read_text())
+    # Setup (held tasks) and clean-up are included; per operation it is an upper bound.
+    result["db_cpu_ms_per_op"] = 1000 * db_cpu / result["ops"] if result.get("ops") else float("nan")
     return result
 
 
@@ -276,7 +291,8 @@ def summary(result: dict[str, Any]) -> str:
         return result["error"]
     server = result.get("server") or {}
     return (f"{result['throughput_per_s']:9.1f} ops/s  errors={result['errors']}  "
-            f"cpu/op={server.get('cpu_ms_per_op', float('nan')):.3f} ms")  # fmt: skip
+            f"cpu/op={server.get('cpu_ms_per_op', float('nan')):.3f} ms  "
+            f"db-cpu/op={result.get('db_cpu_ms_per_op', float('nan')):.3f} ms")  # fmt: skip
 
 
 def median_of(runs: list[dict[str, Any]], key: str) -> float:
@@ -301,6 +317,15 @@ def render(report: dict[str, Any]) -> str:
         ratio = value.get("ours", nan) / max(peers) if peers else nan
         cells = [_num(value.get(k, nan)) for k in ("ours", "sdk", "fastmcp", "floor")]
         lines.append(f"| {workload} | {' | '.join(cells)} | {_num(ratio, '.2f', 'x')} | >= {TARGETS[workload]:.0f}x |")
+    lines += ["", "Server CPU per operation, ms (ours: Python + PostgreSQL):", "",
+              "| workload | ours | official SDK | FastMCP | floor |", "|---|---|---|---|---|"]  # fmt: skip
+    for workload, per in report["results"].items():
+        cpu = {name: statistics.median([(r.get("server") or {}).get("cpu_ms_per_op", nan) for r in runs] or [nan])
+               for name, runs in per.items()}  # fmt: skip
+        db = median_of(per.get("ours", []), "db_cpu_ms_per_op")
+        ours = f"{_num(cpu.get('ours', nan), '.2f')} + {_num(db, '.2f')}"
+        rest = [_num(cpu.get(k, nan), ".2f") for k in ("sdk", "fastmcp", "floor")]
+        lines.append(f"| {workload} | {ours} | {' | '.join(rest)} |")
     for stored, p99 in (report.get("scale") or {}).items():
         lines.append(f"\ntasks/get p99 with {stored} tasks stored: {_num(p99, '.2f')} ms")
     return "\n".join(lines)
