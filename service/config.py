@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     oauth_leeway_s: int = Field(default=30, ge=0, le=300)
     oauth_jwks_cache_s: int = Field(default=300, ge=10, le=86_400)
     oauth_http_timeout_s: float = Field(default=3.0, gt=0, le=30)
+    oauth_jwks_min_refresh_s: float = Field(default=10.0, ge=0.1, le=3600)
     tenant_claim: str = "tenant_id"
     allowed_origins: str = ""
     allowed_hosts: str = ""
@@ -91,6 +92,11 @@ class Settings(BaseSettings):
             )
         if self.effective_auth == "oauth" and not self.oauth_issuer:
             raise ValueError("MCP_TASKS_AUTH=oauth needs MCP_TASKS_OAUTH_ISSUER")
+        if self.oauth_jwks_url and len(self.trusted_issuers) > 1:
+            raise ValueError(
+                "MCP_TASKS_OAUTH_JWKS_URL applies to every issuer, so its keys could speak for all of them; "
+                "with several issuers let each one's JWKS be discovered"
+            )
         if self.effective_default_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError(
                 f"MCP_TASKS_DEFAULT_TTL_MS ({self.effective_default_ttl_ms}) exceeds "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import asyncpg
 import pytest
 
@@ -103,3 +105,23 @@ async def test_the_running_service_queries_as_the_app_role(server: RunningServer
     core = server.app.state.core
     assert await core.db.fetchval("SELECT current_user") == APP_ROLE
     assert await core.runner_db.fetchval("SELECT current_user") == RUNNER_ROLE
+
+
+async def test_a_login_role_that_only_inherits_the_roles_sees_no_rows(database_url: str, two_tenants: None) -> None:
+    """The all-tenants policy also requires current_user to be the runner role: a pooler that drops the
+    role startup parameter, or a session without it, sees nothing rather than everything."""
+    name = f"mcp_tasks_login_{secrets.token_hex(4)}"
+    admin = await asyncpg.connect(database_url)
+    try:
+        await admin.execute(f"CREATE ROLE {name} LOGIN IN ROLE {APP_ROLE}, {RUNNER_ROLE}")
+        member = await asyncpg.connect(database_url, user=name)
+        try:
+            assert await member.fetchval("SELECT current_user") == name
+            for table in ("tasks", "audit_events", "audit_heads", "sessions"):
+                assert await member.fetchval(f"SELECT count(*) FROM {table}") == 0, table
+        finally:
+            await member.close()
+    finally:
+        await admin.execute(f"DROP OWNED BY {name}")
+        await admin.execute(f"DROP ROLE {name}")
+        await admin.close()

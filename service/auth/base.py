@@ -35,12 +35,19 @@ class AuthFailure(Exception):
 class Authenticator(Protocol):
     async def authenticate(self, conn: HTTPConnection) -> Principal: ...
 
+    def challenge_headers(self) -> dict[str, str]:
+        """What a refusal should carry so clients can still find the authorization server."""
+        ...
+
 
 class SingleUser:
     """MCP_TASKS_AUTH=none: every request is the one local principal (loopback binds only)."""
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         return LOCAL_PRINCIPAL
+
+    def challenge_headers(self) -> dict[str, str]:
+        return {}
 
 
 def build_authenticator(settings: Settings, http: Any) -> Authenticator:

@@ -58,14 +58,13 @@ class OAuthResourceServer:
         *,
         reason: str | None = None,
         principal: Principal | None = None,
-        **extra: str,
     ) -> AuthFailure:
         parts = [f'resource_metadata="{self._metadata_url}"']
         if error:
             parts.append(f'error="{error}"')
             parts.append(f'error_description="{_quote(description)}"')
         parts.append(f'scope="{self._scope}"')
-        headers = {"WWW-Authenticate": "Bearer " + ", ".join(parts), **extra}
+        headers = {"WWW-Authenticate": "Bearer " + ", ".join(parts)}
         return AuthFailure(
             status,
             error or "unauthorized",
@@ -74,6 +73,9 @@ class OAuthResourceServer:
             reason=reason or error or "no_token",
             principal=principal,
         )
+
+    def challenge_headers(self) -> dict[str, str]:
+        return self._challenge(401, None, "").headers
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         client = conn.client.host if conn.client else "-"

@@ -5,7 +5,8 @@
     └── 503 temporarily_unavailable the issuer's metadata or JWKS cannot be fetched and none is cached
 
 Keys are found by RFC 8414 (then OpenID) discovery, cached for ``MCP_TASKS_OAUTH_JWKS_CACHE_S``,
-and refetched at most every ``REFRESH_MIN_S`` when a token names an unknown ``kid``. Every fetch
+and refetched at most every ``MCP_TASKS_OAUTH_JWKS_MIN_REFRESH_S`` when a token names an unknown ``kid``
+(or after a failed fetch). Every fetch
 has a short timeout, so a slow issuer costs a bounded wait, never a hung request.
 """
 
@@ -28,7 +29,7 @@ from joserfc.errors import JoseError
 from joserfc.jwk import KeySet
 
 from service.config import Settings
-from service.domain.principal import Principal
+from service.domain.principal import RESERVED_TENANT, Principal
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,7 @@ log = logging.getLogger(__name__)
 ALLOWED_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"})
 # RFC 9068 says at+jwt; many identity providers send JWT or nothing (docs/decisions.md A-3).
 ALLOWED_TYP = frozenset({"at+jwt", "application/at+jwt", "jwt"})
-REFRESH_MIN_S = 10.0
-# The audit chain of denials made before any tenant is known (service/tasks/audit.py).
-RESERVED_TENANT = "-"
+
 CACHE_SIZE = 10_000
 INTROSPECTION_CACHE_S = 30.0
 
@@ -86,6 +85,7 @@ class _IssuerKeys:
     fetched_at: float = 0.0
     jwks_uri: str | None = None
     last_kid_refresh: float = float("-inf")
+    failed_at: float = float("-inf")  # a failed fetch is not retried by every request for a while
 
 
 class TokenVerifier:
@@ -105,14 +105,20 @@ class TokenVerifier:
         if cached is not None and cached[1] > now:
             self._verified.move_to_end(cache_key)
             return cached[0]
-        if token.count(".") == 2:
-            principal, expires = await self._verify_jwt(token)
-        elif self.settings.oauth_introspection_url:
-            principal, expires = await self._introspect(token)
-        else:
-            raise TokenRejected(
-                "malformed", "the access token is not a JWT and no introspection endpoint is configured"
-            )
+        try:
+            if token.count(".") == 2:
+                principal, expires = await self._verify_jwt(token)
+            elif self.settings.oauth_introspection_url:
+                principal, expires = await self._introspect(token)
+            else:
+                raise TokenRejected(
+                    "malformed", "the access token is not a JWT and no introspection endpoint is configured"
+                )
+        except (TokenRejected, IssuerUnavailable):
+            raise
+        except Exception:  # any shape we did not foresee is the token's fault, never a crash
+            log.warning("token rejected as malformed", exc_info=True)
+            raise TokenRejected("malformed", "the token is not a well-formed access token") from None
         self._verified[cache_key] = (principal, expires)
         if len(self._verified) > CACHE_SIZE:
             self._verified.popitem(last=False)
@@ -124,7 +130,7 @@ class TokenVerifier:
         header_b64, payload_b64, _sig = token.split(".")
         header = _b64json(header_b64)
         alg = header.get("alg")
-        if alg not in ALLOWED_ALGS:
+        if not isinstance(alg, str) or alg not in ALLOWED_ALGS:
             raise TokenRejected(
                 "algorithm", f"tokens signed with {alg!r} are not accepted; use an asymmetric algorithm"
             )
@@ -150,11 +156,13 @@ class TokenVerifier:
             raise TokenRejected("claims", "the token has no expiry (exp)")
         if now > exp + leeway:
             raise TokenRejected("expired", "the token has expired")
-        nbf = claims.get("nbf")
-        if isinstance(nbf, int | float) and now < nbf - leeway:
+        nbf, iat = claims.get("nbf"), claims.get("iat")
+        for name, value in (("nbf", nbf), ("iat", iat)):
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+                raise TokenRejected("claims", f"the token's {name} is not a number")
+        if nbf is not None and now < nbf - leeway:
             raise TokenRejected("not_yet_valid", "the token is not valid yet (nbf)")
-        iat = claims.get("iat")
-        if isinstance(iat, int | float) and iat > now + leeway:
+        if iat is not None and iat > now + leeway:
             raise TokenRejected("not_yet_valid", "the token was issued in the future (iat)")
         aud = claims.get("aud")
         audiences = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
@@ -170,7 +178,12 @@ class TokenVerifier:
             raise TokenRejected("claims", f"tenant {RESERVED_TENANT!r} is reserved (unauthenticated audit events)")
         client_id = claims.get("client_id", claims.get("azp", ""))
         scopes = claims.get("scope", claims.get("scp", ""))
-        scope_set = frozenset(scopes.split()) if isinstance(scopes, str) else frozenset(map(str, scopes or []))
+        if isinstance(scopes, str):
+            scope_set = frozenset(scopes.split())
+        elif isinstance(scopes, list) and all(isinstance(x, str) for x in scopes):
+            scope_set = frozenset(scopes)
+        else:
+            raise TokenRejected("claims", "the token's scope is neither a string nor a list of strings")
         principal = Principal(
             tenant_id=tenant,
             subject=subject,
@@ -193,15 +206,19 @@ class TokenVerifier:
             if fresh and (kid is None or _has_kid(state.keys, kid)):
                 assert state.keys is not None
                 return state.keys
-            # An unknown kid refetches, but at most every REFRESH_MIN_S (no amplification by junk tokens).
-            kid_refresh = fresh and time.monotonic() - state.last_kid_refresh >= REFRESH_MIN_S
-            if state.keys is None or not fresh or kid_refresh:
+            # An unknown kid refetches, but at most every MCP_TASKS_OAUTH_JWKS_MIN_REFRESH_S (junk tokens cannot
+            # make us hammer the issuer); after a failed fetch, requests use what is cached (or fail fast)
+            # until that interval passes, so a slow issuer cannot pile requests up behind the lock.
+            kid_refresh = fresh and time.monotonic() - state.last_kid_refresh >= self.settings.oauth_jwks_min_refresh_s
+            recently_failed = time.monotonic() - state.failed_at < self.settings.oauth_jwks_min_refresh_s
+            if (state.keys is None or not fresh or kid_refresh) and not recently_failed:
                 if kid_refresh:
                     state.last_kid_refresh = time.monotonic()
                 try:
                     state.keys = await self._fetch_jwks(issuer, state)
                     state.fetched_at = time.monotonic()
                 except IssuerUnavailable:
+                    state.failed_at = time.monotonic()
                     if state.keys is None:
                         raise
                     log.warning("keeping cached JWKS of %s: refresh failed", issuer)
@@ -235,7 +252,7 @@ class TokenVerifier:
                 metadata = await self._get_json(url)
             except IssuerUnavailable:
                 continue
-            if metadata.get("issuer", "").rstrip("/") == issuer and isinstance(metadata.get("jwks_uri"), str):
+            if str(metadata.get("issuer", "")).rstrip("/") == issuer and isinstance(metadata.get("jwks_uri"), str):
                 return str(metadata["jwks_uri"])
         raise IssuerUnavailable(f"no authorization server metadata with a jwks_uri found for {issuer}")
 
@@ -276,11 +293,15 @@ class TokenVerifier:
             raise IssuerUnavailable(f"{url}: introspection answered HTTP {response.status_code}")
         if data.get("active") is not True:
             raise TokenRejected("inactive", "the token is not active")
-        issuer = str(data.get("iss") or (self.issuers[0] if self.issuers else "")).rstrip("/")
-        if self.issuers and issuer not in self._keys:
-            raise TokenRejected("issuer", "the token's issuer is not trusted by this server")
-        if "aud" not in data:
-            data = {**data, "aud": self.audience}  # introspection answers for our own resource server
+        token_type = data.get("token_type")
+        if token_type is not None and str(token_type).lower() not in ("access_token", "bearer"):
+            raise TokenRejected("type", "the introspected token is not an access token")
+        iss = data.get("iss")
+        if iss is None and len(self.issuers) == 1:
+            iss = self.issuers[0]
+        if not isinstance(iss, str) or iss.rstrip("/") not in self._keys:
+            raise TokenRejected("issuer", "the introspected token names no trusted issuer")
+        issuer = iss.rstrip("/")
         principal, exp = self._principal_from_claims(data, issuer)
         return principal, min(exp, time.time() + INTROSPECTION_CACHE_S)
 

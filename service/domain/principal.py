@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The audit chain of denials made before any tenant is known; no token may name this tenant.
+RESERVED_TENANT = "-"
+
 
 @dataclass(frozen=True, slots=True)
 class Principal:

@@ -16,8 +16,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import orjson
 from limits import RateLimitItem, parse
 from slowapi import Limiter
 
@@ -25,6 +26,10 @@ from service.config import Settings
 from service.domain.principal import Principal
 
 log = logging.getLogger(__name__)
+
+DENIAL_ROWS = "20/minute"
+# A hung Redis must cost a request milliseconds, not the client library's default seconds.
+STORAGE_TIMEOUT_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,14 @@ class RateLimiter:
         self._limiter = Limiter(
             key_func=lambda *_: "",  # keys are chosen per call below, not from the request
             storage_uri=settings.rate_limit_storage,
+            storage_options=cast(
+                "dict[str, str]",  # slowapi types it so, redis-py takes numbers
+                (
+                    {}
+                    if settings.rate_limit_storage.startswith("memory://")
+                    else {"socket_timeout": STORAGE_TIMEOUT_S, "socket_connect_timeout": STORAGE_TIMEOUT_S}
+                ),
+            ),
             strategy="moving-window",
             key_prefix="mcp_tasks",
         )
@@ -56,11 +69,14 @@ class RateLimiter:
             "principal": parse(settings.rate_limit),
             "unauthenticated": parse(settings.rate_limit_unauthenticated),
             "not_found": parse(settings.rate_limit_not_found),
+            # Audit rows for repeated refusals of one key: past this, refusals are only counted.
+            "denial_rows": parse(DENIAL_ROWS),
         }
         self._texts = {
             "principal": settings.rate_limit,
             "unauthenticated": settings.rate_limit_unauthenticated,
             "not_found": settings.rate_limit_not_found,
+            "denial_rows": DENIAL_ROWS,
         }
         self._on_storage_error = on_storage_error
 
@@ -85,7 +101,12 @@ class RateLimiter:
 
     @staticmethod
     def _principal_key(principal: Principal) -> str:
-        return f"p:{principal.tenant_id}:{principal.subject}"
+        # JSON, not "a:b:c": tenant and subject may contain any character, and keys must not collide.
+        return "p" + orjson.dumps([principal.tenant_id, principal.subject]).decode()
+
+    async def may_record_denial(self, key: str) -> bool:
+        """At most DENIAL_ROWS audit rows per refused key, so a flood has no lever on the database."""
+        return await self._apply("denial_rows", f"d:{key}", hit=True) is None
 
     async def request(self, principal: Principal) -> RateLimited | None:
         """Count one authenticated request against the principal's budget."""

@@ -59,10 +59,10 @@ async def send_json(send: Send, status: int, body: Any, headers: dict[str, str] 
     await send({"type": "http.response.body", "body": payload})
 
 
-def _throttled(limited: RateLimited) -> HttpError:
+def _throttled(limited: RateLimited, extra: dict[str, str] | None = None) -> HttpError:
     """HTTP 429 with Retry-After and a JSON-RPC error body (code in the server-defined range)."""
     metrics.rate_limited.labels(limited.scope).inc()
-    return HttpError(429, RATE_LIMITED, limited.message, {"Retry-After": str(limited.retry_after_s)})
+    return HttpError(429, RATE_LIMITED, limited.message, {"Retry-After": str(limited.retry_after_s), **(extra or {})})
 
 
 def _request_id(given: str | None) -> str:
@@ -161,21 +161,26 @@ class McpEndpoint:
             client = scope.get("client")
             address = client[0] if client else "-"
             request_id = scope["state"]["request_id"]
+            # An address over its failed-authentication budget is refused before any token work.
+            if limited := await self.limiter.unauthenticated_blocked(address):
+                raise _throttled(limited, self.auth.challenge_headers())
             try:
                 principal = await self.auth.authenticate(HTTPConnection(scope, receive))
             except AuthFailure as refused:
                 metrics.auth_failures.labels(refused.reason).inc()
-                # Before authentication the only key is the client address (T-SEC-6). Once throttled,
-                # refusals are only counted: writing a row each would hand a flood a lever on the database.
-                if refused.status == 401 and (limited := await self.limiter.authentication_failed(address)):
-                    raise _throttled(limited) from None
-                who = Caller(refused.principal, request_id, address) if refused.principal else None
-                await self.audit.deny(who, f"auth:{refused.reason}", address=address, request_id=request_id)
+                # A request without a token is the first step of OAuth discovery, not an attack:
+                # it gets its challenge and does not spend the address's budget (T-SEC-6).
+                if refused.reason != "no_token":
+                    await self.limiter.authentication_failed(address)
+                    who = Caller(refused.principal, request_id, address) if refused.principal else None
+                    if await self.limiter.may_record_denial(f"a:{address}"):
+                        await self.audit.deny(who, f"auth:{refused.reason}", address=address, request_id=request_id)
                 raise
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)
             if limited := await self.limiter.request(principal):
-                await self.audit.deny(caller, "rate_limited", scope=limited.scope)
+                if await self.limiter.may_record_denial(f"p:{principal.tenant_id}\x00{principal.subject}"):
+                    await self.audit.deny(caller, "rate_limited", scope=limited.scope)
                 raise _throttled(limited)
             if method == "POST":
                 await self._post(scope, receive, send, headers, caller)

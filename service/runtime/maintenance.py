@@ -77,7 +77,8 @@ class Maintenance:
     async def reap_lost_leases(self) -> int:
         count = 0
         async with self.db.transaction() as conn:
-            for row in await repo.find_lost_leases(conn, BATCH):
+            # Tenant order: audit heads are locked in the same order by every replica (no deadlock).
+            for row in sorted(await repo.find_lost_leases(conn, BATCH), key=lambda r: r["tenant_id"]):
                 tenant, task_id, owner = row["tenant_id"], row["task_id"], row["lease_owner"]
                 spec = self.registry.tools.get(row["tool"])
                 rerun = spec is not None and spec.rerunnable and row["attempts"] < MAX_ATTEMPTS
@@ -104,7 +105,7 @@ class Maintenance:
         while True:
             async with self.db.transaction() as conn:
                 rows = await repo.delete_expired_tasks(conn, BATCH)
-                for task in rows:
+                for task in sorted(rows, key=lambda t: t.tenant_id):  # same lock order on every replica
                     await repo.audit_task_event(conn, task, "expire", task.status.value)
                     await notify(conn, {"k": "deleted", "t": task.tenant_id, "id": task.task_id})
             total += len(rows)

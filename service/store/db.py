@@ -38,6 +38,17 @@ _UNAVAILABLE = (
 _UNSTORABLE = (asyncpg.CharacterNotInRepertoireError, asyncpg.UntranslatableCharacterError)
 
 
+async def _check_role(conn: asyncpg.Connection, role: str) -> None:
+    """Isolation rests on every statement running as the pool's role: refuse a connection that is not
+    (e.g. a pooler that drops the role startup parameter)."""
+    current = await conn.fetchval("SELECT current_user")
+    if current != role:
+        raise RuntimeError(
+            f"database connection runs as {current!r}, not {role!r}: a connection pooler may be dropping the "
+            "'role' startup parameter; connect directly or configure the pooler to keep it"
+        )
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec(
         "jsonb",
@@ -63,7 +74,7 @@ class Database:
                 self.dsn,
                 min_size=1,
                 max_size=self._pool_size,
-                init=_init_connection,
+                init=self._init,
                 command_timeout=60,
                 # The role is a startup parameter, so it is the session default and survives the
                 # pool's RESET ALL: every statement runs as this role, under its RLS policies.
@@ -76,6 +87,11 @@ class Database:
                 f"the database user cannot act as {self.role} ({exc}); as the database owner run: "
                 f"GRANT {APP_ROLE}, {RUNNER_ROLE} TO <the user in MCP_TASKS_DATABASE_URL>"
             ) from exc
+
+    async def _init(self, conn: asyncpg.Connection) -> None:
+        await _init_connection(conn)
+        if self.role:
+            await _check_role(conn, self.role)
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from service.domain.principal import Caller
+from service.domain.principal import RESERVED_TENANT, Caller
 from service.store import repository as repo
 from service.store.db import Database
 
 log = logging.getLogger(__name__)
 
-# Denials before a tenant is known (e.g. a bad token) go to this chain.
-UNAUTHENTICATED_TENANT = "-"
+# Denials before a tenant is known (e.g. a bad token) go to this chain; no token may name it.
+UNAUTHENTICATED_TENANT = RESERVED_TENANT
 EXPORT_PAGE = 1_000
 
 

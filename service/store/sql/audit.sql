@@ -36,4 +36,12 @@ SELECT h.tenant_id, h.seq, 'rows missing at the end (the head is ahead of the la
 FROM audit_heads h
 WHERE ($1::text IS NULL OR h.tenant_id = $1)
   AND h.seq > coalesce((SELECT max(seq) FROM audit_events e WHERE e.tenant_id = h.tenant_id), 0)
+UNION ALL
+SELECT e.tenant_id, e.seq, 'row beyond the chain head (appended outside audit_append)'
+FROM audit_events e JOIN audit_heads h ON h.tenant_id = e.tenant_id
+WHERE ($1::text IS NULL OR e.tenant_id = $1) AND e.seq > h.seq
+UNION ALL
+SELECT h.tenant_id, h.seq, 'chain head does not match the last row''s hash'
+FROM audit_heads h JOIN audit_events e ON e.tenant_id = h.tenant_id AND e.seq = h.seq
+WHERE ($1::text IS NULL OR h.tenant_id = $1) AND e.hash <> h.hash
 ORDER BY 1, 2;

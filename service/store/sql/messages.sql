@@ -36,6 +36,7 @@ SET answer = $3, answered_at = clock_timestamp()
 FROM tasks t
 WHERE m.tenant_id = $1 AND m.rpc_id = $2 AND m.answered_at IS NULL
   AND t.tenant_id = m.tenant_id AND t.task_id = m.task_id AND t.subject = $4
+  AND t.status IN ('working', 'input_required') AND t.expires_at > clock_timestamp()
 RETURNING m.task_id, m.seq;
 
 -- name: get_answer

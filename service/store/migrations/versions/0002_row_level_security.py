@@ -10,8 +10,10 @@ dropped by a downgrade, which could break another database):
   ``current_setting('app.tenant_id')``, set per transaction; no tenant set means no rows.
 - ``mcp_tasks_runner`` claims, reaps and sweeps across tenants.
 
-The service's login user is a member of both and switches with SET ROLE per connection pool;
-FORCE makes the policies apply to the tables' owner too.
+The service's login user is a member of both and acts as one of them per connection pool (the
+``role`` startup parameter). Policies apply to members of a role too, so the all-tenants policy
+also requires ``current_user`` to be the runner role: a login user that merely inherits it sees
+nothing. FORCE makes the policies apply to the tables' owner too.
 """
 
 from alembic import op  # noqa: F401
@@ -51,7 +53,7 @@ def upgrade() -> None:
             USING (tenant_id = current_setting('app.tenant_id', true))
             WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
         CREATE POLICY {table}_runner_all_tenants ON {table} TO mcp_tasks_runner
-            USING (true) WITH CHECK (true);
+            USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
         """)
 
 

@@ -112,14 +112,14 @@ def upgrade() -> None:
         USING (tenant_id = current_setting('app.tenant_id', true))
         WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
     CREATE POLICY audit_events_runner_all_tenants ON audit_events TO mcp_tasks_runner
-        USING (true) WITH CHECK (true);
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
     ALTER TABLE audit_heads ENABLE ROW LEVEL SECURITY;
     ALTER TABLE audit_heads FORCE ROW LEVEL SECURITY;
     CREATE POLICY audit_heads_tenant_isolation ON audit_heads TO mcp_tasks_app
         USING (tenant_id = current_setting('app.tenant_id', true))
         WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
     CREATE POLICY audit_heads_runner_all_tenants ON audit_heads TO mcp_tasks_runner
-        USING (true) WITH CHECK (true);
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
     """)
 
 
