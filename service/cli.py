@@ -44,7 +44,9 @@ def _serve(args: argparse.Namespace) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        proxy_headers=False,
+        # Only a trusted proxy's X-Forwarded-For may name the client (rate limits, audit rows).
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=settings.forwarded_allow_ips or None,
         access_log=False,  # it would log query strings; /mcp writes its own request line
         log_config=None,  # keep our structured handler
         timeout_graceful_shutdown=10,

@@ -58,6 +58,7 @@ class Settings(BaseSettings):
     tenant_claim: str = "tenant_id"
     allowed_origins: str = ""
     allowed_hosts: str = ""
+    forwarded_allow_ips: str = ""
 
     default_ttl_ms: int | None = Field(default=None, ge=1_000)
     max_ttl_ms: int | None = Field(default=None, ge=1_000)

@@ -123,7 +123,15 @@ async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
     port = sock.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings)
-    config = uvicorn.Config(app, lifespan="on", log_level="warning", ws="none", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level="warning",
+        ws="none",
+        timeout_graceful_shutdown=2,
+        proxy_headers=bool(settings.forwarded_allow_ips),  # as `mcp-tasks serve` configures it
+        forwarded_allow_ips=settings.forwarded_allow_ips or None,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

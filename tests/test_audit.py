@@ -704,3 +704,22 @@ async def test_each_tenant_has_its_own_chain_starting_at_seq_1_T_SEC_10(
     assert [(e["tenant_id"], e["seq"]) for e in map(json.loads, exported.stdout.splitlines())] == [
         ("globex", e["seq"]) for e in globex_chain
     ]
+
+
+@pytest.mark.parametrize(("trusted", "expected"), [("127.0.0.1", "203.0.113.9"), ("", "127.0.0.1")])
+async def test_client_address_comes_from_a_trusted_proxy_only(
+    database_url: str, http: httpx.AsyncClient, trusted: str, expected: str
+) -> None:
+    """Behind a proxy named in MCP_TASKS_FORWARDED_ALLOW_IPS the audit trail records the real client;
+    otherwise X-Forwarded-For is ignored (a client cannot choose its recorded address)."""
+    async with serve(make_settings(database_url, forwarded_allow_ips=trusted)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        r = await http.post(
+            running.url,
+            json=s.message("tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": {}}),
+            headers=s.headers(**{"X-Forwarded-For": "203.0.113.9"}),
+        )
+        assert r.status_code == 200
+    [created] = [e for e in await audit_rows(database_url) if e["action"] == "create"]
+    assert created["client_address"] == expected
