@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.config import Settings
@@ -13,7 +14,7 @@ from service.runtime.runner import Runner
 from service.store import migrate
 from service.store import repository as repo
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
-from service.store.embedded import start_embedded
+from service.store.embedded import open_embedded
 from service.store.events import EventHub
 from service.tasks.cursor import CursorCodec
 from service.tasks.service import TaskPolicy, TaskService
@@ -37,6 +38,7 @@ class Core:
     signals: Signals
     runner: Runner | None
     maintenance: Maintenance
+    stop_database: Callable[[], None] | None = None
 
     async def close(self) -> None:
         if self.runner is not None:
@@ -45,6 +47,8 @@ class Core:
         await self.hub.stop()
         await self.runner_db.close()
         await self.db.close()
+        if self.stop_database is not None:
+            await asyncio.to_thread(self.stop_database)
         metrics.process_exiting()
 
 
@@ -61,19 +65,20 @@ async def check_schema(dsn: str) -> None:
         )
 
 
-async def resolve_database(settings: Settings) -> str:
-    """The configured database (checked), or the embedded one (started and migrated here)."""
+async def resolve_database(settings: Settings) -> tuple[str, Callable[[], None] | None]:
+    """The configured database (checked), or the embedded one (started and migrated here) and how
+    to stop it."""
     if settings.database_url:
         await check_schema(settings.database_url)
-        return settings.database_url
-    dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
+        return settings.database_url, None
+    dsn, stop = await asyncio.to_thread(open_embedded, settings.data_dir)
     await migrate.upgrade_async(dsn)
-    return dsn
+    return dsn, stop
 
 
 async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     registry = Registry.load(settings.tool_packs)
-    dsn = await resolve_database(settings)
+    dsn, stop_database = await resolve_database(settings)
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE)
     await db.open()
     runner_db = Database(
@@ -114,5 +119,16 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     )
     await maintenance.start()
     return Core(
-        settings, dsn, db, runner_db, hub, registry, tasks, SessionService(db), Signals(db, hub), runner, maintenance
+        settings,
+        dsn,
+        db,
+        runner_db,
+        hub,
+        registry,
+        tasks,
+        SessionService(db),
+        Signals(db, hub),
+        runner,
+        maintenance,
+        stop_database,
     )

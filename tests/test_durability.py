@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -189,3 +191,43 @@ async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database
     assert done.returncode == 0, done.stderr
     assert '"text": "counted to 2"' in done.stdout
     assert "progress 2/2" in done.stderr
+
+
+async def test_sigterm_stops_the_embedded_database_too() -> None:
+    """uvicorn re-raises SIGTERM after its graceful shutdown, which skips atexit hooks: the service
+    must stop its embedded PostgreSQL itself, or every restart by an orchestrator leaks one."""
+    import psutil
+
+    data_dir = Path(tempfile.mkdtemp(prefix="mcp-tasks-embedded-", dir="/var/tmp"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MCP_TASKS_DATABASE_URL"}
+    env.update({"MCP_TASKS_DATA_DIR": str(data_dir), "MCP_TASKS_PORT": str(port), "MCP_TASKS_LOG_LEVEL": "WARNING"})
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=env)
+
+    def embedded_postgres() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["name", "cmdline"]):
+            if p.info["name"] == "postgres" and str(data_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        return found
+
+    try:
+        async with httpx.AsyncClient() as http, asyncio.timeout(60):
+            while True:
+                assert proc.poll() is None, "server exited during start-up"
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.2)
+        assert embedded_postgres(), "the embedded server should be running"
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 30)
+        async with asyncio.timeout(15):
+            while embedded_postgres():
+                await asyncio.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in embedded_postgres():
+            p.kill()
+        shutil.rmtree(data_dir, ignore_errors=True)

