@@ -7,7 +7,8 @@ import secrets
 import asyncpg
 import pytest
 
-from service.store.db import APP_ROLE, RUNNER_ROLE
+from service.domain.errors import InvalidArguments
+from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from tests.conftest import RunningServer
 
 INSERT_TASK = """
@@ -125,3 +126,60 @@ async def test_a_login_role_that_only_inherits_the_roles_sees_no_rows(database_u
         await admin.execute(f"DROP OWNED BY {name}")
         await admin.execute(f"DROP ROLE {name}")
         await admin.close()
+
+
+@pytest.mark.parametrize(
+    "tenant",
+    ["o'brien", "back\\slash", "x', true); SELECT set_config('app.tenant_id', 'acme", "\\'; --", "ünï\u2028code"],
+)
+async def test_the_tenant_setting_is_exactly_the_callers_tenant_whatever_its_characters(
+    database_url: str, two_tenants: None, tenant: str
+) -> None:
+    """BEGIN and the tenant setting share one round trip, the tenant as an escaped literal: quotes,
+    backslashes and injection attempts arrive verbatim and see none of another tenant's rows."""
+    db = Database(database_url, pool_size=1, role=APP_ROLE)
+    await db.open()
+    try:
+        async with db.transaction(tenant) as conn:
+            assert await conn.fetchval("SELECT current_setting('app.tenant_id')") == tenant
+            assert await conn.fetchval("SELECT count(*) FROM tasks") == 0
+            await conn.execute(INSERT_TASK, tenant, "mine")
+        async with db.transaction(tenant) as conn:
+            assert [r["tenant_id"] for r in await conn.fetch("SELECT tenant_id FROM tasks")] == [tenant]
+        # The setting is transaction-local and the pool's reset is a no-op: nothing carries over.
+        async with db.transaction() as conn:
+            assert await conn.fetchval("SELECT current_setting('app.tenant_id', true)") in (None, "")
+            assert await conn.fetchval("SELECT count(*) FROM tasks") == 0
+    finally:
+        await db.close()
+
+
+async def test_a_tenant_with_a_nul_character_is_refused_before_any_sql(database_url: str) -> None:
+    db = Database(database_url, pool_size=1, role=APP_ROLE)
+    await db.open()
+    try:
+        with pytest.raises(InvalidArguments, match="NUL"):
+            async with db.transaction("a\x00b"):
+                pass
+        async with db.transaction("acme") as conn:  # the pool is still healthy
+            assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await db.close()
+
+
+async def test_a_failed_statement_rolls_back_and_the_connection_is_reused_cleanly(database_url: str) -> None:
+    db = Database(database_url, pool_size=1, role=APP_ROLE)
+    await db.open()
+    try:
+
+        async def insert_twice() -> None:
+            async with db.transaction("acme") as conn:
+                await conn.execute(INSERT_TASK, "acme", "dup")
+                await conn.execute(INSERT_TASK, "acme", "dup")
+
+        with pytest.raises(asyncpg.UniqueViolationError):
+            await insert_twice()
+        async with db.transaction("acme") as conn:
+            assert await conn.fetchval("SELECT count(*) FROM tasks WHERE task_id = 'dup'") == 0
+    finally:
+        await db.close()

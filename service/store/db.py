@@ -49,6 +49,20 @@ async def _check_role(conn: asyncpg.Connection, role: str) -> None:
         )
 
 
+def _literal(value: str) -> str:
+    """``value`` as an escape-string literal: E'...' reads backslashes the same way whatever
+    standard_conforming_strings says, so escaping the backslash and the quote is complete."""
+    if "\x00" in value:
+        raise InvalidArguments("strings must not contain the NUL character (U+0000)")
+    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+async def _no_reset(_conn: asyncpg.Connection) -> None:
+    """Pooled connections carry no session state to undo: the role is a startup parameter, the
+    tenant setting is transaction-local, LISTEN and session advisory locks use their own
+    connections. asyncpg still rolls back an open transaction before calling this."""
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec(
         "jsonb",
@@ -75,6 +89,7 @@ class Database:
                 min_size=1,
                 max_size=self._pool_size,
                 init=self._init,
+                reset=_no_reset,  # saves the RESET ALL round trip on every release
                 command_timeout=60,
                 # The role is a startup parameter, so it is the session default and survives the
                 # pool's RESET ALL: every statement runs as this role, under its RLS policies.
@@ -108,13 +123,23 @@ class Database:
     async def transaction(self, tenant_id: str | None = None) -> AsyncIterator[asyncpg.Connection]:
         """One transaction on one pooled connection, scoped to ``tenant_id`` for row-level security.
 
-        Driver outages surface as ``Unavailable``.
+        BEGIN and the tenant setting travel in one round trip (a simple-protocol query; the tenant
+        is an escaped literal), COMMIT in another. Driver outages surface as ``Unavailable``.
         """
+        begin = (
+            "BEGIN" if tenant_id is None else f"BEGIN; SELECT set_config('app.tenant_id', {_literal(tenant_id)}, true)"
+        )
         try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                if tenant_id is not None:
-                    await conn.execute("SELECT set_config('app.tenant_id', $1, true)", tenant_id)
-                yield conn
+            async with self.pool.acquire() as conn:
+                await conn.execute(begin)
+                try:
+                    yield conn
+                except BaseException:
+                    # If this fails or is cancelled too, the pool's release rolls back or drops the connection.
+                    with contextlib.suppress(Exception):
+                        await conn.execute("ROLLBACK")
+                    raise
+                await conn.execute("COMMIT")
         except _UNAVAILABLE as exc:
             raise Unavailable(f"database unavailable: {exc}") from exc
         except _UNSTORABLE as exc:
