@@ -126,7 +126,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         hub,
         registry,
         tasks,
-        SessionService(db),
+        SessionService(db, hub),
         Signals(db, hub),
         runner,
         maintenance,

@@ -242,3 +242,23 @@ async def test_health_and_readiness(server: RunningServer, http: httpx.AsyncClie
     ready = await http.get(base + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["status"] == "ready"
+
+
+async def test_a_session_ended_on_one_replica_is_refused_by_every_replica_H_SESS_5(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Replicas keep the sessions they have seen for a few seconds; DELETE on one replica reaches the
+    others at commit, well before that copy would expire."""
+    async with serve(make_settings(database_url)) as a, serve(make_settings(database_url)) as b:
+        on_a = RpcSession(http, a.url)
+        await on_a.initialize()
+        on_b = RpcSession(http, b.url)
+        on_b.session_id = on_a.session_id
+        ping = '{"jsonrpc":"2.0","id":1,"method":"ping"}'
+        assert (await post_raw(http, b.url, ping, **on_b.headers())).status_code == 200  # b now holds it
+        assert (await http.delete(a.url, headers=on_a.headers())).status_code == 200
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0  # CACHE_SECONDS is 5: only the event can make this in time
+        while (await post_raw(http, b.url, ping, **on_b.headers())).status_code != 404:
+            assert loop.time() < deadline, "replica b still serves a session ended on replica a"
+            await asyncio.sleep(0.05)

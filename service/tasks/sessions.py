@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -10,8 +11,15 @@ from typing import Any
 from service.domain.principal import Principal
 from service.store import repository as repo
 from service.store.db import Database
+from service.store.events import Event, EventHub, notify
 
 TOUCH_EVERY = timedelta(minutes=1)
+# Every request names its session, so each replica keeps the sessions it has seen for a few
+# seconds: a plain call then needs no database work. A change (DELETE, logging/setLevel) is
+# announced to every replica at commit; the expiry bounds staleness should that event be lost.
+CACHE_SECONDS = 5.0
+CACHE_MAX = 50_000
+SESSION_CHANGED = "session_changed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +31,25 @@ class Session:
 
 
 class SessionService:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, hub: EventHub | None = None, *, cache_seconds: float = CACHE_SECONDS) -> None:
         self.db = db
+        self._cache_seconds = cache_seconds
+        # (tenant, session id) -> (subject, session, monotonic expiry)
+        self._cache: dict[tuple[str, str], tuple[str, Session, float]] = {}
+        if hub is not None:
+            hub.listeners.append(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if event.get("k") == SESSION_CHANGED:
+            self._cache.pop((str(event.get("t")), str(event.get("sid"))), None)
+        elif event.get("k") == "resync":  # the listener was away: anything may have changed
+            self._cache.clear()
+
+    def _remember(self, principal: Principal, session: Session) -> None:
+        if len(self._cache) >= CACHE_MAX:
+            self._cache.pop(next(iter(self._cache)))  # the oldest entry
+        expiry = time.monotonic() + self._cache_seconds
+        self._cache[(principal.tenant_id, session.session_id)] = (principal.subject, session, expiry)
 
     async def open(
         self,
@@ -37,22 +62,35 @@ class SessionService:
         session_id = secrets.token_urlsafe(24)
         async with self.db.transaction(principal.tenant_id) as conn:
             await repo.insert_session(conn, principal, session_id, protocol_version, client_capabilities, client_info)
-        return Session(session_id, protocol_version, client_capabilities)
+        session = Session(session_id, protocol_version, client_capabilities)
+        self._remember(principal, session)
+        return session
 
     async def resolve(self, principal: Principal, session_id: str) -> Session | None:
         """The session if it exists and belongs to this principal (H-SESS-7); else None."""
+        cached = self._cache.get((principal.tenant_id, session_id))
+        if cached is not None and cached[2] > time.monotonic():
+            return cached[1] if cached[0] == principal.subject else None
         async with self.db.transaction(principal.tenant_id) as conn:
             row = await repo.get_session(conn, principal, session_id)
             if row is None:
                 return None
             if datetime.now(UTC) - row["last_seen_at"] > TOUCH_EVERY:
                 await repo.touch_session(conn, principal.tenant_id, session_id)
-        return Session(row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"])
+        session = Session(row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"])
+        self._remember(principal, session)
+        return session
 
     async def set_log_level(self, principal: Principal, session_id: str, level: str) -> None:
         async with self.db.transaction(principal.tenant_id) as conn:
             await repo.set_session_log_level(conn, principal.tenant_id, session_id, level)
+            await notify(conn, {"k": SESSION_CHANGED, "t": principal.tenant_id, "sid": session_id})
+        self._cache.pop((principal.tenant_id, session_id), None)
 
     async def end(self, principal: Principal, session_id: str) -> bool:
         async with self.db.transaction(principal.tenant_id) as conn:
-            return await repo.delete_session(conn, principal, session_id)
+            ended = await repo.delete_session(conn, principal, session_id)
+            if ended:
+                await notify(conn, {"k": SESSION_CHANGED, "t": principal.tenant_id, "sid": session_id})
+        self._cache.pop((principal.tenant_id, session_id), None)
+        return ended
