@@ -42,6 +42,19 @@ class _LateMcp:
         await endpoint(scope, receive, send)
 
 
+class _App(FastAPI):
+    """FastAPI for the small routes; /mcp goes straight to its endpoint. The endpoint handles its
+    own errors, so the framework's middleware layers would only add cost to every MCP request."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/mcp":
+            endpoint: McpEndpoint | None = getattr(self.state, "mcp", None)
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,7 +77,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
             await core.close()
             await http.aclose()
 
-    app = FastAPI(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = _App(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.router.routes.append(Route("/mcp", endpoint=_LateMcp(app)))
     metrics.configure(tenant_label=settings.metrics_tenant_label)
 
