@@ -198,7 +198,7 @@ def postgres_cpu_s() -> float:
     return total
 
 
-def run_load(server: Server, workload: str, duration: float, out: Path) -> dict[str, Any]:
+def run_load(server: Server, workload: str, duration: float, out: Path, profile: Path | None = None) -> dict[str, Any]:
     cfg = WORKLOADS[workload]
     cmd = [str(BIN / "mcp-tasks"), "bench", "--url", server.url, "--workload", workload,
            "--clients", str(cfg["clients"]), "--duration", str(duration), "--server-pid", str(server.proc.pid),
@@ -208,7 +208,16 @@ def run_load(server: Server, workload: str, duration: float, out: Path) -> dict[
     for token in server.tokens:
         cmd += ["--token", token]
     db_before = postgres_cpu_s()
+    spy = None
+    if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "py-spy"), "record", "--pid", str(server.proc.pid), "--output", str(profile),
+                                                  "--duration", str(int(duration) + 5), "--format", "raw", "--nonblocking"]),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
+    if spy is not None:
+        spy.send_signal(2)
+        spy.wait(timeout=60)
     db_cpu = postgres_cpu_s() - db_before
     if not out.exists():
         return {"error": "the load generator produced no result"}
@@ -253,8 +262,13 @@ def main() -> int:
     ap.add_argument("--out", default="/var/tmp/mcp-tasks-bench-results.json", help="raw results (JSON)")
     ap.add_argument("--smoke", action="store_true", help="one short round, ours and the floor only (CI)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1k/100k/1M stored-tasks scale run")
+    ap.add_argument("--servers", help="comma-separated subset of ours,sdk,fastmcp,floor (default: all)")
+    ap.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+    ap.add_argument("--profile", metavar="DIR", help="record py-spy folded stacks of our service per run")
     args = ap.parse_args()
-    peers = [] if args.smoke else ensure_peers()
+    only = set(args.servers.split(",")) if args.servers else None
+    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    peers = [] if args.smoke or (only is not None and not only & {"sdk", "fastmcp"}) else ensure_peers()
     rounds, duration = (1, 1.0) if args.smoke else (args.rounds, args.duration)
     logs = Path(tempfile.mkdtemp(prefix="mcp-tasks-bench-", dir="/var/tmp"))
     dbs = Databases()
@@ -266,12 +280,15 @@ def main() -> int:
         for r in range(rounds):
             servers = ["ours", *peers]
             servers = servers if r % 2 == 0 else list(reversed(servers))  # alternate who goes first
-            for workload in WORKLOADS:
+            for workload in workloads:
                 names = [*servers, "floor"] if workload == "plain" else servers
-                for name in names:
+                for name in (n for n in names if only is None or n in only):
                     with started(name, dbs, logs) as server:
                         out = logs / f"{name}-{workload}-{r}.json"
-                        result = run_load(server, workload, duration, out)
+                        profile = (
+                            Path(args.profile) / f"{workload}-{r}.folded" if args.profile and name == "ours" else None
+                        )
+                        result = run_load(server, workload, duration, out, profile)
                     results.setdefault(workload, {}).setdefault(name, []).append(result)
                     print(f"round {r + 1} {workload:9} {name:8} {summary(result)}", file=sys.stderr, flush=True)
         scale = {} if args.smoke or args.no_scale else scale_run(dbs, logs, duration)
