@@ -99,6 +99,32 @@ async def test_two_processes_creating_at_once_never_overshoot_the_cap(
         await db.close()
 
 
+async def test_active_counters_follow_every_way_a_task_stops_being_active_T_SEC_7(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """The caps read per-requestor counters kept by a trigger: after creates, completions, failures,
+    cancellations and expiry they equal a count of the active rows."""
+    async with serve(make_settings(database_url, min_ttl_ms=100)) as running:
+        s = await session(http, running.url)
+        hung = [(await s.call_tool_as_task("hang", {}))["task"]["taskId"] for _ in range(3)]
+        await s.call_tool_as_task("hang", {}, {"ttl": 300})  # expires and is swept
+        for tool, args in (("echo", {"text": "x"}), ("fail", {"message": "no"}), ("crash", {"message": "boom"})):
+            done = (await s.call_tool_as_task(tool, args))["task"]["taskId"]
+            await s.send("tasks/result", {"taskId": done})
+        await s.result("tasks/cancel", {"taskId": hung[0]})
+        await asyncio.sleep(1.0)  # the sweeper (every 200 ms here) deletes the expired task
+        db = await asyncpg.connect(database_url)
+        try:
+            true_counts = await db.fetch(
+                "SELECT tenant_id, subject, count(*) AS n FROM tasks WHERE status IN ('working', 'input_required') "
+                "GROUP BY 1, 2 ORDER BY 1, 2"
+            )
+            counters = await db.fetch("SELECT tenant_id, subject, active AS n FROM active_tasks WHERE active > 0")
+            assert [tuple(r) for r in counters] == [tuple(r) for r in true_counts] == [("local", "local", 2)]
+        finally:
+            await db.close()
+
+
 # --- rate limits (T-SEC-6, T-SEC-11) ----------------------------------------------------------------
 
 

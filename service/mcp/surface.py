@@ -313,9 +313,8 @@ class Surface:
         """T-RES-3: block until terminal. Answer JSON if it already is; else SSE carrying the
         task's requests to the client (elicitation), its notices, and finally the result."""
         task_id = _str_param(call.params, "taskId")
-        task = await self.tasks.get(call.caller, task_id)
+        task = await self.tasks.retrieve(call.caller, task_id)  # audits the hand-out when terminal
         if task.status.is_terminal:
-            await self.tasks.record_retrieval(call.caller, task)
             return task_result(task)
         return Streamed(self._follow(call, task_id), cancel_key=call.cancel_key)
 

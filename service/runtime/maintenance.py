@@ -62,6 +62,7 @@ class Maintenance:
         await self.observe()
         async with self.db.connection() as conn:
             await repo.delete_idle_sessions(conn, self.session_idle_ms)
+            await repo.drop_idle_counters(conn)
 
     async def observe(self) -> None:
         """Gauges read from the database and the pools (cluster-wide task counts; this process's pools)."""

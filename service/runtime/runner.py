@@ -113,7 +113,7 @@ class Runner:
         if free <= 0:
             return 0
         await self.liveness.ensure()
-        async with self.db.transaction() as conn:
+        async with self.db.connection() as conn:  # one statement: its own transaction
             tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, min(free, CLAIM_BATCH))
         now = datetime.now(UTC)
         for task in tasks:
@@ -166,12 +166,13 @@ class Runner:
             self._wake.set()
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
-        async with self.db.transaction() as conn:
-            done = await repo.finish_task(conn, task.tenant_id, task.task_id, self.owner, outcome)
-            if done is not None:
-                await repo.audit_task_event(conn, done, "complete", done.status.value, kind=outcome.kind.value)
-                metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()
-                await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
+        # One statement (migration 0004): the outcome, its audit event and the status wake-up.
+        async with self.db.connection() as conn:
+            done = await repo.finish_task_audited(
+                conn, task.tenant_id, task.task_id, self.owner, outcome, {"kind": outcome.kind.value}
+            )
+        if done is not None:
+            metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""

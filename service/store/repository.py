@@ -79,6 +79,72 @@ async def insert_task(
     return task_from_row(row)
 
 
+async def create_task_checked(
+    conn: asyncpg.Connection,
+    *,
+    principal: Principal,
+    task_id: str,
+    session_id: str | None,
+    surface: str,
+    tool: str,
+    arguments: dict[str, Any],
+    client_capabilities: dict[str, Any],
+    progress_token: str | int | None,
+    ttl_ms: int,
+    poll_interval_ms: int,
+    max_per_requestor: int,
+    max_per_tenant: int,
+    request_id: str | None,
+    address: str | None,
+    detail: dict[str, Any],
+) -> Task | None:
+    """Insert under the caps, audited and announced, in one statement; None when a cap refuses."""
+    row = await conn.fetchrow(
+        Q["create_task_checked"],
+        principal.tenant_id,
+        task_id,
+        principal.subject,
+        principal.issuer,
+        principal.client_id,
+        session_id,
+        surface,
+        tool,
+        arguments,
+        client_capabilities,
+        progress_token,
+        ttl_ms,
+        poll_interval_ms,
+        max_per_requestor,
+        max_per_tenant,
+        request_id,
+        address,
+        detail,
+    )
+    return _task_or_none(row)
+
+
+async def get_task_scoped(conn: asyncpg.Connection, principal: Principal, task_id: str) -> Task | None:
+    """get_task outside a transaction: the statement scopes itself to the principal's tenant."""
+    return _task_or_none(await conn.fetchrow(Q["get_task_scoped"], principal.tenant_id, task_id, principal.subject))
+
+
+async def retrieve_task(
+    conn: asyncpg.Connection, principal: Principal, task_id: str, request_id: str | None, address: str | None
+) -> Task | None:
+    """The task; when it is terminal, the hand-out of its result is audited in the same statement."""
+    row = await conn.fetchrow(
+        Q["retrieve_task"],
+        principal.tenant_id,
+        task_id,
+        principal.subject,
+        principal.client_id,
+        principal.issuer,
+        request_id,
+        address,
+    )
+    return _task_or_none(row)
+
+
 async def get_task(conn: asyncpg.Connection, principal: Principal, task_id: str) -> Task | None:
     return _task_or_none(await conn.fetchrow(Q["get_task"], principal.tenant_id, task_id, principal.subject))
 
@@ -112,6 +178,24 @@ async def finish_task(
         outcome.kind.value,
         outcome.payload,
         outcome.status_message,
+    )
+    return _task_or_none(row)
+
+
+async def finish_task_audited(
+    conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, outcome: Outcome, detail: dict[str, Any]
+) -> Task | None:
+    """finish_task plus its audit event and status wake-up, in one statement."""
+    row = await conn.fetchrow(
+        Q["finish_task_audited"],
+        tenant_id,
+        task_id,
+        owner,
+        outcome.status.value,
+        outcome.kind.value,
+        outcome.payload,
+        outcome.status_message,
+        detail,
     )
     return _task_or_none(row)
 
@@ -173,6 +257,10 @@ async def lock_and_count_active(conn: asyncpg.Connection, principal: Principal) 
     await conn.execute(Q["lock_tenant_creates"], principal.tenant_id)
     row = await conn.fetchrow(Q["count_active"], principal.tenant_id, principal.subject)
     return int(row["requestor"]), int(row["tenant"])
+
+
+async def drop_idle_counters(conn: asyncpg.Connection) -> None:
+    await conn.execute(Q["drop_idle_counters"])
 
 
 # --- messages ---------------------------------------------------------------------------------

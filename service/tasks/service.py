@@ -19,7 +19,7 @@ from service.domain.errors import (
     TaskSupportMismatch,
 )
 from service.domain.principal import Caller, Principal
-from service.domain.task import RELATED_TASK, Task, clamp_ttl, new_task_id
+from service.domain.task import RELATED_TASK, Task, TaskStatus, clamp_ttl, new_task_id
 from service.store import repository as repo
 from service.store.db import Database
 from service.store.events import EventHub, notify
@@ -115,46 +115,51 @@ class TaskService:
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
         principal = caller.principal
-        refusal: DomainError | None = None
-        async with self.db.transaction(principal.tenant_id) as conn:
-            mine, tenant = await repo.lock_and_count_active(conn, principal)
-            if mine >= p.max_active_per_requestor or tenant >= p.max_active_per_tenant:
-                scope, limit, current = (
-                    ("requestor", p.max_active_per_requestor, mine)
-                    if mine >= p.max_active_per_requestor
-                    else ("tenant", p.max_active_per_tenant, tenant)
-                )
-                refusal = CapacityExceeded(
-                    f"too many active tasks for this {scope}: {current} of at most {limit}; "
-                    "wait for one to finish (or cancel one) and try again",
-                    scope=scope,
-                    limit=limit,
-                    current=current,
-                )
-                await audit(conn, caller, "deny", "cap_exceeded", scope=scope, limit=limit, current=current, tool=tool)
-            else:
-                task = await repo.insert_task(
-                    conn,
-                    principal=principal,
-                    task_id=new_task_id(),
-                    session_id=session_id,
-                    surface=surface,
-                    tool=tool,
-                    arguments=valid,
-                    client_capabilities=client_capabilities,
-                    progress_token=progress_token,
-                    ttl_ms=granted,
-                    poll_interval_ms=p.poll_interval_ms,
-                )
-                await audit(conn, caller, "create", "working", task.task_id, tool=tool, ttl_ms=granted)
-                await notify(conn, {"k": "created", "t": principal.tenant_id, "id": task.task_id})
-        if refusal is not None:
-            raise refusal
+        async with self.db.connection() as conn:  # one statement, its own transaction (migration 0004)
+            task = await repo.create_task_checked(
+                conn,
+                principal=principal,
+                task_id=new_task_id(),
+                session_id=session_id,
+                surface=surface,
+                tool=tool,
+                arguments=valid,
+                client_capabilities=client_capabilities,
+                progress_token=progress_token,
+                ttl_ms=granted,
+                poll_interval_ms=p.poll_interval_ms,
+                max_per_requestor=p.max_active_per_requestor,
+                max_per_tenant=p.max_active_per_tenant,
+                request_id=caller.request_id,
+                address=caller.address,
+                detail={"tool": tool, "ttl_ms": granted},
+            )
+        if task is None:
+            raise await self._refuse_capacity(caller, tool)
         return task
 
+    async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
+        """A cap refused a create: record the denial with the counts as they stand now."""
+        p = self.policy
+        async with self.db.transaction(caller.principal.tenant_id) as conn:
+            mine, tenant = await repo.lock_and_count_active(conn, caller.principal)
+            scope, limit, current = (
+                ("tenant", p.max_active_per_tenant, tenant)
+                if tenant >= p.max_active_per_tenant and mine < p.max_active_per_requestor
+                else ("requestor", p.max_active_per_requestor, mine)
+            )
+            await audit(conn, caller, "deny", "cap_exceeded", scope=scope, limit=limit, current=current, tool=tool)
+        return CapacityExceeded(
+            f"too many active tasks for this {scope}: {current} of at most {limit}; "
+            "wait for one to finish (or cancel one) and try again",
+            scope=scope,
+            limit=limit,
+            current=current,
+        )
+
     async def _load(self, principal: Principal, task_id: str) -> Task | None:
-        async with self.db.transaction(principal.tenant_id) as conn:
-            return await repo.get_task(conn, principal, task_id)
+        async with self.db.connection() as conn:
+            return await repo.get_task_scoped(conn, principal, task_id)
 
     async def get(self, caller: Caller, task_id: str) -> Task:
         """The caller's task; a miss (unknown, expired or someone else's) is audited as a denial."""
@@ -164,14 +169,18 @@ class TaskService:
             raise TaskNotFound(NOT_FOUND, task_id=task_id)
         return task
 
+    async def retrieve(self, caller: Caller, task_id: str) -> Task:
+        """Like get; a terminal task's hand-out is audited in the same statement (T-SEC-10)."""
+        async with self.db.connection() as conn:
+            task = await repo.retrieve_task(conn, caller.principal, task_id, caller.request_id, caller.address)
+        if task is None:
+            await self._deny_not_found(caller, task_id)
+            raise TaskNotFound(NOT_FOUND, task_id=task_id)
+        return task
+
     async def _deny_not_found(self, caller: Caller, task_id: str) -> None:
         async with self.db.transaction(caller.principal.tenant_id) as conn:
             await audit(conn, caller, "deny", "not_found", task_id[:200])
-
-    async def record_retrieval(self, caller: Caller, task: Task) -> None:
-        """T-SEC-10: a terminal result was handed out."""
-        async with self.db.transaction(caller.principal.tenant_id) as conn:
-            await audit(conn, caller, "retrieve", task.status.value, task.task_id)
 
     async def list(self, caller: Caller, cursor: str | None) -> tuple[list[Task], str | None]:
         principal = caller.principal
@@ -221,6 +230,7 @@ class TaskService:
         principal = caller.principal
         stream_id = secrets.token_urlsafe(12)
         key = (principal.tenant_id, task_id)
+        carried = False  # whether this stream has claimed any of the task's requests
         self.following[key] += 1
         try:
             async with self.hub.subscribe(("task", principal.tenant_id, task_id)) as events:
@@ -228,28 +238,32 @@ class TaskService:
                 loop = asyncio.get_running_loop()
                 touched = loop.time()
                 while True:
-                    task = await self.get(caller, task_id)
+                    task = await self.retrieve(caller, task_id)
                     if task.status.is_terminal:
                         # C-10: requests this stream carried and nobody answered are void now.
-                        async with self.db.transaction(principal.tenant_id) as conn:
-                            void = await repo.unanswered_for_stream(conn, principal.tenant_id, task_id, stream_id)
-                        for rpc_id in void:
-                            meta = {RELATED_TASK: {"taskId": task_id}}
-                            params = {"requestId": rpc_id, "reason": f"task {task.status.value}", "_meta": meta}
-                            yield Notice("notifications/cancelled", params)
-                        await self.record_retrieval(caller, task)
+                        if carried:
+                            async with self.db.transaction(principal.tenant_id) as conn:
+                                void = await repo.unanswered_for_stream(conn, principal.tenant_id, task_id, stream_id)
+                            for rpc_id in void:
+                                meta = {RELATED_TASK: {"taskId": task_id}}
+                                params = {"requestId": rpc_id, "reason": f"task {task.status.value}", "_meta": meta}
+                                yield Notice("notifications/cancelled", params)
                         yield Finished(task)
                         return
                     if last_status is not None and task.status != last_status:
                         yield StatusChanged(task)
                     last_status = task.status
-                    async with self.db.transaction(principal.tenant_id) as conn:
-                        pending = await repo.claim_undelivered_messages(
-                            conn, principal.tenant_id, task_id, stream_id, STALE_DELIVERY_MS
-                        )
-                    for msg in pending:
-                        yield ClientRequest(msg["rpc_id"], msg["method"], msg["params"])
-                    if loop.time() - touched > STALE_DELIVERY_MS / 3000:
+                    # A task asks its client only while input_required (the request and the status
+                    # change commit together), so only then is there anything to claim.
+                    if task.status is TaskStatus.INPUT_REQUIRED:
+                        async with self.db.transaction(principal.tenant_id) as conn:
+                            pending = await repo.claim_undelivered_messages(
+                                conn, principal.tenant_id, task_id, stream_id, STALE_DELIVERY_MS
+                            )
+                        carried = carried or bool(pending)
+                        for msg in pending:
+                            yield ClientRequest(msg["rpc_id"], msg["method"], msg["params"])
+                    if carried and loop.time() - touched > STALE_DELIVERY_MS / 3000:
                         touched = loop.time()
                         async with self.db.transaction(principal.tenant_id) as conn:
                             await repo.touch_deliveries(conn, principal.tenant_id, stream_id)
@@ -268,9 +282,10 @@ class TaskService:
             self.following[key] -= 1
             if self.following[key] <= 0:
                 del self.following[key]
-            with contextlib.suppress(Exception):
-                async with self.db.transaction(principal.tenant_id) as conn:
-                    await repo.release_messages(conn, principal.tenant_id, stream_id)
+            if carried:
+                with contextlib.suppress(Exception):
+                    async with self.db.transaction(principal.tenant_id) as conn:
+                        await repo.release_messages(conn, principal.tenant_id, stream_id)
 
     @contextlib.asynccontextmanager
     async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[FollowEvent]]:

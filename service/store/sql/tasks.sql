@@ -123,3 +123,20 @@ RETURNING t.*;
 -- Cluster-wide non-terminal tasks by status, for the tasks_active gauge (uses the partial index).
 SELECT status::text AS status, count(*) AS n FROM tasks
 WHERE status IN ('working', 'input_required') GROUP BY status;
+
+-- name: create_task_checked
+-- The caps under the tenant's create lock, the row, its audit event and the wake-up (migration 0004).
+-- No row back: a cap refused it and nothing was written.
+SELECT * FROM task_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18);
+
+-- name: get_task_scoped
+-- get_task in one round trip: the function sets the tenant for its own transaction (migration 0004).
+SELECT * FROM task_get($1, $2, $3);
+
+-- name: retrieve_task
+-- The task, auditing the hand-out of a terminal result in the same statement (migration 0004).
+SELECT * FROM task_retrieve($1, $2, $3, $4, $5, $6, $7);
+
+-- name: finish_task_audited
+-- finish_task, its audit event and the status wake-up in one statement (migration 0004).
+SELECT * FROM task_finish($1, $2, $3, $4, $5, $6, $7, $8);
