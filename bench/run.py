@@ -187,15 +187,40 @@ def start_floor(logs: Path) -> Server:
     return Server("floor", url, proc)
 
 
-def postgres_cpu_s() -> float:
-    """CPU seconds of the local PostgreSQL cluster's processes (ours runs on it; the peers do not)."""
-    import psutil
+class PostgresCpu:
+    """CPU seconds of the local PostgreSQL cluster's processes over time (ours runs on it; the peers
+    do not), sampled in the background so the measured window can be cut out of setup and clean-up.
+    Backends come and go: each process counts with the last CPU time it was seen with."""
 
-    total = 0.0
-    for proc in psutil.process_iter(["name", "cpu_times"]):
-        if proc.info["name"] == "postgres" and proc.info["cpu_times"] is not None:
-            total += proc.info["cpu_times"].user + proc.info["cpu_times"].system
-    return total
+    def __init__(self, every_s: float = 0.25) -> None:
+        import threading
+
+        self._last: dict[int, float] = {}
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._every_s = every_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for proc in psutil.process_iter(["name", "cpu_times"]):
+                times = proc.info["cpu_times"]
+                if proc.info["name"] == "postgres" and times is not None:
+                    self._last[proc.pid] = times.user + times.system
+            self.samples.append((time.time(), sum(self._last.values())))
+            self._stop.wait(self._every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> float:
+        """Cumulative CPU seconds at wall time t (the last sample before it)."""
+        before = [cpu for ts, cpu in self.samples if ts <= t]
+        return before[-1] if before else (self.samples[0][1] if self.samples else 0.0)
 
 
 def run_load(server: Server, workload: str, duration: float, out: Path, profile: Path | None = None) -> dict[str, Any]:
@@ -207,7 +232,7 @@ def run_load(server: Server, workload: str, duration: float, out: Path, profile:
         cmd += ["--held", str(cfg["held"])]
     for token in server.tokens:
         cmd += ["--token", token]
-    db_before = postgres_cpu_s()
+    db = PostgresCpu() if server.name == "ours" else None
     spy = None
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
         profile.parent.mkdir(parents=True, exist_ok=True)
@@ -218,12 +243,14 @@ def run_load(server: Server, workload: str, duration: float, out: Path, profile:
     if spy is not None:
         spy.send_signal(2)
         spy.wait(timeout=60)
-    db_cpu = postgres_cpu_s() - db_before
+    if db is not None:
+        db.stop()
     if not out.exists():
         return {"error": "the load generator produced no result"}
     result: dict[str, Any] = json.loads(out.read_text())
-    # Setup (held tasks) and clean-up are included; per operation it is an upper bound.
-    result["db_cpu_ms_per_op"] = 1000 * db_cpu / result["ops"] if result.get("ops") else float("nan")
+    if db is not None and result.get("ops") and result.get("window_unix"):
+        begin, end = result["window_unix"]
+        result["db_cpu_ms_per_op"] = 1000 * (db.at(end) - db.at(begin)) / result["ops"]
     return result
 
 
@@ -275,6 +302,8 @@ def main() -> int:
     dbs.create_template()
     if not args.smoke:
         pin_postgres(SERVER_CORE)
+        if (os.cpu_count() or 1) > 1:  # this script's own sampling stays off the servers' core
+            os.sched_setaffinity(0, {int(LOAD_CORE)})
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
         for r in range(rounds):

@@ -7,6 +7,7 @@ import asyncio
 import random
 import ssl
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,12 +105,14 @@ async def _measure(
         window = ServerWindow(probe) if probe is not None else None
         phase.measuring = True
         start = perf_counter()
+        window_unix = [time.time(), 0.0]
         progress.reset_rate()
         await asyncio.wait(workers, timeout=config.duration_s)
         # Operations in flight finish and count: they started inside the measured phase.
         phase.stopped = True
         await asyncio.gather(*workers)
         duration = perf_counter() - start
+        window_unix[1] = time.time()
         if window is not None:
             window.finish()
     finally:
@@ -131,6 +134,8 @@ async def _measure(
         "op_latency": latency_summary(measured.op_samples),
         "server": window.summary(measured.ops, pending) if window is not None else None,
         "warmup": {"ops": warm.ops, "errors": warm.failed_ops},
+        # Wall-clock bounds of the measured phase, to attribute other processes' CPU (e.g. a database).
+        "window_unix": [round(t, 3) for t in window_unix],
     }
 
 
