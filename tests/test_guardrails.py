@@ -163,9 +163,15 @@ async def test_failed_authentication_is_limited_by_client_address(database_url: 
             database_url, auth="oauth", oauth_issuer=issuer.url, rate_limit_unauthenticated="2/minute"
         )
         async with serve(settings) as running:
+            known = await session(http, running.url, issuer.mint(running.url, sub="alice"))  # verified once
             bad = {"Accept": ACCEPT_BOTH, "Authorization": "Bearer nope"}
             statuses = [(await http.post(running.url, json=INIT, headers=bad)).status_code for _ in range(3)]
             assert statuses == [401, 401, 429]
+            # The address is over budget: a token never verified is refused before any work on it...
+            fresh = {"Accept": ACCEPT_BOTH, "Authorization": f"Bearer {issuer.mint(running.url, sub='bob')}"}
+            assert (await http.post(running.url, json=INIT, headers=fresh)).status_code == 429
+            # ...while a token verified before costs nothing to check and is served (same address).
+            assert await known.result("ping") == {}
 
 
 @pytest.mark.slow

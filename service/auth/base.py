@@ -35,6 +35,10 @@ class AuthFailure(Exception):
 class Authenticator(Protocol):
     async def authenticate(self, conn: HTTPConnection) -> Principal: ...
 
+    def knows(self, conn: HTTPConnection) -> bool:
+        """True when authenticating this request costs nothing (a token verified before)."""
+        ...
+
     def challenge_headers(self) -> dict[str, str]:
         """What a refusal should carry so clients can still find the authorization server."""
         ...
@@ -45,6 +49,9 @@ class SingleUser:
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         return LOCAL_PRINCIPAL
+
+    def knows(self, conn: HTTPConnection) -> bool:
+        return True
 
     def challenge_headers(self) -> dict[str, str]:
         return {}

@@ -77,6 +77,11 @@ class OAuthResourceServer:
     def challenge_headers(self) -> dict[str, str]:
         return self._challenge(401, None, "").headers
 
+    def knows(self, conn: HTTPConnection) -> bool:
+        """Does the request carry a token verified before and still valid (so checking it is free)?"""
+        scheme, _, token = (conn.headers.get("authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and self.verifier.is_cached(token.strip())
+
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         client = conn.client.host if conn.client else "-"
         if "access_token" in conn.query_params:

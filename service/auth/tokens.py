@@ -98,6 +98,11 @@ class TokenVerifier:
         self._locks: dict[str, asyncio.Lock] = {i: asyncio.Lock() for i in self.issuers}
         self._verified: OrderedDict[str, tuple[Principal, float]] = OrderedDict()
 
+    def is_cached(self, token: str) -> bool:
+        """Was this token verified before and is it still unexpired? (no I/O, no signature check)"""
+        cached = self._verified.get(hashlib.sha256(token.encode()).hexdigest())
+        return cached is not None and cached[1] > time.time()
+
     async def verify(self, token: str) -> Principal:
         cache_key = hashlib.sha256(token.encode()).hexdigest()
         cached = self._verified.get(cache_key)

@@ -3,9 +3,16 @@ authentication, and a tighter budget for task lookups that find nothing (id enum
 
 The MCP endpoint is a pure ASGI app whose key (the verified principal) exists only after
 authentication, so slowapi's route decorators do not fit; its ``Limiter`` still configures the
-storage (``memory://`` or ``redis://…`` shared by every replica) and the moving-window strategy,
-which we call directly. Remote storage is hit from a worker thread so the event loop never blocks.
-A storage outage fails open: requests pass, and the failure is logged and counted.
+storage (``memory://`` or ``redis://…`` shared by every replica) and the sliding-window-counter
+strategy (two counters per key, where a moving window keeps every hit of the window: thousands of
+entries per busy key, copied by the memory storage's expiry thread), which we call directly.
+Remote storage is hit from a worker thread so the event loop never blocks. A storage outage fails
+open: requests pass, and the failure is logged and counted.
+
+One storage call per request: the principal's budget. The address budget is checked only before
+verifying a token not verified before, and a principal whose lookups budget was seen unspent is
+not asked again for LOOKUPS_CLEAR_S unless it misses here (misses on other replicas take effect
+within that time).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ log = logging.getLogger(__name__)
 DENIAL_ROWS = "20/minute"
 # A hung Redis must cost a request milliseconds, not the client library's default seconds.
 STORAGE_TIMEOUT_S = 0.25
+LOOKUPS_CLEAR_S = 1.0
+_CLEAR_MAX = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +69,7 @@ class RateLimiter:
                     else {"socket_timeout": STORAGE_TIMEOUT_S, "socket_connect_timeout": STORAGE_TIMEOUT_S}
                 ),
             ),
-            strategy="moving-window",
+            strategy="sliding-window-counter",
             key_prefix="mcp_tasks",
         )
         self._strategy = self._limiter.limiter
@@ -79,6 +88,8 @@ class RateLimiter:
             "denial_rows": DENIAL_ROWS,
         }
         self._on_storage_error = on_storage_error
+        # principal key -> monotonic time until which its lookups budget is taken as unspent
+        self._lookups_clear: dict[str, float] = {}
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._remote:
@@ -121,7 +132,18 @@ class RateLimiter:
 
     async def lookups_blocked(self, principal: Principal) -> RateLimited | None:
         """Has this principal spent its budget of lookups that found nothing?"""
-        return await self._apply("not_found", self._principal_key(principal), hit=False)
+        key = self._principal_key(principal)
+        now = time.monotonic()
+        if self._lookups_clear.get(key, 0.0) > now:
+            return None
+        limited = await self._apply("not_found", key, hit=False)
+        if limited is None:
+            if len(self._lookups_clear) >= _CLEAR_MAX:
+                self._lookups_clear.clear()
+            self._lookups_clear[key] = now + LOOKUPS_CLEAR_S
+        return limited
 
     async def lookup_missed(self, principal: Principal) -> None:
-        await self._apply("not_found", self._principal_key(principal), hit=True)
+        key = self._principal_key(principal)
+        self._lookups_clear.pop(key, None)
+        await self._apply("not_found", key, hit=True)

@@ -161,11 +161,13 @@ class McpEndpoint:
             client = scope.get("client")
             address = client[0] if client else "-"
             request_id = scope["state"]["request_id"]
-            # An address over its failed-authentication budget is refused before any token work.
-            if limited := await self.limiter.unauthenticated_blocked(address):
+            connection = HTTPConnection(scope, receive)
+            # An address over its failed-authentication budget is refused before any token work
+            # (a token verified before costs no work, so it skips this check).
+            if not self.auth.knows(connection) and (limited := await self.limiter.unauthenticated_blocked(address)):
                 raise _throttled(limited, self.auth.challenge_headers())
             try:
-                principal = await self.auth.authenticate(HTTPConnection(scope, receive))
+                principal = await self.auth.authenticate(connection)
             except AuthFailure as refused:
                 metrics.auth_failures.labels(refused.reason).inc()
                 # A request without a token is the first step of OAuth discovery, not an attack:
