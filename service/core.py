@@ -110,6 +110,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
             poll_s=poll_s,
         )
         await runner.start()
+        tasks.runner = runner
     maintenance = Maintenance(
         runner_db,
         registry,

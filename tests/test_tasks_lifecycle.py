@@ -8,12 +8,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import jsonschema
 import pytest
 
 from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, make_settings, serve
 from tests.rpc import RpcSession
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "schema-2025-11-25.json").read_text())
@@ -344,3 +345,51 @@ async def test_an_unanswered_elicitation_is_offered_again_to_the_next_stream_D_7
             await s.reply(msg["id"], {"action": "decline"})
         final = msg
     assert final["result"]["content"][0]["text"] == "action=decline"
+
+
+async def test_tasks_result_answers_json_when_the_task_ends_with_nothing_to_stream_T_RES_3(s: RpcSession) -> None:
+    """Streamable HTTP lets the server pick JSON or SSE: a task that ends within the grace period
+    without notices is answered as JSON, like a plain call that says nothing before its result."""
+    task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.3}))["task"]["taskId"]
+    messages = [m async for m in s.stream("tasks/result", {"taskId": task_id})]
+    assert s.last_content_type.startswith("application/json")
+    assert messages[-1]["result"]["content"][0]["text"] == "slept 0.3s"
+
+
+async def test_tasks_result_streams_when_the_task_outlasts_the_grace_period_T_RES_3(s: RpcSession) -> None:
+    task_id = (await s.call_tool_as_task("sleep", {"seconds": 1.5}))["task"]["taskId"]
+    messages = [m async for m in s.stream("tasks/result", {"taskId": task_id})]
+    assert s.last_content_type.startswith("text/event-stream")
+    assert messages[-1]["result"]["content"][0]["text"] == "slept 1.5s"
+
+
+async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: str, http: httpx.AsyncClient) -> None:
+    """With a free slot in the creating process the task is created already leased to its runner (no
+    claim round trip); with none, it is created unleased and waits for a claim."""
+    async with serve(make_settings(database_url, runner_concurrency=1)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        first = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        second = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        db = await asyncpg.connect(database_url)
+        try:
+            rows = {
+                r["task_id"]: r for r in await db.fetch("SELECT task_id, lease_owner, attempts, started_at FROM tasks")
+            }
+        finally:
+            await db.close()
+        runner = running.app.state.core.runner
+        assert (rows[first]["lease_owner"], rows[first]["attempts"]) == (runner.owner, 1)
+        assert rows[first]["started_at"] is not None
+        assert (rows[second]["lease_owner"], rows[second]["attempts"]) == (None, 0)
+        await s.result("tasks/cancel", {"taskId": first})  # frees the slot: the runner claims the second
+        db = await asyncpg.connect(database_url)
+        try:
+            for _ in range(50):
+                if await db.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", second) == runner.owner:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the waiting task was not claimed when the slot freed")
+        finally:
+            await db.close()

@@ -50,6 +50,7 @@ class Runner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.liveness = LivenessLock(db.dsn)
         self._running: dict[TaskKey, asyncio.Task[None]] = {}
+        self._reserved = 0  # slots promised to creates in flight (see reserve)
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -57,6 +58,31 @@ class Runner:
     @property
     def busy(self) -> int:
         return len(self._running)
+
+    def reserve(self) -> tuple[str, int, int] | None:
+        """A free slot for a task this process is about to create: the lease to create it under
+        (owner, liveness key, ms), or None. The creator must call ``adopt`` either way."""
+        if self._stopping or not self.liveness.held or self.busy + self._reserved >= self.concurrency:
+            return None
+        self._reserved += 1
+        return (self.owner, self.liveness.key, self.lease_ms)
+
+    def adopt(self, task: Task | None) -> None:
+        """Run a task created under a reserved lease (None: the create failed or was refused)."""
+        self._reserved -= 1
+        if task is None:
+            return
+        if self._stopping:
+            # Shutting down since the reservation: once our liveness lock goes, the reaper re-queues
+            # or fails it like any task of a stopped runner.
+            return
+        metrics.task_start_delay.labels(task.tool).observe(0.0)
+        self._start(task)
+
+    def _start(self, task: Task) -> None:
+        key = (task.tenant_id, task.task_id)
+        self._running[key] = asyncio.create_task(self._execute(task), name=f"task-{task.task_id[:8]}")
+        metrics.runner_slots_in_use.set(self.busy)
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
@@ -109,7 +135,7 @@ class Runner:
     async def _claim(self) -> int:
         # Cleared before the claim, so a wake-up that arrives during it is not lost.
         self._wake.clear()
-        free = self.concurrency - self.busy
+        free = self.concurrency - self.busy - self._reserved
         if free <= 0:
             return 0
         await self.liveness.ensure()
@@ -117,10 +143,8 @@ class Runner:
             tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, min(free, CLAIM_BATCH))
         now = datetime.now(UTC)
         for task in tasks:
-            key = (task.tenant_id, task.task_id)
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
-            self._running[key] = asyncio.create_task(self._execute(task), name=f"task-{task.task_id[:8]}")
-        metrics.runner_slots_in_use.set(self.busy)
+            self._start(task)
         return len(tasks)
 
     async def _heartbeat_loop(self) -> None:

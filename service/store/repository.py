@@ -97,8 +97,11 @@ async def create_task_checked(
     request_id: str | None,
     address: str | None,
     detail: dict[str, Any],
+    lease: tuple[str, int, int] | None = None,
 ) -> Task | None:
-    """Insert under the caps, audited and announced, in one statement; None when a cap refuses."""
+    """Insert under the caps, audited and announced, in one statement; None when a cap refuses.
+    ``lease`` (owner, liveness key, milliseconds) creates it already leased to a local runner."""
+    owner, key, lease_ms = lease if lease is not None else (None, None, None)
     row = await conn.fetchrow(
         Q["create_task_checked"],
         principal.tenant_id,
@@ -119,6 +122,9 @@ async def create_task_checked(
         request_id,
         address,
         detail,
+        owner,
+        key,
+        lease_ms,
     )
     return _task_or_none(row)
 

@@ -8,7 +8,7 @@ import secrets
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from service.domain.errors import (
     CapacityExceeded,
@@ -73,6 +73,12 @@ class Finished:
 FollowEvent = ClientRequest | Notice | StatusChanged | Finished
 
 
+class LocalRunner(Protocol):
+    def reserve(self) -> tuple[str, int, int] | None: ...
+
+    def adopt(self, task: Task | None) -> None: ...
+
+
 class TaskService:
     def __init__(
         self, db: Database, hub: EventHub, registry: Registry, policy: TaskPolicy, cursors: CursorCodec
@@ -84,6 +90,8 @@ class TaskService:
         self.cursors = cursors
         # Tasks with a tasks/result stream open in this process: their notices go there only.
         self.following: Counter[tuple[str, str]] = Counter()
+        # This process's runner, if it runs tasks: new tasks go straight to a free slot of it.
+        self.runner: LocalRunner | None = None
 
     def check_call(
         self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
@@ -114,9 +122,35 @@ class TaskService:
             raise InvalidArguments("task.ttl must be a non-negative integer (milliseconds)")
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
+        # A free local slot: create the task already leased to it (no claim, no wake-up round trip).
+        lease = self.runner.reserve() if self.runner is not None else None
+        task = None
+        try:
+            task = await self._insert_checked(caller, tool, valid, granted, progress_token, session_id,
+                                              client_capabilities, surface, lease)  # fmt: skip
+        finally:
+            if self.runner is not None and lease is not None:
+                self.runner.adopt(task)
+        if task is None:
+            raise await self._refuse_capacity(caller, tool)
+        return task
+
+    async def _insert_checked(
+        self,
+        caller: Caller,
+        tool: str,
+        valid: dict[str, Any],
+        granted: int,
+        progress_token: str | int | None,
+        session_id: str | None,
+        client_capabilities: dict[str, Any],
+        surface: str,
+        lease: tuple[str, int, int] | None,
+    ) -> Task | None:
+        p = self.policy
         principal = caller.principal
         async with self.db.connection() as conn:  # one statement, its own transaction (migration 0004)
-            task = await repo.create_task_checked(
+            return await repo.create_task_checked(
                 conn,
                 principal=principal,
                 task_id=new_task_id(),
@@ -133,10 +167,8 @@ class TaskService:
                 request_id=caller.request_id,
                 address=caller.address,
                 detail={"tool": tool, "ttl_ms": granted},
+                lease=lease,
             )
-        if task is None:
-            raise await self._refuse_capacity(caller, tool)
-        return task
 
     async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
         """A cap refused a create: record the denial with the counts as they stand now."""
@@ -221,7 +253,9 @@ class TaskService:
         assert task is not None
         return task
 
-    async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[FollowEvent]:
+    async def follow(
+        self, caller: Caller, task_id: str, *, poll_s: float, known: Task | None = None
+    ) -> AsyncIterator[FollowEvent]:
         """Everything a blocking tasks/result stream carries, ending with the terminal task.
 
         Requests to the client are claimed for this stream alone (no broadcast, H-MULTI-2) and
@@ -238,7 +272,8 @@ class TaskService:
                 loop = asyncio.get_running_loop()
                 touched = loop.time()
                 while True:
-                    task = await self.retrieve(caller, task_id)
+                    # ``known``: the caller has just read the task (and it was not terminal).
+                    task, known = (known, None) if known is not None else (await self.retrieve(caller, task_id), None)
                     if task.status.is_terminal:
                         # C-10: requests this stream carried and nobody answered are void now.
                         if carried:

@@ -126,8 +126,9 @@ WHERE status IN ('working', 'input_required') GROUP BY status;
 
 -- name: create_task_checked
 -- The caps under the tenant's create lock, the row, its audit event and the wake-up (migration 0004).
--- No row back: a cap refused it and nothing was written.
-SELECT * FROM task_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18);
+-- No row back: a cap refused it and nothing was written. $19-$21 lease it to a local runner at once.
+SELECT * FROM task_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
+                          $19, $20, $21);
 
 -- name: get_task_scoped
 -- get_task in one round trip: the function sets the tenant for its own transaction (migration 0004).

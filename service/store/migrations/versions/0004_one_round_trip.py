@@ -135,12 +135,15 @@ def upgrade() -> None:
         USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
 
     -- tasks/create: the caps, checked under the tenant's create lock, then the row, its audit event
-    -- and the runners' wake-up. No row back means a cap refused it (nothing was written).
+    -- and the runners' wake-up. No row back means a cap refused it (nothing was written). With a
+    -- lease owner the task is created already leased to that runner (the creating process has a free
+    -- slot), so no claim and no wake-up are needed.
     CREATE FUNCTION task_create(
         p_tenant text, p_task_id text, p_subject text, p_issuer text, p_client_id text, p_session_id text,
         p_surface text, p_tool text, p_arguments jsonb, p_client_capabilities jsonb, p_progress_token jsonb,
         p_ttl_ms bigint, p_poll_interval_ms integer, p_max_per_requestor bigint, p_max_per_tenant bigint,
-        p_request_id text, p_client_address text, p_detail jsonb
+        p_request_id text, p_client_address text, p_detail jsonb,
+        p_lease_owner text, p_lease_key bigint, p_lease_ms bigint
     ) RETURNS SETOF tasks
     LANGUAGE plpgsql AS $$
     DECLARE
@@ -157,14 +160,20 @@ def upgrade() -> None:
             RETURN;
         END IF;
         INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, arguments,
-                           client_capabilities, progress_token, ttl_ms, poll_interval_ms, expires_at)
+                           client_capabilities, progress_token, ttl_ms, poll_interval_ms, expires_at,
+                           lease_owner, lease_key, lease_expires_at, attempts, started_at)
         VALUES (p_tenant, p_task_id, p_subject, p_issuer, p_client_id, p_session_id, p_surface, p_tool,
                 p_arguments, p_client_capabilities, p_progress_token, p_ttl_ms, p_poll_interval_ms,
-                clock_timestamp() + p_ttl_ms * interval '1 millisecond')
+                clock_timestamp() + p_ttl_ms * interval '1 millisecond',
+                p_lease_owner, p_lease_key, clock_timestamp() + p_lease_ms * interval '1 millisecond',
+                CASE WHEN p_lease_owner IS NULL THEN 0 ELSE 1 END,
+                CASE WHEN p_lease_owner IS NULL THEN NULL ELSE clock_timestamp() END)
         RETURNING * INTO created;
         PERFORM audit_append(p_tenant, 'create', 'working', p_subject, p_client_id, p_issuer, p_task_id,
                              p_request_id, p_client_address, p_detail);
-        PERFORM pg_notify('mcp_tasks', json_build_object('k', 'created', 't', p_tenant, 'id', p_task_id)::text);
+        IF p_lease_owner IS NULL THEN
+            PERFORM pg_notify('mcp_tasks', json_build_object('k', 'created', 't', p_tenant, 'id', p_task_id)::text);
+        END IF;
         RETURN NEXT created;
     END
     $$;
@@ -234,14 +243,14 @@ def upgrade() -> None:
 
     REVOKE ALL ON FUNCTION
         task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer, bigint,
-                    bigint, text, text, jsonb),
+                    bigint, text, text, jsonb, text, bigint, bigint),
         task_get(text, text, text),
         task_retrieve(text, text, text, text, text, text, text),
         task_finish(text, text, text, task_status, text, jsonb, text, jsonb)
     FROM PUBLIC;
     GRANT EXECUTE ON FUNCTION
         task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer, bigint,
-                    bigint, text, text, jsonb),
+                    bigint, text, text, jsonb, text, bigint, bigint),
         task_get(text, text, text),
         task_retrieve(text, text, text, text, text, text, text)
     TO mcp_tasks_app;
@@ -260,5 +269,5 @@ def downgrade() -> None:
     DROP FUNCTION task_retrieve(text, text, text, text, text, text, text);
     DROP FUNCTION task_get(text, text, text);
     DROP FUNCTION task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer,
-                              bigint, bigint, text, text, jsonb);
+                              bigint, bigint, text, text, jsonb, text, bigint, bigint);
     """)
