@@ -28,6 +28,8 @@ LATEST = "2025-11-25"
 SUPPORTED_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26")
 TASK_VERSIONS = frozenset({"2025-11-25"})
 LOOKUPS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
+# tasks/result of a task still running waits this long for it to end before answering as a stream.
+RESULT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,16 +318,43 @@ class Surface:
         task = await self.tasks.retrieve(call.caller, task_id)  # audits the hand-out when terminal
         if task.status.is_terminal:
             return task_result(task)
-        return Streamed(self._follow(call, task_id), cancel_key=call.cancel_key)
-
-    async def _follow(self, call: Call, task_id: str) -> AsyncIterator[dict[str, Any]]:
-        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s)
+        # Like a plain call: answer JSON if the task ends before there is anything to stream.
+        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s, known=task)
+        first: asyncio.Task[FollowEvent] = asyncio.ensure_future(anext(events))
+        key = call.cancel_key
+        stop = first.cancel
+        self.inflight.calls[key] = stop  # notifications/cancelled during the wait (C-4)
         try:
-            async for event in events:
-                yield self.follow_message(call, event)
+            await asyncio.wait({first}, timeout=RESULT_GRACE_S)
+        finally:
+            if self.inflight.calls.get(key) == stop:
+                del self.inflight.calls[key]
+        if first.done() and (
+            first.cancelled() or first.exception() is not None or isinstance(first.result(), Finished)
+        ):
+            await events.aclose()  # type: ignore[attr-defined]
+            if first.cancelled():
+                return Streamed(_nothing())  # C-4: a cancelled request gets no response
+            event = first.result()  # raises the lookup's error, if any
+            assert isinstance(event, Finished)
+            return task_result(event.task)
+        return Streamed(self._follow(call, first, events), cancel_key=key)
+
+    async def _follow(
+        self, call: Call, first: asyncio.Task[FollowEvent], events: AsyncIterator[FollowEvent]
+    ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            event = await first
+            yield self.follow_message(call, event)
+            if not isinstance(event, Finished):
+                async for event in events:
+                    yield self.follow_message(call, event)
         except DomainError as exc:
             yield jsonrpc.error_message(call.request_id, to_rpc(exc).error_object())
         finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.wait({first})
             await events.aclose()  # type: ignore[attr-defined]
 
     @staticmethod
