@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import secrets
 import time
 from typing import Any, Final
@@ -65,11 +67,25 @@ def _throttled(limited: RateLimited, extra: dict[str, str] | None = None) -> Htt
     return HttpError(429, RATE_LIMITED, limited.message, {"Retry-After": str(limited.retry_after_s), **(extra or {})})
 
 
+# Fresh request ids: 8 random hex digits per process, then a counter. Unique, not secret, and free of
+# the getrandom() call a random id per request costs.
+_ID_PREFIX = secrets.token_hex(4)
+_id_counter = itertools.count(1)
+
+
+def _new_id_prefix() -> None:  # a forked process must not repeat its parent's ids
+    global _ID_PREFIX
+    _ID_PREFIX = secrets.token_hex(4)
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
 def _request_id(given: str | None) -> str:
     """The caller's X-Request-Id when it is a sane token, else a fresh one (logs and audit rows carry it)."""
     if given and len(given) <= 64 and all(c.isalnum() or c in "-_.:" for c in given):
         return given
-    return secrets.token_hex(8)
+    return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFF:08x}"
 
 
 def _hostname(url: str) -> str:
