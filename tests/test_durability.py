@@ -231,3 +231,34 @@ async def test_sigterm_stops_the_embedded_database_too() -> None:
         for p in embedded_postgres():
             p.kill()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(database_url: str) -> None:
+    """A create under a reserved slot can commit and then lose its answer (the request cancelled):
+    the runner looks the task up and runs it rather than leaving it leased and idle."""
+    async with serve(make_settings(database_url)) as running:
+        runner = running.app.state.core.runner
+        lease = runner.reserve()
+        assert lease is not None
+        owner, key, _ms = lease
+        db = await asyncpg.connect(database_url)
+        try:
+            await db.execute(
+                """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
+                                      poll_interval_ms, expires_at, lease_owner, lease_key, lease_expires_at,
+                                      attempts, started_at)
+                   VALUES ('local', 'orphan', 'local', '2025-11-25', 'echo', '{"text": "still here"}', 60000, 100,
+                           now() + interval '1 minute', $1, $2, now() + interval '30 seconds', 1, now())""",
+                owner,
+                key,
+            )
+            runner.adopt_unknown("local", "orphan")
+            for _ in range(50):
+                if await db.fetchval("SELECT status FROM tasks WHERE task_id = 'orphan'") == "completed":
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the orphaned task was not run")
+            assert runner._reserved == 0
+        finally:
+            await db.close()

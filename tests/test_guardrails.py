@@ -288,3 +288,28 @@ async def test_metrics_of_several_processes_add_up_in_multiprocess_mode(
     m = scrape(r.text)
     assert value(m, "mcp_tasks_tasks_created_total", tool="echo", tenant="") == 3  # counted by the front end
     assert value(m, "mcp_tasks_tasks_finished_total", tool="echo", status="completed", tenant="") == 3  # by the worker
+
+
+async def test_counters_sum_a_statement_that_changes_many_tasks_of_many_requestors(database_url: str) -> None:
+    """One UPDATE or DELETE over several requestors' tasks (the sweeper deletes in batches) changes
+    each requestor's counter by its own tasks only; a change between active states changes nothing."""
+    db = await asyncpg.connect(database_url, server_settings={"role": "mcp_tasks_runner"})
+    try:
+        await db.execute(
+            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
+                                  expires_at)
+               SELECT 'acme', 't' || i, 'user-' || (i % 3), '2025-11-25', 'echo', '{}', 60000, 100,
+                      now() + interval '1 minute'
+               FROM generate_series(1, 9) AS i"""
+        )
+        counts = "SELECT subject, active FROM active_tasks WHERE tenant_id = 'acme' ORDER BY subject"
+        assert [tuple(r) for r in await db.fetch(counts)] == [("user-0", 3), ("user-1", 3), ("user-2", 3)]
+        await db.execute(
+            "UPDATE tasks SET status = 'cancelled' WHERE subject IN ('user-0', 'user-1') AND task_id <> 't1'"
+        )
+        await db.execute("UPDATE tasks SET status = 'input_required' WHERE subject = 'user-2'")  # active to active
+        assert [tuple(r) for r in await db.fetch(counts)] == [("user-0", 0), ("user-1", 1), ("user-2", 3)]
+        await db.execute("DELETE FROM tasks WHERE tenant_id = 'acme'")
+        assert [tuple(r) for r in await db.fetch(counts)] == [("user-0", 0), ("user-1", 0), ("user-2", 0)]
+    finally:
+        await db.close()

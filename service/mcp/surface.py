@@ -319,13 +319,18 @@ class Surface:
         if task.status.is_terminal:
             return task_result(task)
         # Like a plain call: answer JSON if the task ends before there is anything to stream.
-        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s, known=task)
+        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s)
         first: asyncio.Task[FollowEvent] = asyncio.ensure_future(anext(events))
         key = call.cancel_key
         stop = first.cancel
         self.inflight.calls[key] = stop  # notifications/cancelled during the wait (C-4)
         try:
             await asyncio.wait({first}, timeout=RESULT_GRACE_S)
+        except BaseException:  # this request was cancelled (client gone, shutdown): stop following
+            first.cancel()
+            await asyncio.wait({first})
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
         finally:
             if self.inflight.calls.get(key) == stop:
                 del self.inflight.calls[key]

@@ -78,8 +78,11 @@ class Maintenance:
     async def reap_lost_leases(self) -> int:
         count = 0
         async with self.db.transaction() as conn:
-            # Tenant order: audit heads are locked in the same order by every replica (no deadlock).
-            for row in sorted(await repo.find_lost_leases(conn, BATCH), key=lambda r: r["tenant_id"]):
+            # Lock order, the same as every other writer's: task rows and active-task counters in
+            # (tenant, subject) order first, then audit heads in tenant order (no deadlock).
+            lost = sorted(await repo.find_lost_leases(conn, BATCH), key=lambda r: (r["tenant_id"], r["subject"]))
+            failed, moved_all = [], []
+            for row in lost:
                 tenant, task_id, owner = row["tenant_id"], row["task_id"], row["lease_owner"]
                 spec = self.registry.tools.get(row["tool"])
                 rerun = spec is not None and spec.rerunnable and row["attempts"] < MAX_ATTEMPTS
@@ -87,15 +90,20 @@ class Maintenance:
                 if rerun:
                     message = f"re-running: the previous runner stopped (attempt {row['attempts'] + 1})"
                     moved = await repo.requeue_task(conn, tenant, task_id, owner, message)
-                    await notify(conn, {"k": "created", "t": tenant, "id": task_id})
                 else:
                     moved = await repo.fail_lost_task(conn, tenant, task_id, owner, runner_stopped_error(row["tool"]))
                     if moved is not None:
-                        await repo.audit_task_event(conn, moved, "complete", "failed", reason="runner_stopped")
-                        metrics.tasks_finished.labels(moved.tool, "failed", metrics.tenant(tenant)).inc()
+                        failed.append(moved)
                 if moved is not None:
-                    count += 1
-                    await notify(conn, {"k": "status", "t": tenant, "id": task_id, "s": moved.session_id})
+                    moved_all.append((moved, rerun))
+            for task in sorted(failed, key=lambda t: t.tenant_id):
+                await repo.audit_task_event(conn, task, "complete", "failed", reason="runner_stopped")
+                metrics.tasks_finished.labels(task.tool, "failed", metrics.tenant(task.tenant_id)).inc()
+            for task, rerun in moved_all:
+                count += 1
+                if rerun:
+                    await notify(conn, {"k": "created", "t": task.tenant_id, "id": task.task_id})
+                await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
         if count:
             log.warning("reaped %d task(s) whose runner stopped", count)
         return count

@@ -9,7 +9,9 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Coroutine
 from datetime import UTC, datetime
+from typing import Any
 
 from service.domain.errors import Unavailable
 from service.domain.task import Outcome, Task
@@ -50,7 +52,8 @@ class Runner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.liveness = LivenessLock(db.dsn)
         self._running: dict[TaskKey, asyncio.Task[None]] = {}
-        self._reserved = 0  # slots promised to creates in flight (see reserve)
+        self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
+        self._jobs: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -68,16 +71,41 @@ class Runner:
         return (self.owner, self.liveness.key, self.lease_ms)
 
     def adopt(self, task: Task | None) -> None:
-        """Run a task created under a reserved lease (None: the create failed or was refused)."""
+        """Run a task created under a reserved lease (None: a cap refused it, nothing was written)."""
         self._reserved -= 1
         if task is None:
             return
-        if self._stopping:
-            # Shutting down since the reservation: once our liveness lock goes, the reaper re-queues
-            # or fails it like any task of a stopped runner.
+        if self._stopping:  # it never started: back to the queue, whatever its tool
+            self._background(self._requeue_unstarted(task.tenant_id, task.task_id))
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
         self._start(task)
+
+    def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
+        """The create under a reserved lease failed without an answer (cancelled, connection lost):
+        its row may exist, leased to us. Start it if so; the slot stays reserved until we know."""
+        self._background(self._adopt_by_id(tenant_id, task_id))
+
+    async def _adopt_by_id(self, tenant_id: str, task_id: str) -> None:
+        try:
+            async with self.db.connection() as conn:
+                task = await repo.get_leased_task(conn, tenant_id, task_id, self.owner)
+        except Exception as exc:  # the lease lapses and the reaper takes the task over
+            log.warning("could not look up task %s after a failed create: %s", task_id[:8], exc)
+            task = None
+        self.adopt(task)
+
+    async def _requeue_unstarted(self, tenant_id: str, task_id: str) -> None:
+        try:
+            async with self.db.connection() as conn:
+                await repo.requeue_task(conn, tenant_id, task_id, self.owner, "queued: the runner was shut down")
+        except Exception as exc:  # the reaper re-queues or fails it once our liveness lock is gone
+            log.warning("could not re-queue task %s on shutdown: %s", task_id[:8], exc)
+
+    def _background(self, job: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(job)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
 
     def _start(self, task: Task) -> None:
         key = (task.tenant_id, task.task_id)
@@ -107,6 +135,7 @@ class Runner:
         for job in running:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*self._jobs, return_exceptions=True)
         await self.liveness.release()
 
     def _on_event(self, event: Event) -> None:
@@ -139,8 +168,13 @@ class Runner:
         if free <= 0:
             return 0
         await self.liveness.ensure()
-        async with self.db.connection() as conn:  # one statement: its own transaction
-            tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, min(free, CLAIM_BATCH))
+        want = min(free, CLAIM_BATCH)
+        self._reserved += want  # creates meanwhile must not promise these slots too
+        try:
+            async with self.db.connection() as conn:  # one statement: its own transaction
+                tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, want)
+        finally:
+            self._reserved -= want
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))

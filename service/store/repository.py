@@ -151,6 +151,11 @@ async def retrieve_task(
     return _task_or_none(row)
 
 
+async def get_leased_task(conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str) -> Task | None:
+    """A task as its runner sees it, if it is active and leased to ``owner`` (runner role)."""
+    return _task_or_none(await conn.fetchrow(Q["get_leased_task"], tenant_id, task_id, owner))
+
+
 async def get_task(conn: asyncpg.Connection, principal: Principal, task_id: str) -> Task | None:
     return _task_or_none(await conn.fetchrow(Q["get_task"], principal.tenant_id, task_id, principal.subject))
 

@@ -78,6 +78,8 @@ class LocalRunner(Protocol):
 
     def adopt(self, task: Task | None) -> None: ...
 
+    def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
+
 
 class TaskService:
     def __init__(
@@ -124,13 +126,17 @@ class TaskService:
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
         # A free local slot: create the task already leased to it (no claim, no wake-up round trip).
         lease = self.runner.reserve() if self.runner is not None else None
-        task = None
+        task_id = new_task_id()
         try:
-            task = await self._insert_checked(caller, tool, valid, granted, progress_token, session_id,
+            task = await self._insert_checked(caller, task_id, tool, valid, granted, progress_token, session_id,
                                               client_capabilities, surface, lease)  # fmt: skip
-        finally:
+        except BaseException:
             if self.runner is not None and lease is not None:
-                self.runner.adopt(task)
+                # The statement may have committed before we lost its answer: the runner checks.
+                self.runner.adopt_unknown(caller.principal.tenant_id, task_id)
+            raise
+        if self.runner is not None and lease is not None:
+            self.runner.adopt(task)
         if task is None:
             raise await self._refuse_capacity(caller, tool)
         return task
@@ -138,6 +144,7 @@ class TaskService:
     async def _insert_checked(
         self,
         caller: Caller,
+        task_id: str,
         tool: str,
         valid: dict[str, Any],
         granted: int,
@@ -153,7 +160,7 @@ class TaskService:
             return await repo.create_task_checked(
                 conn,
                 principal=principal,
-                task_id=new_task_id(),
+                task_id=task_id,
                 session_id=session_id,
                 surface=surface,
                 tool=tool,
@@ -253,9 +260,7 @@ class TaskService:
         assert task is not None
         return task
 
-    async def follow(
-        self, caller: Caller, task_id: str, *, poll_s: float, known: Task | None = None
-    ) -> AsyncIterator[FollowEvent]:
+    async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[FollowEvent]:
         """Everything a blocking tasks/result stream carries, ending with the terminal task.
 
         Requests to the client are claimed for this stream alone (no broadcast, H-MULTI-2) and
@@ -272,8 +277,7 @@ class TaskService:
                 loop = asyncio.get_running_loop()
                 touched = loop.time()
                 while True:
-                    # ``known``: the caller has just read the task (and it was not terminal).
-                    task, known = (known, None) if known is not None else (await self.retrieve(caller, task_id), None)
+                    task = await self.retrieve(caller, task_id)  # read after subscribing: no change is missed
                     if task.status.is_terminal:
                         # C-10: requests this stream carried and nobody answered are void now.
                         if carried:

@@ -36,14 +36,21 @@ class SessionService:
         self._cache_seconds = cache_seconds
         # (tenant, session id) -> (subject, session, monotonic expiry)
         self._cache: dict[tuple[str, str], tuple[str, Session, float]] = {}
+        # Bumped by every invalidation: a lookup that raced one does not cache what it read.
+        self._generation = 0
         if hub is not None:
             hub.listeners.append(self._on_event)
 
     def _on_event(self, event: Event) -> None:
         if event.get("k") == SESSION_CHANGED:
-            self._cache.pop((str(event.get("t")), str(event.get("sid"))), None)
+            self._forget(str(event.get("t")), str(event.get("sid")))
         elif event.get("k") == "resync":  # the listener was away: anything may have changed
+            self._generation += 1
             self._cache.clear()
+
+    def _forget(self, tenant_id: str, session_id: str) -> None:
+        self._generation += 1
+        self._cache.pop((tenant_id, session_id), None)
 
     def _remember(self, principal: Principal, session: Session) -> None:
         if len(self._cache) >= CACHE_MAX:
@@ -71,6 +78,7 @@ class SessionService:
         cached = self._cache.get((principal.tenant_id, session_id))
         if cached is not None and cached[2] > time.monotonic():
             return cached[1] if cached[0] == principal.subject else None
+        generation = self._generation
         async with self.db.transaction(principal.tenant_id) as conn:
             row = await repo.get_session(conn, principal, session_id)
             if row is None:
@@ -78,19 +86,20 @@ class SessionService:
             if datetime.now(UTC) - row["last_seen_at"] > TOUCH_EVERY:
                 await repo.touch_session(conn, principal.tenant_id, session_id)
         session = Session(row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"])
-        self._remember(principal, session)
+        if generation == self._generation:  # no change was announced while we read it
+            self._remember(principal, session)
         return session
 
     async def set_log_level(self, principal: Principal, session_id: str, level: str) -> None:
         async with self.db.transaction(principal.tenant_id) as conn:
             await repo.set_session_log_level(conn, principal.tenant_id, session_id, level)
             await notify(conn, {"k": SESSION_CHANGED, "t": principal.tenant_id, "sid": session_id})
-        self._cache.pop((principal.tenant_id, session_id), None)
+        self._forget(principal.tenant_id, session_id)
 
     async def end(self, principal: Principal, session_id: str) -> bool:
         async with self.db.transaction(principal.tenant_id) as conn:
             ended = await repo.delete_session(conn, principal, session_id)
             if ended:
                 await notify(conn, {"k": SESSION_CHANGED, "t": principal.tenant_id, "sid": session_id})
-        self._cache.pop((principal.tenant_id, session_id), None)
+        self._forget(principal.tenant_id, session_id)
         return ended

@@ -11,6 +11,11 @@ RETURNING *;
 SELECT * FROM tasks
 WHERE tenant_id = $1 AND task_id = $2 AND subject = $3 AND expires_at > clock_timestamp();
 
+-- name: get_leased_task
+-- An active task leased to this runner (after a create whose answer was lost).
+SELECT * FROM tasks
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND status IN ('working', 'input_required');
+
 -- name: list_tasks_first
 -- First page of an owner's tasks, newest first.
 SELECT * FROM tasks
@@ -78,7 +83,7 @@ RETURNING t.tenant_id, t.task_id;
 
 -- name: find_lost_leases
 -- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
-SELECT tenant_id, task_id, tool, attempts, lease_owner FROM tasks t
+SELECT tenant_id, task_id, subject, tool, attempts, lease_owner FROM tasks t
 WHERE lease_owner IS NOT NULL
   AND (lease_expires_at < clock_timestamp()
        OR NOT EXISTS (SELECT 1 FROM pg_locks l

@@ -13,8 +13,8 @@ policy spans tenants. In PL/pgSQL every statement takes a fresh snapshot, so the
 the create lock include every create committed before it.
 
 The caps were a count(*) over the tenant's active tasks on every create: linear in the tasks a
-tenant has running. ``active_tasks`` keeps one counter per requestor, maintained by a trigger on
-every status change, insert and delete, so a create reads counters instead (the tenant's total is
+tenant has running. ``active_tasks`` keeps one counter per requestor, maintained by triggers on
+every insert, status change and delete of tasks, so a create reads counters instead (the tenant's total is
 the sum over its requestors with active tasks; the sweeper drops zero rows). An active task whose
 TTL ran out counts until the sweeper deletes it (one sweep interval).
 
@@ -89,29 +89,35 @@ def upgrade() -> None:
     END
     $$;
 
-    -- Active (working or input_required) tasks per requestor, kept by the trigger below.
+    -- No task may change between the backfill below and the triggers that keep the counts.
+    LOCK TABLE tasks IN SHARE ROW EXCLUSIVE MODE;
+
+    -- Active (working or input_required) tasks per requestor, kept by the triggers below.
     CREATE TABLE active_tasks (
         tenant_id text   NOT NULL,
         subject   text   NOT NULL,
         active    bigint NOT NULL,
-        CONSTRAINT active_tasks_pkey PRIMARY KEY (tenant_id, subject),
-        CONSTRAINT active_tasks_not_negative CHECK (active >= 0)
+        -- No CHECK (active >= 0): the delete trigger applies decrements as INSERT ... ON CONFLICT DO
+        -- UPDATE with a negative value, and a CHECK is evaluated on the proposed row first.
+        CONSTRAINT active_tasks_pkey PRIMARY KEY (tenant_id, subject)
     );
     INSERT INTO active_tasks (tenant_id, subject, active)
         SELECT tenant_id, subject, count(*) FROM tasks WHERE status IN ('working', 'input_required')
         GROUP BY tenant_id, subject;
 
+    -- Every writer locks counter rows before the tenant's audit head, and a statement that changes
+    -- several requestors' tasks locks their counters in (tenant, subject) order, so counters never
+    -- close a deadlock cycle. Inserts and status changes come one task per statement (the reaper
+    -- sorts its batch): a row trigger, which fires only when status is set. The sweeper deletes in
+    -- batches: a statement trigger sums the batch and applies it in order.
     CREATE FUNCTION tasks_count_active() RETURNS trigger
     LANGUAGE plpgsql AS $$
     DECLARE
         was_active boolean := false;
-        is_active boolean := false;
+        is_active boolean := NEW.status IN ('working', 'input_required');
     BEGIN
-        IF TG_OP <> 'INSERT' THEN
+        IF TG_OP = 'UPDATE' THEN
             was_active := OLD.status IN ('working', 'input_required');
-        END IF;
-        IF TG_OP <> 'DELETE' THEN
-            is_active := NEW.status IN ('working', 'input_required');
         END IF;
         IF is_active AND NOT was_active THEN
             INSERT INTO active_tasks (tenant_id, subject, active) VALUES (NEW.tenant_id, NEW.subject, 1)
@@ -122,8 +128,20 @@ def upgrade() -> None:
         RETURN NULL;
     END
     $$;
-    CREATE TRIGGER tasks_count_active AFTER INSERT OR DELETE OR UPDATE OF status ON tasks
+    CREATE FUNCTION tasks_count_deleted() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO active_tasks (tenant_id, subject, active)
+        SELECT tenant_id, subject, -count(*) FROM old_rows WHERE status IN ('working', 'input_required')
+        GROUP BY tenant_id, subject ORDER BY tenant_id, subject
+        ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+        RETURN NULL;
+    END
+    $$;
+    CREATE TRIGGER tasks_count_active AFTER INSERT OR UPDATE OF status ON tasks
         FOR EACH ROW EXECUTE FUNCTION tasks_count_active();
+    CREATE TRIGGER tasks_count_deleted AFTER DELETE ON tasks REFERENCING OLD TABLE AS old_rows
+        FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_deleted();
 
     GRANT SELECT, INSERT, UPDATE, DELETE ON active_tasks TO mcp_tasks_app, mcp_tasks_runner;
     ALTER TABLE active_tasks ENABLE ROW LEVEL SECURITY;
@@ -262,7 +280,9 @@ def downgrade() -> None:
     # audit_append keeps its 0004 body: it appends exactly what 0003's did.
     run_script(_CANONICAL_0003)
     run_script("""
+    DROP TRIGGER tasks_count_deleted ON tasks;
     DROP TRIGGER tasks_count_active ON tasks;
+    DROP FUNCTION tasks_count_deleted();
     DROP FUNCTION tasks_count_active();
     DROP TABLE active_tasks;
     DROP FUNCTION task_finish(text, text, text, task_status, text, jsonb, text, jsonb);
