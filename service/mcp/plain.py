@@ -72,6 +72,30 @@ class Inflight:
             await self.signals.publish("cancel_request", key[0], s=key[1], rid=key[2])
 
 
+class Outbox(asyncio.Queue[dict[str, Any]]):
+    """The messages a plain call's tool sends before its result; ``first`` resolves on the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def put_nowait(self, item: dict[str, Any]) -> None:
+        super().put_nowait(item)
+        self.wake()
+
+    def wake(self, _: object = None) -> None:
+        if not self.first.done():
+            self.first.set_result(None)
+
+
+async def first_of(job: asyncio.Task[Any], outbox: Outbox) -> None:
+    """Wait until the job ends or sends its first message: plain futures, no helper task."""
+    if job.done() or outbox.first.done():
+        return
+    job.add_done_callback(outbox.wake)
+    await outbox.first
+
+
 class PlainCallContext:
     """A tool running inside its own tools/call request: messages go on that request's stream."""
 

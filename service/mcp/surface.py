@@ -15,7 +15,7 @@ from service.guard.ratelimit import RateLimiter
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
-from service.mcp.plain import LOG_LEVELS, CallKey, Inflight, PlainCallContext
+from service.mcp.plain import LOG_LEVELS, CallKey, Inflight, Outbox, PlainCallContext, first_of
 from service.mcp.wire import outcome_result, related, task_result, task_to_wire
 from service.observability import metrics
 from service.tasks.audit import AuditLog
@@ -244,7 +244,7 @@ class Surface:
         self, call: Call, name: str, arguments: dict[str, Any], token: str | int | None, caps: dict[str, Any]
     ) -> Reply:
         """Answer JSON when the tool finishes before saying anything; otherwise switch to SSE."""
-        outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        outbox = Outbox()
         ctx = PlainCallContext(
             self.inflight,
             call.principal.owner_key,
@@ -257,13 +257,12 @@ class Surface:
         key = call.cancel_key
         self.inflight.calls[key] = job.cancel
         job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))
-        first = asyncio.create_task(outbox.get())
-        await asyncio.wait({job, first}, return_when=asyncio.FIRST_COMPLETED)
-        if job.done() and not first.done():
-            first.cancel()
+        await first_of(job, outbox)
+        if job.done() and outbox.empty():
             if job.cancelled():
                 return Streamed(_nothing())
             return outcome_result(job.result())
+        first = asyncio.ensure_future(outbox.get())
 
         async def stream() -> AsyncIterator[dict[str, Any]]:
             pending: set[asyncio.Future[Any]] = {first, job}
