@@ -46,39 +46,6 @@ def _task_or_none(row: asyncpg.Record | None) -> Task | None:
 # --- tasks ------------------------------------------------------------------------------------
 
 
-async def insert_task(
-    conn: asyncpg.Connection,
-    *,
-    principal: Principal,
-    task_id: str,
-    session_id: str | None,
-    surface: str,
-    tool: str,
-    arguments: dict[str, Any],
-    client_capabilities: dict[str, Any],
-    progress_token: str | int | None,
-    ttl_ms: int,
-    poll_interval_ms: int,
-) -> Task:
-    row = await conn.fetchrow(
-        Q["insert_task"],
-        principal.tenant_id,
-        task_id,
-        principal.subject,
-        principal.issuer,
-        principal.client_id,
-        session_id,
-        surface,
-        tool,
-        arguments,
-        client_capabilities,
-        progress_token,
-        ttl_ms,
-        poll_interval_ms,
-    )
-    return task_from_row(row)
-
-
 async def create_task_checked(
     conn: asyncpg.Connection,
     *,
@@ -174,22 +141,6 @@ async def list_tasks(
 
 async def cancel_task(conn: asyncpg.Connection, principal: Principal, task_id: str, message: str) -> Task | None:
     row = await conn.fetchrow(Q["cancel_task"], principal.tenant_id, task_id, principal.subject, message)
-    return _task_or_none(row)
-
-
-async def finish_task(
-    conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, outcome: Outcome
-) -> Task | None:
-    row = await conn.fetchrow(
-        Q["finish_task"],
-        tenant_id,
-        task_id,
-        owner,
-        outcome.status.value,
-        outcome.kind.value,
-        outcome.payload,
-        outcome.status_message,
-    )
     return _task_or_none(row)
 
 

@@ -128,8 +128,26 @@ class TaskService:
         lease = self.runner.reserve() if self.runner is not None else None
         task_id = new_task_id()
         try:
-            task = await self._insert_checked(caller, task_id, tool, valid, granted, progress_token, session_id,
-                                              client_capabilities, surface, lease)  # fmt: skip
+            async with self.db.connection() as conn:  # one statement, its own transaction (migration 0004)
+                task = await repo.create_task_checked(
+                    conn,
+                    principal=caller.principal,
+                    task_id=task_id,
+                    session_id=session_id,
+                    surface=surface,
+                    tool=tool,
+                    arguments=valid,
+                    client_capabilities=client_capabilities,
+                    progress_token=progress_token,
+                    ttl_ms=granted,
+                    poll_interval_ms=p.poll_interval_ms,
+                    max_per_requestor=p.max_active_per_requestor,
+                    max_per_tenant=p.max_active_per_tenant,
+                    request_id=caller.request_id,
+                    address=caller.address,
+                    detail={"tool": tool, "ttl_ms": granted},
+                    lease=lease,
+                )
         except BaseException:
             if self.runner is not None and lease is not None:
                 # The statement may have committed before we lost its answer: the runner checks.
@@ -140,42 +158,6 @@ class TaskService:
         if task is None:
             raise await self._refuse_capacity(caller, tool)
         return task
-
-    async def _insert_checked(
-        self,
-        caller: Caller,
-        task_id: str,
-        tool: str,
-        valid: dict[str, Any],
-        granted: int,
-        progress_token: str | int | None,
-        session_id: str | None,
-        client_capabilities: dict[str, Any],
-        surface: str,
-        lease: tuple[str, int, int] | None,
-    ) -> Task | None:
-        p = self.policy
-        principal = caller.principal
-        async with self.db.connection() as conn:  # one statement, its own transaction (migration 0004)
-            return await repo.create_task_checked(
-                conn,
-                principal=principal,
-                task_id=task_id,
-                session_id=session_id,
-                surface=surface,
-                tool=tool,
-                arguments=valid,
-                client_capabilities=client_capabilities,
-                progress_token=progress_token,
-                ttl_ms=granted,
-                poll_interval_ms=p.poll_interval_ms,
-                max_per_requestor=p.max_active_per_requestor,
-                max_per_tenant=p.max_active_per_tenant,
-                request_id=caller.request_id,
-                address=caller.address,
-                detail={"tool": tool, "ttl_ms": granted},
-                lease=lease,
-            )
 
     async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
         """A cap refused a create: record the denial with the counts as they stand now."""

@@ -1,11 +1,3 @@
--- name: insert_task
--- Create a task in `working`; the caller has already clamped the TTL.
-INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, arguments,
-                   client_capabilities, progress_token, ttl_ms, poll_interval_ms, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13,
-        clock_timestamp() + $12::bigint * interval '1 millisecond')
-RETURNING *;
-
 -- name: get_task
 -- One task of one owner; expired rows are invisible even before the sweeper deletes them.
 SELECT * FROM tasks
@@ -38,15 +30,6 @@ SET status = 'cancelled', status_message = $4, last_updated_at = clock_timestamp
     finished_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
 WHERE tenant_id = $1 AND task_id = $2 AND subject = $3
   AND status IN ('working', 'input_required') AND expires_at > clock_timestamp()
-RETURNING *;
-
--- name: finish_task
--- A runner records the outcome; nothing happens if the task was cancelled or its lease was lost.
-UPDATE tasks
-SET status = $4, outcome = $5, payload = $6, status_message = $7,
-    last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-    lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND status IN ('working', 'input_required')
 RETURNING *;
 
 -- name: set_active_status
