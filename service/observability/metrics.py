@@ -55,6 +55,13 @@ sweeper_deleted = Counter("mcp_tasks_sweeper_deleted_total", "Expired tasks dele
 db_pool_connections = Gauge(
     "mcp_tasks_db_pool_connections", "Database pool connections", ["pool", "state"], multiprocess_mode="livesum"
 )
+db_batch_items = Histogram(
+    "mcp_tasks_db_batch_items", "Requests that shared one group-commit statement", ["batch"],
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)  # fmt: skip
+db_batch_fallbacks = Counter(
+    "mcp_tasks_db_batch_fallbacks_total", "Batches that failed as a whole and were answered item by item", ["batch"]
+)
 audit_write_failures = Counter("mcp_tasks_audit_write_failures_total", "Audit events that could not be written")
 
 _tenant_label = False

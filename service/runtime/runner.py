@@ -18,6 +18,7 @@ from service.domain.task import Outcome, Task
 from service.observability import metrics
 from service.runtime.context import TaskRunContext
 from service.store import repository as repo
+from service.store.batch import Batcher
 from service.store.db import Database
 from service.store.events import Event, EventHub, notify
 from service.store.liveness import LivenessLock
@@ -57,6 +58,7 @@ class Runner:
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._finishes = Batcher(self._finish_many, self._finish_one, order=repo.batch_order, name="finishes")
 
     @property
     def busy(self) -> int:
@@ -224,13 +226,20 @@ class Runner:
             self._wake.set()
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
-        # One statement (migration 0004): the outcome, its audit event and the status wake-up.
-        async with self.db.connection() as conn:
-            done = await repo.finish_task_audited(
-                conn, task.tenant_id, task.task_id, self.owner, outcome, {"kind": outcome.kind.value}
-            )
+        # Group commit (migration 0005): the outcome, its audit event and the status wake-up, in one
+        # statement with the outcomes of other tasks finishing meanwhile.
+        detail = {"kind": outcome.kind.value}
+        done = await self._finishes.submit(repo.finish_item(task, self.owner, outcome, detail))
         if done is not None:
             metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()
+
+    async def _finish_many(self, items: list[repo.BatchItem]) -> list[Task | None]:
+        async with self.db.connection() as conn:
+            return await repo.finish_batch(conn, items)
+
+    async def _finish_one(self, item: repo.BatchItem) -> Task | None:
+        async with self.db.connection() as conn:
+            return await repo.finish_one(conn, item)
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""

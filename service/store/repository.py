@@ -46,8 +46,15 @@ def _task_or_none(row: asyncpg.Record | None) -> Task | None:
 # --- tasks ------------------------------------------------------------------------------------
 
 
-async def create_task_checked(
-    conn: asyncpg.Connection,
+# --- batched requests (migration 0005) ---------------------------------------------------------
+#
+# A request is a dict in the shape of the SQL type task_batch_item (k: create, retrieve or get), so
+# many travel as one jsonb argument of task_batch; each can also be sent alone to its 0004 function.
+
+BatchItem = dict[str, Any]
+
+
+def create_item(
     *,
     principal: Principal,
     task_id: str,
@@ -65,57 +72,90 @@ async def create_task_checked(
     address: str | None,
     detail: dict[str, Any],
     lease: tuple[str, int, int] | None = None,
-) -> Task | None:
-    """Insert under the caps, audited and announced, in one statement; None when a cap refuses.
-    ``lease`` (owner, liveness key, milliseconds) creates it already leased to a local runner."""
+) -> BatchItem:
+    """A create under the caps; ``lease`` (owner, liveness key, milliseconds) creates it already
+    leased to a local runner."""
     owner, key, lease_ms = lease if lease is not None else (None, None, None)
-    row = await conn.fetchrow(
-        Q["create_task_checked"],
-        principal.tenant_id,
-        task_id,
-        principal.subject,
-        principal.issuer,
-        principal.client_id,
-        session_id,
-        surface,
-        tool,
-        arguments,
-        client_capabilities,
-        progress_token,
-        ttl_ms,
-        poll_interval_ms,
-        max_per_requestor,
-        max_per_tenant,
-        request_id,
-        address,
-        detail,
-        owner,
-        key,
-        lease_ms,
-    )
+    return {
+        "k": "create",
+        "tenant_id": principal.tenant_id,
+        "task_id": task_id,
+        "subject": principal.subject,
+        "issuer": principal.issuer,
+        "client_id": principal.client_id,
+        "session_id": session_id,
+        "surface": surface,
+        "tool": tool,
+        "arguments": arguments,
+        "client_capabilities": client_capabilities,
+        "progress_token": progress_token,
+        "ttl_ms": ttl_ms,
+        "poll_interval_ms": poll_interval_ms,
+        "max_per_requestor": max_per_requestor,
+        "max_per_tenant": max_per_tenant,
+        "request_id": request_id,
+        "client_address": address,
+        "detail": detail,
+        "lease_owner": owner,
+        "lease_key": key,
+        "lease_ms": lease_ms,
+    }
+
+
+def lookup_item(
+    principal: Principal, task_id: str, *, retrieve: bool, request_id: str | None = None, address: str | None = None
+) -> BatchItem:
+    """The principal's unexpired task; ``retrieve`` audits the hand-out when it is terminal."""
+    return {
+        "k": "retrieve" if retrieve else "get",
+        "tenant_id": principal.tenant_id,
+        "task_id": task_id,
+        "subject": principal.subject,
+        "issuer": principal.issuer,
+        "client_id": principal.client_id,
+        "request_id": request_id,
+        "client_address": address,
+    }
+
+
+def batch_order(item: BatchItem) -> tuple[str, str, str]:
+    """The order of a batch: counters and rows are locked in (tenant, subject, task) order."""
+    return (item["tenant_id"], item["subject"], item["task_id"])
+
+
+async def run_batch(conn: asyncpg.Connection, items: list[BatchItem]) -> list[Task | None]:
+    """Every item in one statement (its own transaction); None where there is no task for it (a cap
+    refused the create, or the task is unknown, expired or someone else's)."""
+    rows = await conn.fetch(Q["task_batch"], items)
+    return [task_from_row(r) if r["task_id"] is not None else None for r in rows]
+
+
+async def run_item(conn: asyncpg.Connection, item: BatchItem) -> Task | None:
+    """One item alone, through its single-request function."""
+    if item["k"] == "create":
+        row = await conn.fetchrow(
+            Q["create_task_checked"],
+            *(item[f] for f in _CREATE_FIELDS),
+        )
+    elif item["k"] == "retrieve":
+        row = await conn.fetchrow(
+            Q["retrieve_task"],
+            *(
+                item[f]
+                for f in ("tenant_id", "task_id", "subject", "client_id", "issuer", "request_id", "client_address")
+            ),
+        )
+    else:
+        row = await conn.fetchrow(Q["get_task_scoped"], item["tenant_id"], item["task_id"], item["subject"])
     return _task_or_none(row)
 
 
-async def get_task_scoped(conn: asyncpg.Connection, principal: Principal, task_id: str) -> Task | None:
-    """get_task outside a transaction: the statement scopes itself to the principal's tenant."""
-    return _task_or_none(await conn.fetchrow(Q["get_task_scoped"], principal.tenant_id, task_id, principal.subject))
-
-
-async def retrieve_task(
-    conn: asyncpg.Connection, principal: Principal, task_id: str, request_id: str | None, address: str | None
-) -> Task | None:
-    """The task; when it is terminal, the hand-out of its result is audited in the same statement."""
-    row = await conn.fetchrow(
-        Q["retrieve_task"],
-        principal.tenant_id,
-        task_id,
-        principal.subject,
-        principal.client_id,
-        principal.issuer,
-        request_id,
-        address,
-    )
-    return _task_or_none(row)
+# task_create's parameters, in order.
+_CREATE_FIELDS = (
+    "tenant_id", "task_id", "subject", "issuer", "client_id", "session_id", "surface", "tool", "arguments",
+    "client_capabilities", "progress_token", "ttl_ms", "poll_interval_ms", "max_per_requestor", "max_per_tenant",
+    "request_id", "client_address", "detail", "lease_owner", "lease_key", "lease_ms",
+)  # fmt: skip
 
 
 async def get_leased_task(conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str) -> Task | None:
@@ -144,20 +184,36 @@ async def cancel_task(conn: asyncpg.Connection, principal: Principal, task_id: s
     return _task_or_none(row)
 
 
-async def finish_task_audited(
-    conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, outcome: Outcome, detail: dict[str, Any]
-) -> Task | None:
-    """finish_task plus its audit event and status wake-up, in one statement."""
+def finish_item(task: Task, owner: str, outcome: Outcome, detail: dict[str, Any]) -> BatchItem:
+    """A runner's outcome, in the shape of the SQL type task_finish_item."""
+    return {
+        "tenant_id": task.tenant_id,
+        "task_id": task.task_id,
+        "subject": task.subject,  # orders the batch; not a field of task_finish_item
+        "owner": owner,
+        "status": outcome.status.value,
+        "outcome": outcome.kind.value,
+        "payload": outcome.payload,
+        "status_message": outcome.status_message,
+        "detail": detail,
+    }
+
+
+async def finish_batch(conn: asyncpg.Connection, items: list[BatchItem]) -> list[Task | None]:
+    """Record outcomes (only where the owner still holds the lease of an active task), their audit
+    events and status wake-ups, in one statement; None where the task was no longer the owner's."""
+    rows = await conn.fetch(Q["finish_task_batch"], items)
+    return [task_from_row(r) if r["task_id"] is not None else None for r in rows]
+
+
+async def finish_one(conn: asyncpg.Connection, item: BatchItem) -> Task | None:
+    """One outcome alone, through task_finish."""
     row = await conn.fetchrow(
         Q["finish_task_audited"],
-        tenant_id,
-        task_id,
-        owner,
-        outcome.status.value,
-        outcome.kind.value,
-        outcome.payload,
-        outcome.status_message,
-        detail,
+        *(
+            item[f]
+            for f in ("tenant_id", "task_id", "owner", "status", "outcome", "payload", "status_message", "detail")
+        ),
     )
     return _task_or_none(row)
 

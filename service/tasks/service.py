@@ -21,6 +21,7 @@ from service.domain.errors import (
 from service.domain.principal import Caller, Principal
 from service.domain.task import RELATED_TASK, Task, TaskStatus, clamp_ttl, new_task_id
 from service.store import repository as repo
+from service.store.batch import Batcher
 from service.store.db import Database
 from service.store.events import EventHub, notify
 from service.tasks.audit import audit
@@ -94,6 +95,10 @@ class TaskService:
         self.following: Counter[tuple[str, str]] = Counter()
         # This process's runner, if it runs tasks: new tasks go straight to a free slot of it.
         self.runner: LocalRunner | None = None
+        # Group commit (migration 0005): creates and retrieves (which audit) share statements and
+        # commits; gets share read-only statements of their own, so they never wait for a commit.
+        self._writes = Batcher(self._run_batch, self._run_item, order=repo.batch_order, name="writes")
+        self._reads = Batcher(self._run_batch, self._run_item, order=repo.batch_order, name="reads")
 
     def check_call(
         self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
@@ -126,38 +131,48 @@ class TaskService:
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
         # A free local slot: create the task already leased to it (no claim, no wake-up round trip).
         lease = self.runner.reserve() if self.runner is not None else None
-        task_id = new_task_id()
+        principal = caller.principal
+        item = repo.create_item(
+            principal=principal,
+            task_id=new_task_id(),
+            session_id=session_id,
+            surface=surface,
+            tool=tool,
+            arguments=valid,
+            client_capabilities=client_capabilities,
+            progress_token=progress_token,
+            ttl_ms=granted,
+            poll_interval_ms=p.poll_interval_ms,
+            max_per_requestor=p.max_active_per_requestor,
+            max_per_tenant=p.max_active_per_tenant,
+            request_id=caller.request_id,
+            address=caller.address,
+            detail={"tool": tool, "ttl_ms": granted},
+            lease=lease,
+        )
+        created = self._writes.enqueue(item)
         try:
-            async with self.db.connection() as conn:  # one statement, its own transaction (migration 0004)
-                task = await repo.create_task_checked(
-                    conn,
-                    principal=caller.principal,
-                    task_id=task_id,
-                    session_id=session_id,
-                    surface=surface,
-                    tool=tool,
-                    arguments=valid,
-                    client_capabilities=client_capabilities,
-                    progress_token=progress_token,
-                    ttl_ms=granted,
-                    poll_interval_ms=p.poll_interval_ms,
-                    max_per_requestor=p.max_active_per_requestor,
-                    max_per_tenant=p.max_active_per_tenant,
-                    request_id=caller.request_id,
-                    address=caller.address,
-                    detail={"tool": tool, "ttl_ms": granted},
-                    lease=lease,
-                )
-        except BaseException:
-            if self.runner is not None and lease is not None:
-                # The statement may have committed before we lost its answer: the runner checks.
-                self.runner.adopt_unknown(caller.principal.tenant_id, task_id)
-            raise
-        if self.runner is not None and lease is not None:
-            self.runner.adopt(task)
+            # Shielded: a create whose caller went away still commits with its batch, and a task
+            # leased to our runner must then be started (or its slot given back) all the same.
+            task = await asyncio.shield(created)
+        finally:
+            if lease is not None:
+                self._settle_lease(principal.tenant_id, item["task_id"], created)
         if task is None:
             raise await self._refuse_capacity(caller, tool)
         return task
+
+    def _settle_lease(self, tenant_id: str, task_id: str, created: asyncio.Future[Task | None]) -> None:
+        """Hand a create made under a reserved runner slot to the runner once its outcome is known."""
+        runner = self.runner
+        assert runner is not None
+        if not created.done():
+            created.add_done_callback(lambda _f: self._settle_lease(tenant_id, task_id, created))
+        elif created.cancelled() or created.exception() is not None:
+            # The statement may have committed before its answer was lost: the runner looks.
+            runner.adopt_unknown(tenant_id, task_id)
+        else:
+            runner.adopt(created.result())
 
     async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
         """A cap refused a create: record the denial with the counts as they stand now."""
@@ -179,8 +194,7 @@ class TaskService:
         )
 
     async def _load(self, principal: Principal, task_id: str) -> Task | None:
-        async with self.db.connection() as conn:
-            return await repo.get_task_scoped(conn, principal, task_id)
+        return await self._reads.submit(repo.lookup_item(principal, task_id, retrieve=False))
 
     async def get(self, caller: Caller, task_id: str) -> Task:
         """The caller's task; a miss (unknown, expired or someone else's) is audited as a denial."""
@@ -192,12 +206,22 @@ class TaskService:
 
     async def retrieve(self, caller: Caller, task_id: str) -> Task:
         """Like get; a terminal task's hand-out is audited in the same statement (T-SEC-10)."""
-        async with self.db.connection() as conn:
-            task = await repo.retrieve_task(conn, caller.principal, task_id, caller.request_id, caller.address)
+        item = repo.lookup_item(
+            caller.principal, task_id, retrieve=True, request_id=caller.request_id, address=caller.address
+        )
+        task = await self._writes.submit(item)
         if task is None:
             await self._deny_not_found(caller, task_id)
             raise TaskNotFound(NOT_FOUND, task_id=task_id)
         return task
+
+    async def _run_batch(self, items: list[repo.BatchItem]) -> list[Task | None]:
+        async with self.db.connection() as conn:  # one statement, its own transaction (migration 0005)
+            return await repo.run_batch(conn, items)
+
+    async def _run_item(self, item: repo.BatchItem) -> Task | None:
+        async with self.db.connection() as conn:
+            return await repo.run_item(conn, item)
 
     async def _deny_not_found(self, caller: Caller, task_id: str) -> None:
         async with self.db.transaction(caller.principal.tenant_id) as conn:

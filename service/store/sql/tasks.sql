@@ -129,3 +129,12 @@ SELECT * FROM task_retrieve($1, $2, $3, $4, $5, $6, $7);
 -- name: finish_task_audited
 -- finish_task, its audit event and the status wake-up in one statement (migration 0004).
 SELECT * FROM task_finish($1, $2, $3, $4, $5, $6, $7, $8);
+
+-- name: task_batch
+-- Many creates, gets and retrieves in one statement and one commit (migration 0005): one row per
+-- item, in order; a row of NULLs where there is no task.
+SELECT * FROM task_batch($1);
+
+-- name: finish_task_batch
+-- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
+SELECT * FROM task_finish_batch($1);

@@ -1,0 +1,121 @@
+"""Group commit: the requests that arrive while a statement is in flight go together in the next one.
+
+At most one batch statement per batcher is in flight. A request that finds none starts one at
+once (no added wait when the service is idle); requests arriving meanwhile queue up and go out
+together as soon as it returns, so under load one round trip, one statement and one durable commit
+serve many requests, and each is still answered only after its commit. Items are sorted before
+they are sent, so every batch takes its row locks in one global order (see migration 0005).
+
+A batch that fails as a whole for a reason other than the database being unavailable (for
+example one request's text PostgreSQL cannot store) is retried one item at a time, so each request
+gets its own answer or error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from service.domain.errors import Unavailable
+from service.observability import metrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+MAX_ITEMS = 64
+
+
+class Batcher(Generic[T, R]):
+    """Coalesces ``run_many`` calls; ``run_one`` answers an item alone when its batch failed."""
+
+    def __init__(
+        self,
+        run_many: Callable[[list[T]], Awaitable[list[R]]],
+        run_one: Callable[[T], Awaitable[R]],
+        *,
+        order: Callable[[T], tuple[str, ...]],
+        name: str,
+        max_items: int = MAX_ITEMS,
+    ) -> None:
+        self._sizes = metrics.db_batch_items.labels(name)
+        self._fallbacks = metrics.db_batch_fallbacks.labels(name)
+        self._run_many = run_many
+        self._run_one = run_one
+        self._order = order
+        self._max_items = max_items
+        self._queue: list[tuple[T, asyncio.Future[R]]] = []
+        self._drainer: asyncio.Task[None] | None = None
+
+    def enqueue(self, item: T) -> asyncio.Future[R]:
+        """The future of ``item``'s result. Cancelling a wait on it does not withdraw the item:
+        await it through ``asyncio.shield`` to learn what became of an item whose wait was cancelled."""
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        # An outcome nobody awaits any more (its waiter was cancelled under a shield) is not an error to log.
+        future.add_done_callback(_retrieved)
+        self._queue.append((item, future))
+        if self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain(), name="batch-drain")
+        return future
+
+    async def submit(self, item: T) -> R:
+        return await self.enqueue(item)
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch = self._queue[: self._max_items]
+                del self._queue[: self._max_items]
+                await self._run(batch)
+        finally:
+            self._drainer = None
+            # Cancelled (shutdown): nobody who queued meanwhile is left waiting.
+            for _item, future in self._queue:
+                _settle(future, exc=Unavailable("the service is shutting down; retry"))
+            self._queue.clear()
+
+    async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        batch.sort(key=lambda entry: self._order(entry[0]))
+        self._sizes.observe(len(batch))
+        try:
+            results = await self._run_many([item for item, _future in batch])
+        except (Unavailable, asyncio.CancelledError) as exc:
+            failure = exc if isinstance(exc, Unavailable) else Unavailable("the service is shutting down; retry")
+            for _item, future in batch:
+                _settle(future, exc=failure)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        except Exception as exc:
+            if len(batch) == 1:
+                _settle(batch[0][1], exc=exc)
+                return
+            self._fallbacks.inc()
+            log.warning("a batch of %d failed (%s); answering its items one by one", len(batch), type(exc).__name__)
+            for item, future in batch:
+                try:
+                    alone = await self._run_one(item)
+                except Exception as one_exc:
+                    _settle(future, exc=one_exc)
+                else:
+                    _settle(future, result=alone)
+            return
+        for (_item, future), result in zip(batch, results, strict=True):
+            _settle(future, result=result)
+
+
+def _settle(future: asyncio.Future[R], *, result: R | None = None, exc: BaseException | None = None) -> None:
+    if future.done():  # its waiter was cancelled and took the future with it
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
+
+
+def _retrieved(future: asyncio.Future[R]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,218 @@
+"""Group commit (migration 0005): concurrent requests share one statement and one commit, and
+still get exactly the answers, isolation and audit events they would get alone."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from service.domain.errors import InvalidArguments
+from service.domain.principal import Principal
+from service.domain.task import Outcome, OutcomeKind, Task
+from service.store import repository as repo
+from service.store.batch import Batcher
+from service.store.db import APP_ROLE, RUNNER_ROLE, Database
+from service.store.queries import Q
+from tests.conftest import make_settings, serve
+from tests.issuer import LocalIssuer
+from tests.rpc import RpcSession
+from tests.test_audit import assert_linked_without_gaps, audit_rows
+from tests.test_auth import run_issuer
+
+
+def batch_stats(name: str) -> tuple[float, float]:
+    """(batches, items) sent so far by the named batcher in this process."""
+    count = REGISTRY.get_sample_value("mcp_tasks_db_batch_items_count", {"batch": name}) or 0.0
+    total = REGISTRY.get_sample_value("mcp_tasks_db_batch_items_sum", {"batch": name}) or 0.0
+    return count, total
+
+
+def fallbacks(name: str) -> float:
+    return REGISTRY.get_sample_value("mcp_tasks_db_batch_fallbacks_total", {"batch": name}) or 0.0
+
+
+@pytest.fixture
+async def app_db(database_url: str) -> AsyncIterator[Database]:
+    db = Database(database_url, pool_size=2, role=APP_ROLE)
+    await db.open()
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
+def principal(tenant: str, subject: str) -> Principal:
+    return Principal(tenant_id=tenant, subject=subject, client_id="c", issuer="https://issuer.test")
+
+
+def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -> repo.BatchItem:
+    return repo.create_item(
+        principal=owner,
+        task_id=secrets.token_urlsafe(16),
+        session_id=None,
+        surface="2025-11-25",
+        tool="echo",
+        arguments={"text": text},
+        client_capabilities={},
+        progress_token=None,
+        ttl_ms=60_000,
+        poll_interval_ms=100,
+        max_per_requestor=max_per_requestor,
+        max_per_tenant=1_000,
+        request_id="r",
+        address="127.0.0.1",
+        detail={"tool": "echo"},
+    )
+
+
+class Recorded:
+    """The batch functions as the service wires them, on a real database, recording batch sizes."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.sizes: list[int] = []
+
+    async def many(self, items: list[repo.BatchItem]) -> list[Task | None]:
+        self.sizes.append(len(items))
+        async with self.db.connection() as conn:
+            return await repo.run_batch(conn, items)
+
+    async def one(self, item: repo.BatchItem) -> Task | None:
+        async with self.db.connection() as conn:
+            return await repo.run_item(conn, item)
+
+
+async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Database) -> None:
+    """Items of several tenants in one statement: each sees only its own tasks, as alone."""
+    calls = Recorded(app_db)
+    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    alice, bob, mallory = principal("acme", "alice"), principal("acme", "bob"), principal("globex", "alice")
+    made = await asyncio.gather(*(batcher.submit(create(p)) for p in (alice, bob, mallory)))
+    assert calls.sizes == [3]
+    alice_task = made[0]
+    assert alice_task is not None
+    assert (alice_task.tenant_id, alice_task.subject) == ("acme", "alice")
+    task_id = alice_task.task_id
+    lookups = [
+        repo.lookup_item(alice, task_id, retrieve=False),
+        repo.lookup_item(bob, task_id, retrieve=False),  # same tenant, another subject
+        repo.lookup_item(mallory, task_id, retrieve=True),  # another tenant, same subject name
+        repo.lookup_item(alice, task_id, retrieve=True),
+    ]
+    found = await asyncio.gather(*(batcher.submit(item) for item in lookups))
+    assert calls.sizes == [3, 4]
+    assert [t.task_id if t else None for t in found] == [task_id, None, None, task_id]
+
+
+async def test_a_bad_item_fails_alone_and_the_rest_of_its_batch_is_created(app_db: Database, database_url: str) -> None:
+    """Text PostgreSQL cannot store fails the whole statement; each item is then tried alone."""
+    calls = Recorded(app_db)
+    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    owner = principal("acme", "alice")
+    items = [create(owner, text="ok-1"), create(owner, text="bad\u0000"), create(owner, text="ok-2")]
+    before = fallbacks("test")
+    outcomes = await asyncio.gather(*(batcher.submit(item) for item in items), return_exceptions=True)
+    assert calls.sizes == [3]
+    assert fallbacks("test") == before + 1
+    assert isinstance(outcomes[1], InvalidArguments)
+    assert [o.arguments["text"] for o in (outcomes[0], outcomes[2]) if isinstance(o, Task)] == ["ok-1", "ok-2"]
+    rows = await audit_rows(database_url, "acme")
+    assert sorted(e["task_id"] for e in rows) == sorted([items[0]["task_id"], items[2]["task_id"]])
+    assert_linked_without_gaps(rows)
+
+
+async def test_caps_count_the_creates_ahead_in_the_same_batch_T_SEC_7(app_db: Database) -> None:
+    calls = Recorded(app_db)
+    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    owner = principal("acme", "alice")
+    made = await asyncio.gather(*(batcher.submit(create(owner, max_per_requestor=2)) for _ in range(5)))
+    assert calls.sizes == [5]
+    assert sum(t is not None for t in made) == 2
+
+
+async def test_finishes_in_one_batch_record_only_leases_still_held_T_SEC_10(
+    app_db: Database, database_url: str
+) -> None:
+    owner = principal("acme", "alice")
+    leased = [create(owner) | {"lease_owner": "runner-1", "lease_key": 1, "lease_ms": 60_000} for _ in range(3)]
+    async with app_db.connection() as conn:
+        tasks = [t for t in await repo.run_batch(conn, leased) if t is not None]
+    assert len(tasks) == 3
+    outcome = Outcome(OutcomeKind.RESULT, {"content": [], "isError": False})
+    items = [
+        repo.finish_item(tasks[0], "runner-1", outcome, {"kind": "result"}),
+        repo.finish_item(tasks[1], "runner-2", outcome, {"kind": "result"}),  # not its lease
+        repo.finish_item(tasks[2], "runner-1", outcome, {"kind": "result"}),
+    ]
+    runner_db = Database(database_url, pool_size=1, role=RUNNER_ROLE)
+    await runner_db.open()
+    try:
+        async with runner_db.connection() as conn:
+            done = await repo.finish_batch(conn, items)
+    finally:
+        await runner_db.close()
+    assert [t.status.value if t else None for t in done] == ["completed", None, "completed"]
+    rows = await audit_rows(database_url, "acme")
+    completed = {e["task_id"] for e in rows if e["action"] == "complete"}
+    assert completed == {tasks[0].task_id, tasks[2].task_id}
+    assert_linked_without_gaps(rows)
+
+
+async def test_concurrent_lifecycles_of_many_tenants_share_commits_and_keep_their_audit_T_SEC_10(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Through HTTP: creates, gets, results and finishes of 3 tenants with 2 subjects each at once. Every
+    answer is the caller's own, every probe of another's task is 'not found', every chain verifies."""
+    async with run_issuer(LocalIssuer()) as issuer:
+        settings = make_settings(database_url, auth="oauth", oauth_issuer=issuer.url)
+        async with serve(settings) as running:
+            owners = [(t, s) for t in ("acme", "globex", "initech") for s in ("alice", "bob")]
+            sessions = {}
+            for tenant, sub in owners:
+                sessions[(tenant, sub)] = RpcSession(
+                    http, running.url, token=issuer.mint(running.url, sub=sub, tenant_id=tenant)
+                )
+                await sessions[(tenant, sub)].initialize()
+            before = {name: batch_stats(name) for name in ("writes", "reads", "finishes")}
+
+            async def lifecycle(owner: tuple[str, str], n: int) -> tuple[str, dict[str, Any]]:
+                s = sessions[owner]
+                text = f"{owner[0]}/{owner[1]}/{n}"
+                task_id = (await s.call_tool_as_task("echo", {"text": text}))["task"]["taskId"]
+                assert (await s.result("tasks/get", {"taskId": task_id}))["taskId"] == task_id
+                result = await s.result("tasks/result", {"taskId": task_id})
+                assert result["content"][0]["text"] == text
+                return task_id, result
+
+            done = await asyncio.gather(*(lifecycle(o, n) for o in owners for n in range(6)))
+            # Every task, probed by every other principal at once: not found, as if it did not exist.
+            probes = [
+                (sessions[other], task_id)
+                for (task_id, _r), owner in zip(done, [o for o in owners for _ in range(6)], strict=True)
+                for other in owners
+                if other != owner
+            ]
+            errors = await asyncio.gather(*(s.error("tasks/get", {"taskId": t}) for s, t in probes))
+            assert {e["code"] for e in errors} == {-32602}
+            after = {name: batch_stats(name) for name in ("writes", "reads", "finishes")}
+    # Some statements carried several requests (items sent > statements sent).
+    grew = {name: (after[name][1] - before[name][1]) - (after[name][0] - before[name][0]) for name in after}
+    assert grew["writes"] > 0, grew
+    assert grew["reads"] > 0, grew
+    for tenant in ("acme", "globex", "initech"):
+        rows = await audit_rows(database_url, tenant)
+        assert_linked_without_gaps(rows)
+        for action in ("create", "complete", "retrieve"):
+            assert len([e for e in rows if e["action"] == action]) == 12, (tenant, action)
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetch(Q["audit_chain_problems"], None) == []
+    finally:
+        await conn.close()
