@@ -365,8 +365,9 @@ async def test_tasks_result_streams_when_the_task_outlasts_the_grace_period_T_RE
 
 async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: str, http: httpx.AsyncClient) -> None:
     """With a free slot in the creating process the task is created already leased to its runner (no
-    claim round trip); with none, it is created unleased and waits for a claim."""
-    async with serve(make_settings(database_url, runner_concurrency=1)) as running:
+    claim round trip); with none, it is created unleased and waits for a claim, which the slot
+    freeing up triggers at once (the claim loop's poll is a minute away here)."""
+    async with serve(make_settings(database_url, runner_concurrency=1, poll_interval_ms=60_000)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
         first = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]

@@ -56,6 +56,9 @@ class Runner:
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
         self._jobs: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        # Whether tasks may be queued that we could not take for want of a slot: only then does a
+        # freed slot trigger a claim (otherwise the claim loop's poll finds stragglers).
+        self._backlog = True
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
         self._finishes = Batcher(self._finish_many, self._finish_one, order=repo.batch_order, name="finishes")
@@ -168,6 +171,7 @@ class Runner:
         self._wake.clear()
         free = self.concurrency - self.busy - self._reserved
         if free <= 0:
+            self._backlog = True  # whatever woke us waits for a slot
             return 0
         await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
@@ -177,6 +181,7 @@ class Runner:
                 tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, want)
         finally:
             self._reserved -= want
+        self._backlog = len(tasks) == want  # a full claim: there may be more
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
@@ -223,7 +228,8 @@ class Runner:
         finally:
             self._running.pop(key, None)
             metrics.runner_slots_in_use.set(self.busy)
-            self._wake.set()
+            if self._backlog:
+                self._wake.set()
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
         # Group commit (migration 0005): the outcome, its audit event and the status wake-up, in one
