@@ -35,7 +35,7 @@ interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks 
 	scripts/interop.sh
 
 bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes); see docs/performance.md
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py --doc docs/performance.md
 
 bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and the floor only), as in CI
 	$(BIN)/python bench/run.py --smoke --out /var/tmp/mcp-tasks-bench-smoke.json

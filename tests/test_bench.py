@@ -285,3 +285,62 @@ def test_sse_events_are_the_same_however_the_stream_is_cut() -> None:
     parser = SseParser()
     one_by_one = [event for i in range(len(stream)) for event in parser.feed(stream[i : i + 1])]
     assert whole == one_by_one == [b'{"a":1}', b"x\ny", b"z"]
+
+
+def _harness() -> Any:
+    """bench/run.py (the side-by-side harness) as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "run.py"
+    spec = importlib.util.spec_from_file_location("bench_run", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_run"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(ops: float, cpu: float = 1.0, errors: int = 0, **server: float) -> dict[str, Any]:
+    return {"throughput_per_s": ops, "errors": errors, "server": {"cpu_ms_per_op": cpu, **server}}
+
+
+def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too(tmp_path: Any) -> None:
+    run = _harness()
+    report = {
+        "rounds": 1,
+        "duration_s": 8.0,
+        "results": {
+            "plain": {"ours": [_run(5000, 0.2)], "sdk": [_run(600)], "fastmcp": [_run(650)], "floor": [_run(20000)]},
+            "lifecycle": {"ours": [_run(500)], "sdk": [_run(200)], "fastmcp": [_run(100)]},
+            "get": {"ours": [_run(3000)], "sdk": [_run(200)], "fastmcp": [_run(250)]},
+            "create": {
+                "ours": [_run(900, rss_growth_kib_per_1000_pending=30)],
+                "sdk": [_run(300)],
+                "fastmcp": [_run(60)],
+            },
+        },
+        "scale": {"1,000": {"p99_ms": 10.0, "errors": 0}, "1,000,000": {"p99_ms": 20.0, "errors": 2}},
+    }
+    text = run.render(report)
+    verdict = {
+        line.split(" | ")[0][2:]: line.split(" | ")[-1][:-2] for line in text.splitlines() if line.count("|") == 4
+    }
+    assert verdict["plain `tools/call` >= 5x best peer"] == "met"  # 5000 / 650 = 7.7x
+    assert verdict["... with <= 0.35 ms server CPU per request"] == "met"
+    assert verdict["task lifecycles/s >= 3x best peer"] == "**missed**"  # 2.5x
+    assert verdict["task creates/s >= 3x best peer"] == "met"
+    assert verdict["`tasks/get` p99 within 1.5x from 1 thousand to 1 million stored"] == "**missed**"  # 2x
+    assert verdict["zero failed operations"] == "**missed**"
+    assert "| plain | 5000 | 600 | 650 | 20000 | 7.69x | 0.25x | >= 5x |" in text
+
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# Performance\n\nkept\n\n{run.BEGIN}\nold numbers\n{run.END}\n\nalso kept\n")
+    run.write_doc(doc, report)
+    written = doc.read_text()
+    assert "old numbers" not in written
+    assert written.startswith("# Performance\n\nkept\n\n")
+    assert written.endswith(f"{run.END}\n\nalso kept\n")
+    assert "| task lifecycles/s >= 3x best peer | 2.50x | **missed** |" in written
