@@ -27,13 +27,6 @@ from tests.test_audit import assert_linked_without_gaps, audit_rows
 from tests.test_auth import run_issuer
 
 
-def batch_stats(name: str) -> tuple[float, float]:
-    """(batches, items) sent so far by the named batcher in this process."""
-    count = REGISTRY.get_sample_value("mcp_tasks_db_batch_items_count", {"batch": name}) or 0.0
-    total = REGISTRY.get_sample_value("mcp_tasks_db_batch_items_sum", {"batch": name}) or 0.0
-    return count, total
-
-
 def fallbacks(name: str) -> float:
     return REGISTRY.get_sample_value("mcp_tasks_db_batch_fallbacks_total", {"batch": name}) or 0.0
 
@@ -93,6 +86,7 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
     """Items of several tenants in one statement: each sees only its own tasks, as alone."""
     calls = Recorded(app_db)
     batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    before = fallbacks("test")
     alice, bob, mallory = principal("acme", "alice"), principal("acme", "bob"), principal("globex", "alice")
     made = await asyncio.gather(*(batcher.submit(create(p)) for p in (alice, bob, mallory)))
     assert calls.sizes == [3]
@@ -109,6 +103,16 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
     found = await asyncio.gather(*(batcher.submit(item) for item in lookups))
     assert calls.sizes == [3, 4]
     assert [t.task_id if t else None for t in found] == [task_id, None, None, task_id]
+    # The same id in another tenant (ids are unique per tenant only): each tenant sees its own.
+    twin = create(mallory) | {"task_id": task_id}
+    theirs = await batcher.submit(twin)
+    assert theirs is not None
+    both = await asyncio.gather(
+        batcher.submit(repo.lookup_item(alice, task_id, retrieve=True)),
+        batcher.submit(repo.lookup_item(mallory, task_id, retrieve=True)),
+    )
+    assert [(t.tenant_id, t.subject) if t else None for t in both] == [("acme", "alice"), ("globex", "alice")]
+    assert fallbacks("test") == before  # every answer came from the batch statement itself
 
 
 async def test_a_bad_item_fails_alone_and_the_rest_of_its_batch_is_created(app_db: Database, database_url: str) -> None:
@@ -132,9 +136,11 @@ async def test_caps_count_the_creates_ahead_in_the_same_batch_T_SEC_7(app_db: Da
     calls = Recorded(app_db)
     batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
     owner = principal("acme", "alice")
+    before = fallbacks("test")
     made = await asyncio.gather(*(batcher.submit(create(owner, max_per_requestor=2)) for _ in range(5)))
     assert calls.sizes == [5]
     assert sum(t is not None for t in made) == 2
+    assert fallbacks("test") == before
 
 
 async def test_finishes_in_one_batch_record_only_leases_still_held_T_SEC_10(
@@ -180,7 +186,7 @@ async def test_concurrent_lifecycles_of_many_tenants_share_commits_and_keep_thei
                     http, running.url, token=issuer.mint(running.url, sub=sub, tenant_id=tenant)
                 )
                 await sessions[(tenant, sub)].initialize()
-            before = {name: batch_stats(name) for name in ("writes", "reads", "finishes")}
+            before = {name: fallbacks(name) for name in ("writes", "reads", "finishes")}
 
             async def lifecycle(owner: tuple[str, str], n: int) -> tuple[str, dict[str, Any]]:
                 s = sessions[owner]
@@ -201,11 +207,8 @@ async def test_concurrent_lifecycles_of_many_tenants_share_commits_and_keep_thei
             ]
             errors = await asyncio.gather(*(s.error("tasks/get", {"taskId": t}) for s, t in probes))
             assert {e["code"] for e in errors} == {-32602}
-            after = {name: batch_stats(name) for name in ("writes", "reads", "finishes")}
-    # Some statements carried several requests (items sent > statements sent).
-    grew = {name: (after[name][1] - before[name][1]) - (after[name][0] - before[name][0]) for name in after}
-    assert grew["writes"] > 0, grew
-    assert grew["reads"] > 0, grew
+            # Every answer came from batch statements, none from the item-by-item fallback.
+            assert {name: fallbacks(name) for name in before} == before
     for tenant in ("acme", "globex", "initech"):
         rows = await audit_rows(database_url, tenant)
         assert_linked_without_gaps(rows)
@@ -216,3 +219,81 @@ async def test_concurrent_lifecycles_of_many_tenants_share_commits_and_keep_thei
         assert await conn.fetch(Q["audit_chain_problems"], None) == []
     finally:
         await conn.close()
+
+
+async def test_a_request_whose_waiter_went_away_is_not_sent(app_db: Database) -> None:
+    """A cancelled tasks/result must not be audited as a hand-out nobody received."""
+    calls = Recorded(app_db)
+    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    owner = principal("acme", "alice")
+    task = await batcher.submit(create(owner))
+    assert task is not None
+    gone = batcher.enqueue(repo.lookup_item(owner, task.task_id, retrieve=True))
+    kept = batcher.enqueue(repo.lookup_item(owner, task.task_id, retrieve=False))
+    gone.cancel()
+    assert (await kept) is not None
+    assert calls.sizes == [1, 1]
+
+
+async def test_a_batch_cut_off_by_shutdown_answers_every_waiter(app_db: Database) -> None:
+    gate = asyncio.Event()
+    calls = Recorded(app_db)
+
+    async def held(items: list[repo.BatchItem]) -> list[Task | None]:
+        await gate.wait()
+        return await calls.many(items)
+
+    batcher = Batcher(held, calls.one, order=repo.batch_order, name="test")
+    owner = principal("acme", "alice")
+    in_flight = [batcher.enqueue(create(owner)) for _ in range(2)]
+    await asyncio.sleep(0)  # the drainer takes both
+    queued = batcher.enqueue(create(owner))
+    drainer = batcher._drainer
+    assert drainer is not None
+    drainer.cancel()
+    outcomes = await asyncio.gather(*in_flight, queued, return_exceptions=True)
+    assert [type(o).__name__ for o in outcomes] == ["Unavailable"] * 3
+
+
+async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Database, database_url: str) -> None:
+    """A cancel locks its task's row, then its requestor's counter. A finish batch that changed one
+    task (locking the counter) and then waited for the cancelled task's row would close a cycle."""
+    owner = principal("acme", "alice")
+    leased = [create(owner) | {"lease_owner": "runner-1", "lease_key": 1, "lease_ms": 60_000} for _ in range(2)]
+    async with app_db.connection() as conn:
+        tasks = sorted((t for t in await repo.run_batch(conn, leased) if t is not None), key=lambda t: t.task_id)
+    outcome = Outcome(OutcomeKind.RESULT, {"content": [], "isError": False})
+    items = [repo.finish_item(t, "runner-1", outcome, {"kind": "result"}) for t in tasks]
+    blocker = await asyncpg.connect(database_url)
+    runner_db = Database(database_url, pool_size=1, role=RUNNER_ROLE)
+    await runner_db.open()
+    try:
+        async with blocker.transaction():
+            # The second task's row is held, as by a cancel in progress.
+            await blocker.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", tasks[1].task_id)
+
+            async def finish() -> list[Task | None]:
+                async with runner_db.connection() as conn:
+                    return await repo.finish_batch(conn, items)
+
+            finishing = asyncio.create_task(finish())
+            probe = await asyncpg.connect(database_url)
+            try:
+                async with asyncio.timeout(10):
+                    while not await probe.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND query LIKE '%task_finish_batch%'"
+                    ):
+                        await asyncio.sleep(0.02)
+                async with probe.transaction():
+                    # The counter is free while the batch waits: it changed nothing yet.
+                    await probe.execute(
+                        "SELECT 1 FROM active_tasks WHERE tenant_id = 'acme' AND subject = 'alice' FOR UPDATE NOWAIT"
+                    )
+            finally:
+                await probe.close()
+        done = await finishing
+    finally:
+        await blocker.close()
+        await runner_db.close()
+    assert [t.status.value if t else None for t in done] == ["completed", "completed"]

@@ -142,3 +142,12 @@ async def test_accept_with_wildcards_counts(s: RpcSession, http: httpx.AsyncClie
     r = await http.post(s.url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, headers=s.headers(Accept="*/*"))
     assert r.status_code == 200
     assert ACCEPT_BOTH  # the default clients send both types explicitly
+
+
+async def test_nul_in_a_progress_token_is_invalid_params_but_a_literal_backslash_u0000_is_text(s: RpcSession) -> None:
+    params = {"name": "echo", "arguments": {"text": "x"}, "task": {}, "_meta": {"progressToken": "a\x00"}}
+    assert (await s.error("tools/call", params))["code"] == -32602
+    assert (await s.result("tasks/list"))["tasks"] == []
+    created = await s.call_tool_as_task("echo", {"text": "\\u0000"})  # six characters, no NUL
+    result = await s.result("tasks/result", {"taskId": created["task"]["taskId"]})
+    assert result["content"][0]["text"] == "\\u0000"

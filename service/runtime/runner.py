@@ -79,6 +79,8 @@ class Runner:
         """Run a task created under a reserved lease (None: a cap refused it, nothing was written)."""
         self._reserved -= 1
         if task is None:
+            if self._backlog:  # the slot it held is free again
+                self._wake.set()
             return
         if self._stopping:  # it never started: back to the queue, whatever its tool
             self._background(self._requeue_unstarted(task.tenant_id, task.task_id))
@@ -235,7 +237,15 @@ class Runner:
         # Group commit (migration 0005): the outcome, its audit event and the status wake-up, in one
         # statement with the outcomes of other tasks finishing meanwhile.
         detail = {"kind": outcome.kind.value}
-        done = await self._finishes.submit(repo.finish_item(task, self.owner, outcome, detail))
+        finishing = self._finishes.enqueue(repo.finish_item(task, self.owner, outcome, detail))
+        try:
+            done = await asyncio.shield(finishing)
+        except asyncio.CancelledError:
+            # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
+            # before anything else (a hand-back) touches the task.
+            with contextlib.suppress(Exception):
+                await finishing
+            raise
         if done is not None:
             metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()
 

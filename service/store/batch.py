@@ -6,9 +6,10 @@ together as soon as it returns, so under load one round trip, one statement and 
 serve many requests, and each is still answered only after its commit. Items are sorted before
 they are sent, so every batch takes its row locks in one global order (see migration 0005).
 
-A batch that fails as a whole for a reason other than the database being unavailable (for
-example one request's text PostgreSQL cannot store) is retried one item at a time, so each request
-gets its own answer or error.
+A batch that PostgreSQL refuses as a whole (for example a deadlock, or one request's text it
+cannot store) rolled back, so it is retried one item at a time and each request gets its own
+answer or error. Any other failure leaves the batch's outcome unknown: every request in it gets
+the error, and nothing is replayed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
+
+import asyncpg
 
 from service.domain.errors import Unavailable
 from service.observability import metrics
@@ -78,20 +81,29 @@ class Batcher(Generic[T, R]):
             self._queue.clear()
 
     async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        # A request whose waiter is gone (and did not shield its future) is not sent: nobody would
+        # get its answer, and a retrieve would be audited as handed out.
+        batch = [entry for entry in batch if not entry[1].done()]
+        if not batch:
+            return
         batch.sort(key=lambda entry: self._order(entry[0]))
         self._sizes.observe(len(batch))
         try:
-            results = await self._run_many([item for item, _future in batch])
-        except (Unavailable, asyncio.CancelledError) as exc:
-            failure = exc if isinstance(exc, Unavailable) else Unavailable("the service is shutting down; retry")
+            await self._answer(batch)
+        finally:
+            # Whatever went wrong (cancelled at shutdown, a bug), no waiter is left hanging.
             for _item, future in batch:
-                _settle(future, exc=failure)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
+                _settle(future, exc=Unavailable("the service is shutting down; retry"))
+
+    async def _answer(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        try:
+            results = await self._run_many([item for item, _future in batch])
         except Exception as exc:
-            if len(batch) == 1:
-                _settle(batch[0][1], exc=exc)
+            if len(batch) == 1 or not _rolled_back(exc):
+                # Unavailable, or a failure after the statement may have committed: its outcome is
+                # unknown, so nothing is replayed (a replayed create could exist twice).
+                for _item, future in batch:
+                    _settle(future, exc=exc)
                 return
             self._fallbacks.inc()
             log.warning("a batch of %d failed (%s); answering its items one by one", len(batch), type(exc).__name__)
@@ -103,8 +115,16 @@ class Batcher(Generic[T, R]):
                 else:
                     _settle(future, result=alone)
             return
+        if len(results) != len(batch):
+            raise RuntimeError(f"a batch of {len(batch)} came back with {len(results)} results")
         for (_item, future), result in zip(batch, results, strict=True):
             _settle(future, result=result)
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """Did PostgreSQL refuse the statement (so nothing of it was committed)? Driver errors it
+    raised, possibly translated to a domain error by the database layer."""
+    return isinstance(exc, asyncpg.PostgresError) or isinstance(exc.__cause__, asyncpg.PostgresError)
 
 
 def _settle(future: asyncio.Future[R], *, result: R | None = None, exc: BaseException | None = None) -> None:

@@ -126,8 +126,23 @@ def batch_order(item: BatchItem) -> tuple[str, str, str]:
 async def run_batch(conn: asyncpg.Connection, items: list[BatchItem]) -> list[Task | None]:
     """Every item in one statement (its own transaction); None where there is no task for it (a cap
     refused the create, or the task is unknown, expired or someone else's)."""
-    rows = await conn.fetch(Q["task_batch"], items)
-    return [task_from_row(r) if r["task_id"] is not None else None for r in rows]
+    return _matched(items, await conn.fetch(Q["task_batch"], items))
+
+
+def _matched(items: list[BatchItem], rows: list[asyncpg.Record]) -> list[Task | None]:
+    """One task (or None) per item, checked to be the item's own: answers are handed out by
+    position, so a row that is not its item's task fails the batch instead of reaching anyone."""
+    if len(rows) != len(items):
+        raise RuntimeError(f"a batch of {len(items)} items returned {len(rows)} rows")
+    tasks: list[Task | None] = []
+    for item, row in zip(items, rows, strict=True):
+        if row["task_id"] is None:
+            tasks.append(None)
+        elif (row["tenant_id"], row["task_id"]) != (item["tenant_id"], item["task_id"]):
+            raise RuntimeError("a batch returned a row for another item")
+        else:
+            tasks.append(task_from_row(row))
+    return tasks
 
 
 async def run_item(conn: asyncpg.Connection, item: BatchItem) -> Task | None:
@@ -202,8 +217,7 @@ def finish_item(task: Task, owner: str, outcome: Outcome, detail: dict[str, Any]
 async def finish_batch(conn: asyncpg.Connection, items: list[BatchItem]) -> list[Task | None]:
     """Record outcomes (only where the owner still holds the lease of an active task), their audit
     events and status wake-ups, in one statement; None where the task was no longer the owner's."""
-    rows = await conn.fetch(Q["finish_task_batch"], items)
-    return [task_from_row(r) if r["task_id"] is not None else None for r in rows]
+    return _matched(items, await conn.fetch(Q["finish_task_batch"], items))
 
 
 async def finish_one(conn: asyncpg.Connection, item: BatchItem) -> Task | None:

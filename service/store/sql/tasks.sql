@@ -57,11 +57,18 @@ RETURNING t.*;
 -- name: renew_leases
 -- Heartbeat for the tasks this runner is executing now; rows gone, cancelled or taken are not returned.
 -- Leases of tasks it no longer executes are left to lapse, so the reaper handles them.
+-- Rows are locked in (tenant, subject, task) order, as a batch of finishes locks them.
 UPDATE tasks t
 SET lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond'
-FROM unnest($3::text[], $4::text[]) AS running(tenant_id, task_id)
-WHERE t.tenant_id = running.tenant_id AND t.task_id = running.task_id
-  AND t.lease_owner = $1 AND t.status IN ('working', 'input_required')
+FROM (
+    SELECT h.tenant_id, h.task_id FROM tasks h
+    JOIN unnest($3::text[], $4::text[]) AS running(tenant_id, task_id)
+      ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
+    WHERE h.lease_owner = $1 AND h.status IN ('working', 'input_required')
+    ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
+    FOR UPDATE OF h
+) held
+WHERE t.tenant_id = held.tenant_id AND t.task_id = held.task_id
 RETURNING t.tenant_id, t.task_id;
 
 -- name: find_lost_leases

@@ -12,9 +12,11 @@ replicas are woken once per commit instead of once per task. Each request is ans
 the commit, as before.
 
 Locks are taken in the order every other writer takes them, so batches deadlock neither with each
-other nor with single statements: the tenants' create locks (sorted), then the tasks and their
-requestors' counters in (tenant, subject, task) order (the caller sorts the batch), then the
-tenants' audit heads, in tenant order. Each item sets its own tenant before it touches a table, so
+other nor with single statements: the tenants' create locks (sorted), then the tasks' rows, then
+their requestors' counters in (tenant, subject, task) order (the caller sorts the batch; a finish
+batch locks all its rows before it changes any), then the tenants' audit heads, in tenant order.
+Every such order compares code points (``COLLATE "C"``, as Python sorts), whatever the database's
+collation; the sweeper's counter trigger is redefined to match. Each item sets its own tenant before it touches a table, so
 row-level security applies per item exactly as it does to the single-item functions.
 
 The results come back one row per item, in the order of the items; a row of NULLs means "no task":
@@ -58,7 +60,9 @@ def upgrade() -> None:
         FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
         n := coalesce(array_length(items, 1), 0);
         -- The create locks of every tenant that creates, in tenant order, held until commit.
-        FOR lock_tenant IN SELECT DISTINCT u.tenant_id FROM unnest(items) u WHERE u.k = 'create' ORDER BY 1 LOOP
+        FOR lock_tenant IN
+            SELECT DISTINCT u.tenant_id COLLATE "C" FROM unnest(items) u WHERE u.k = 'create' ORDER BY 1
+        LOOP
             PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || lock_tenant, 0));
         END LOOP;
         -- The rows, in the caller's (tenant, subject, task) order: the counter triggers lock in that order.
@@ -134,6 +138,11 @@ def upgrade() -> None:
         SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
         FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
         n := coalesce(array_length(items, 1), 0);
+        -- Every row first, in (tenant, subject, task) order, before any counter: an UPDATE fires the
+        -- counter trigger at once, and a cancel locks its row before that requestor's counter.
+        PERFORM 1 FROM tasks t JOIN unnest(items) u ON t.tenant_id = u.tenant_id AND t.task_id = u.task_id
+        ORDER BY t.tenant_id COLLATE "C", t.subject COLLATE "C", t.task_id COLLATE "C"
+        FOR UPDATE OF t;
         FOR i IN 1 .. n LOOP
             it := items[i];
             done := NULL;
@@ -160,6 +169,19 @@ def upgrade() -> None:
     END
     $$;
 
+    -- Counters are locked in code point order everywhere (the service sorts in Python, which
+    -- compares code points): the database's collation could order "Bob" and "alice" otherwise.
+    CREATE OR REPLACE FUNCTION tasks_count_deleted() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO active_tasks (tenant_id, subject, active)
+        SELECT tenant_id, subject, -count(*) FROM old_rows WHERE status IN ('working', 'input_required')
+        GROUP BY tenant_id, subject ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
+        ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+        RETURN NULL;
+    END
+    $$;
+
     REVOKE ALL ON FUNCTION task_batch(jsonb), task_finish_batch(jsonb) FROM PUBLIC;
     GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
     GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
@@ -170,6 +192,16 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     run_script("""
+    CREATE OR REPLACE FUNCTION tasks_count_deleted() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO active_tasks (tenant_id, subject, active)
+        SELECT tenant_id, subject, -count(*) FROM old_rows WHERE status IN ('working', 'input_required')
+        GROUP BY tenant_id, subject ORDER BY tenant_id, subject
+        ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+        RETURN NULL;
+    END
+    $$;
     DROP FUNCTION task_finish_batch(jsonb);
     DROP FUNCTION task_batch(jsonb);
     DROP TYPE task_finish_item;
