@@ -236,22 +236,28 @@ async def test_a_request_whose_waiter_went_away_is_not_sent(app_db: Database) ->
 
 
 async def test_a_batch_cut_off_by_shutdown_answers_every_waiter(app_db: Database) -> None:
+    """Cancelled (shutdown) while answering a refused batch item by item: every waiter still gets
+    an answer, those not yet answered an Unavailable."""
     gate = asyncio.Event()
     calls = Recorded(app_db)
 
-    async def held(items: list[repo.BatchItem]) -> list[Task | None]:
-        await gate.wait()
-        return await calls.many(items)
+    async def held_one(item: repo.BatchItem) -> Task | None:
+        await gate.wait()  # never set: the shutdown comes first
+        return await calls.one(item)
 
-    batcher = Batcher(held, calls.one, order=repo.batch_order, name="test")
+    batcher = Batcher(calls.many, held_one, order=repo.batch_order, name="test")
     owner = principal("acme", "alice")
-    in_flight = [batcher.enqueue(create(owner)) for _ in range(2)]
-    await asyncio.sleep(0)  # the drainer takes both
-    queued = batcher.enqueue(create(owner))
-    drainer = batcher._drainer
-    assert drainer is not None
-    drainer.cancel()
-    outcomes = await asyncio.gather(*in_flight, queued, return_exceptions=True)
+    # PostgreSQL refuses the whole batch (text it cannot store), so it goes item by item.
+    before = fallbacks("test")
+    waiting = [batcher.enqueue(create(owner)), batcher.enqueue(create(owner, text="bad\u0000"))]
+    async with asyncio.timeout(10):
+        while fallbacks("test") == before:  # the batch was refused; the first item is on its way
+            await asyncio.sleep(0.01)
+        queued = batcher.enqueue(create(owner))
+        drainer = batcher._drainer
+        assert drainer is not None
+        drainer.cancel()
+        outcomes = await asyncio.gather(*waiting, queued, return_exceptions=True)
     assert [type(o).__name__ for o in outcomes] == ["Unavailable"] * 3
 
 
@@ -281,8 +287,8 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
             try:
                 async with asyncio.timeout(10):
                     while not await probe.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND query LIKE '%task_finish_batch%'"
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND wait_event_type = 'Lock' AND query LIKE '%task_finish_batch%'"
                     ):
                         await asyncio.sleep(0.02)
                 async with probe.transaction():

@@ -144,7 +144,9 @@ async def test_accept_with_wildcards_counts(s: RpcSession, http: httpx.AsyncClie
     assert ACCEPT_BOTH  # the default clients send both types explicitly
 
 
-async def test_nul_in_a_progress_token_is_invalid_params_but_a_literal_backslash_u0000_is_text(s: RpcSession) -> None:
+async def test_nul_in_a_progress_token_is_refused_before_the_database_but_a_literal_backslash_u0000_is_text(
+    s: RpcSession,
+) -> None:
     params = {"name": "echo", "arguments": {"text": "x"}, "task": {}, "_meta": {"progressToken": "a\x00"}}
     assert (await s.error("tools/call", params))["code"] == -32602
     assert (await s.result("tasks/list"))["tasks"] == []

@@ -77,8 +77,6 @@ def _str_param(params: dict[str, Any], name: str) -> str:
         raise RpcFailure(
             INVALID_PARAMS, f"params.{name} must be a string" if name in params else f"missing params.{name}"
         )
-    if "\x00" in value:  # no id holds one, and PostgreSQL cannot store it
-        raise RpcFailure(INVALID_PARAMS, f"params.{name} must not contain the NUL character (U+0000)")
     return value
 
 

@@ -242,9 +242,10 @@ class Runner:
             done = await asyncio.shield(finishing)
         except asyncio.CancelledError:
             # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
-            # before anything else (a hand-back) touches the task.
-            with contextlib.suppress(Exception):
-                await finishing
+            # before anything else (a hand-back) touches the task, however often we are cancelled.
+            while not finishing.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(finishing)
             raise
         if done is not None:
             metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()

@@ -108,6 +108,8 @@ class Batcher(Generic[T, R]):
             self._fallbacks.inc()
             log.warning("a batch of %d failed (%s); answering its items one by one", len(batch), type(exc).__name__)
             for item, future in batch:
+                if future.done():  # its waiter went away meanwhile: not sent, as above
+                    continue
                 try:
                     alone = await self._run_one(item)
                 except Exception as one_exc:
@@ -115,16 +117,30 @@ class Batcher(Generic[T, R]):
                 else:
                     _settle(future, result=alone)
             return
-        if len(results) != len(batch):
-            raise RuntimeError(f"a batch of {len(batch)} came back with {len(results)} results")
+        if len(results) != len(batch):  # a bug: nobody gets an answer that may be someone else's
+            failure = RuntimeError(f"a batch of {len(batch)} came back with {len(results)} results")
+            for _item, future in batch:
+                _settle(future, exc=failure)
+            return
         for (_item, future), result in zip(batch, results, strict=True):
             _settle(future, result=result)
 
 
+# SQLSTATE classes that say the server or the connection went away, not that the statement was
+# refused: connection exception, insufficient resources, operator intervention, system error, internal.
+_OUTAGE_CLASSES = frozenset({"08", "53", "57", "58", "XX"})
+
+
 def _rolled_back(exc: BaseException) -> bool:
-    """Did PostgreSQL refuse the statement (so nothing of it was committed)? Driver errors it
-    raised, possibly translated to a domain error by the database layer."""
-    return isinstance(exc, asyncpg.PostgresError) or isinstance(exc.__cause__, asyncpg.PostgresError)
+    """Did PostgreSQL refuse the statement, so nothing of it was committed? An error it raised
+    (possibly translated to a domain error by the database layer), but not an outage: a server
+    shut down after committing raises one too."""
+    if isinstance(exc, Unavailable):
+        return False
+    cause = exc if isinstance(exc, asyncpg.PostgresError) else exc.__cause__
+    if not isinstance(cause, asyncpg.PostgresError):
+        return False
+    return str(cause.sqlstate or "")[:2] not in _OUTAGE_CLASSES
 
 
 def _settle(future: asyncio.Future[R], *, result: R | None = None, exc: BaseException | None = None) -> None:

@@ -82,23 +82,6 @@ class LocalRunner(Protocol):
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
 
 
-def _holds_nul(value: Any) -> bool:
-    """Does any string in this JSON value (keys included) hold U+0000, which PostgreSQL cannot store?
-    Iterative: arguments may nest deeper than Python's recursion limit."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, str):
-            if "\x00" in item:
-                return True
-        elif isinstance(item, dict):
-            pending.extend(item.keys())
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-    return False
-
-
 class TaskService:
     def __init__(
         self, db: Database, hub: EventHub, registry: Registry, policy: TaskPolicy, cursors: CursorCodec
@@ -144,9 +127,6 @@ class TaskService:
         _spec, valid = self.check_call(tool, arguments, as_task=True)
         if ttl_ms is not None and ttl_ms < 0:
             raise InvalidArguments("task.ttl must be a non-negative integer (milliseconds)")
-        if _holds_nul(valid) or _holds_nul(progress_token):
-            # Refused here, not by PostgreSQL: in a batch it would fail everyone else's creates first.
-            raise InvalidArguments("arguments and progress tokens must not contain the NUL character (U+0000)")
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
         # A free local slot: create the task already leased to it (no claim, no wake-up round trip).

@@ -66,7 +66,7 @@ FROM (
       ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
     WHERE h.lease_owner = $1 AND h.status IN ('working', 'input_required')
     ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
-    FOR UPDATE OF h
+    FOR NO KEY UPDATE OF h
 ) held
 WHERE t.tenant_id = held.tenant_id AND t.task_id = held.task_id
 RETURNING t.tenant_id, t.task_id;

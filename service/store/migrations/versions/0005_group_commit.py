@@ -138,11 +138,13 @@ def upgrade() -> None:
         SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
         FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
         n := coalesce(array_length(items, 1), 0);
-        -- Every row first, in (tenant, subject, task) order, before any counter: an UPDATE fires the
-        -- counter trigger at once, and a cancel locks its row before that requestor's counter.
-        PERFORM 1 FROM tasks t JOIN unnest(items) u ON t.tenant_id = u.tenant_id AND t.task_id = u.task_id
-        ORDER BY t.tenant_id COLLATE "C", t.subject COLLATE "C", t.task_id COLLATE "C"
-        FOR UPDATE OF t;
+        -- Every row first, in the caller's (tenant, subject, task) order, before any counter: an
+        -- UPDATE fires the counter trigger at once, and a cancel locks its row before that
+        -- requestor's counter. One primary-key lookup each (a join would scan the table).
+        FOR i IN 1 .. n LOOP
+            PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
+            FOR NO KEY UPDATE;
+        END LOOP;
         FOR i IN 1 .. n LOOP
             it := items[i];
             done := NULL;
