@@ -258,6 +258,30 @@ async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: h
     assert not any(label == "task_id" or label == "subject" for _, labels in after for label, _v in labels)
 
 
+async def test_the_active_gauge_splits_working_and_input_required_T_SEC_9(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Read from the counters and the input_required index (migration 0005), as a count would say."""
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize(capabilities={"elicitation": {}})
+        await s.call_tool_as_task("hang", {})
+        await s.call_tool_as_task("hang", {})
+        asking = (await s.call_tool_as_task("confirm", {"prompt": "go?"}))["task"]["taskId"]
+        async with asyncio.timeout(15):
+            while (await s.result("tasks/get", {"taskId": asking}))["status"] != "input_required":
+                await asyncio.sleep(0.05)
+            while True:
+                m = await metrics_of(http, running)
+                got = (
+                    value(m, "mcp_tasks_tasks_active", status="working"),
+                    value(m, "mcp_tasks_tasks_active", status="input_required"),
+                )
+                if got == (2.0, 1.0):
+                    break
+                await asyncio.sleep(0.1)
+
+
 async def test_auth_failures_are_counted_by_reason(database_url: str, http: httpx.AsyncClient) -> None:
     issuer = LocalIssuer()
     async with run_issuer(issuer), serve(make_settings(database_url, auth="oauth", oauth_issuer=issuer.url)) as running:

@@ -277,7 +277,9 @@ async def fail_lost_task(
 
 
 async def count_active_by_status(conn: asyncpg.Connection) -> dict[str, int]:
-    return {r["status"]: r["n"] for r in await conn.fetch(Q["count_active_by_status"])}
+    row = await conn.fetchrow(Q["count_active_by_status"])
+    waiting = int(row["input_required"])
+    return {"working": max(0, int(row["active"]) - waiting), "input_required": waiting}
 
 
 async def delete_expired_tasks(conn: asyncpg.Connection, limit: int) -> list[Task]:

@@ -184,6 +184,10 @@ def upgrade() -> None:
     END
     $$;
 
+    -- The tasks_active gauge counts input_required tasks here (the active total comes from the
+    -- counters): a count over every active task's row grew with the tasks running.
+    CREATE INDEX tasks_input_required ON tasks (tenant_id) WHERE status = 'input_required';
+
     REVOKE ALL ON FUNCTION task_batch(jsonb), task_finish_batch(jsonb) FROM PUBLIC;
     GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
     GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
@@ -204,6 +208,7 @@ def downgrade() -> None:
         RETURN NULL;
     END
     $$;
+    DROP INDEX tasks_input_required;
     DROP FUNCTION task_finish_batch(jsonb);
     DROP FUNCTION task_batch(jsonb);
     DROP TYPE task_finish_item;
