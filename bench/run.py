@@ -294,7 +294,14 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR", help="record py-spy folded stacks of our service per run")
     ap.add_argument("--doc", metavar="MD", help="write the report into this file's bench section (make bench: "
                     "docs/performance.md)")  # fmt: skip
+    ap.add_argument("--render", metavar="JSON", help="only render a saved --out file (and write --doc)")
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        print(render(saved))
+        if args.doc:
+            write_doc(Path(args.doc), saved)
+        return 1 if failures(saved) else 0
     only = set(args.servers.split(",")) if args.servers else None
     workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
     peers = [] if args.smoke or (only is not None and not only & {"sdk", "fastmcp"}) else ensure_peers()
@@ -322,7 +329,7 @@ def main() -> int:
                         result = run_load(server, workload, duration, out, profile)
                     results.setdefault(workload, {}).setdefault(name, []).append(result)
                     print(f"round {r + 1} {workload:9} {name:8} {summary(result)}", file=sys.stderr, flush=True)
-        scale = {} if args.smoke or args.no_scale else scale_run(dbs, logs, duration)
+        scale = {} if args.smoke or args.no_scale else scale_run(dbs, logs, duration, rounds)
     finally:
         if not args.smoke:
             pin_postgres("0-" + str((os.cpu_count() or 1) - 1))
@@ -333,9 +340,7 @@ def main() -> int:
     if args.doc:
         write_doc(Path(args.doc), report)
         print(f"results written to {args.doc}", file=sys.stderr)
-    failed = sum(x.get("errors", 1) for per in results.values() for runs in per.values() for x in runs)
-    failed += sum(int(v.get("errors", 1)) for v in scale.values())
-    return 1 if failed else 0
+    return 1 if failures(report) else 0
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -359,6 +364,13 @@ def _num(v: float, fmt: str = ".0f", suffix: str = "") -> str:
 CPU_TARGET_MS = 0.35  # server CPU per plain request
 P99_SPREAD_TARGET = 1.5  # tasks/get p99, largest over smallest, 1 thousand to 1 million stored
 RSS_TARGET_KIB = 1024  # server RSS growth per 1,000 pending tasks
+
+
+def failures(report: dict[str, Any]) -> int:
+    """Failed operations of our service over every run, the scale run included."""
+    runs = [r for per in report["results"].values() for r in per.get("ours", [])]
+    scale = (report.get("scale") or {}).values()
+    return sum(r.get("errors", 1) for r in runs) + sum(int(v.get("errors", 1)) for v in scale)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -407,14 +419,23 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"| {workload} | {ours} | {' | '.join(rest)} |")
     scale: dict[str, dict[str, float]] = report.get("scale") or {}
     if scale:
-        lines += ["", "tasks/get with 6,400 held and other tenants' tasks stored: " + ", ".join(
-            f"p99 {_num(v['p99_ms'], '.1f')} ms with {stored}" for stored, v in scale.items())]  # fmt: skip
+        lines += ["", "tasks/get with 6,400 held and other tenants' tasks stored (median p99 of the runs): " + ", ".join(
+            f"{_num(v['p99_ms'], '.1f')} ms with {stored}" for stored, v in scale.items())]  # fmt: skip
     rss = [
         (r.get("server") or {}).get("rss_growth_kib_per_1000_pending", nan)
         for r in results.get("create", {}).get("ours", [])
     ]
-    failed = sum(x.get("errors", 1) for per in results.values() for runs in per.values() for x in runs)
-    failed += sum(int(v.get("errors", 1)) for v in scale.values())
+    notes: list[str] = []
+    failed = failures(report)
+    for name in ("sdk", "fastmcp", "floor"):  # the peers' failures are facts about them, not targets of ours
+        for workload, per in results.items():
+            kinds: dict[str, int] = {}
+            for r in per.get(name, []):
+                for kind, n in (r.get("error_kinds") or {"no result": 1 if "error" in r else 0}).items():
+                    kinds[kind] = kinds.get(kind, 0) + n
+            if any(kinds.values()):
+                shown = ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
+                notes.append(f"{name} {workload}: {shown} failed operations over {len(per[name])} runs.")
     p99s = [v["p99_ms"] for v in scale.values()]
     spread = max(p99s) / min(p99s) if p99s and min(p99s) > 0 else nan
     verdicts = [
@@ -425,12 +446,15 @@ def render(report: dict[str, Any]) -> str:
         ("task lifecycles/s >= 3x best peer", ratios.get("lifecycle", nan), f"{_num(ratios.get('lifecycle', nan), '.2f', 'x')}", 3.0, True),
         ("task creates/s >= 3x best peer", ratios.get("create", nan), f"{_num(ratios.get('create', nan), '.2f', 'x')}", 3.0, True),
         ("RSS growth <= 1 MiB per 1,000 pending tasks", max(rss, default=nan), f"{_num(max(rss, default=nan), '.0f', ' KiB')} (worst round)", RSS_TARGET_KIB, False),
-        ("zero failed operations", float(failed), str(failed), 0.0, False),
+        ("zero failed operations (ours, every run)", float(failed), str(failed), 0.0, False),
     ]  # fmt: skip
     lines += ["", "| target | result | verdict |", "|---|---|---|"]
     for name, got, shown, target, at_least in verdicts:
         verdict = "-" if got != got else ("met" if (got >= target if at_least else got <= target) else "**missed**")
         lines.append(f"| {name} | {shown} | {verdict} |")
+    if notes:
+        lines += ["", "Peers' failed operations (not ours; each counted, none dropped):", ""]
+        lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
 
 
@@ -450,21 +474,26 @@ def write_doc(doc: Path, report: dict[str, Any]) -> None:
     doc.write_text(head + BEGIN + body + END + tail)
 
 
-def scale_run(dbs: Databases, logs: Path, duration: float) -> dict[str, dict[str, float]]:
-    """tasks/get p99 (and failed operations) with 1 thousand, 100 thousand and 1 million other tasks stored."""
-    out: dict[str, dict[str, float]] = {}
+def scale_run(dbs: Databases, logs: Path, duration: float, rounds: int) -> dict[str, dict[str, Any]]:
+    """tasks/get p99 (median over ``rounds`` runs, each on a freshly filled database) and failed
+    operations, with 1 thousand, 100 thousand and 1 million other tasks stored."""
+    out: dict[str, dict[str, Any]] = {}
     for stored in (1_000, 100_000, 1_000_000):
-        db_url = dbs.fresh()
-        asyncio.run(fill(db_url, stored))
-        with started_ours_on(db_url, logs) as server:
-            result = run_load(server, "get", duration, logs / f"scale-{stored}.json")
-        p99 = result.get("methods", {}).get("tasks/get", {}).get("p99_ms", float("nan"))
-        out[f"{stored:,}"] = {"p99_ms": p99, "errors": result.get("errors", 1)}
-        print(
-            f"scale {stored:>9,} stored: tasks/get p99 {p99:.2f} ms  errors={result.get('errors', 1)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        p99s: list[float] = []
+        errors = 0
+        for r in range(rounds):
+            db_url = dbs.fresh()
+            asyncio.run(fill(db_url, stored))
+            with started_ours_on(db_url, logs) as server:
+                result = run_load(server, "get", duration, logs / f"scale-{stored}-{r}.json")
+            p99s.append(result.get("methods", {}).get("tasks/get", {}).get("p99_ms", float("nan")))
+            errors += result.get("errors", 1)
+            print(
+                f"scale {stored:>9,} stored, run {r + 1}: tasks/get p99 {p99s[-1]:.2f} ms  errors={result.get('errors', 1)}",
+                file=sys.stderr,
+                flush=True,
+            )
+        out[f"{stored:,}"] = {"p99_ms": statistics.median(p99s), "p99_runs": p99s, "errors": errors}
     return out
 
 
@@ -492,7 +521,10 @@ async def fill(db_url: str, n: int) -> None:
             """,
             n,
         )
-        await conn.execute("ANALYZE tasks")
+        # A steady state, as a database that grew over months is in: no autovacuum of the bulk load
+        # and no checkpoint of its WAL running on the server's core while we measure.
+        await conn.execute("VACUUM (ANALYZE) tasks")
+        await conn.execute("CHECKPOINT")
     finally:
         await conn.close()
 
