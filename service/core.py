@@ -85,10 +85,9 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
     )
     await runner_db.open()
-    hub = EventHub(dsn)
+    hub = EventHub(db)
     await hub.start()
-    async with db.connection() as conn:
-        cursor_key = await repo.service_key(conn, "tasks-list-cursor")
+    cursor_key = await repo.service_key(db, "tasks-list-cursor")
     policy = TaskPolicy(
         default_ttl_ms=settings.effective_default_ttl_ms,
         min_ttl_ms=settings.min_ttl_ms,
@@ -128,7 +127,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         registry,
         tasks,
         SessionService(db, hub),
-        Signals(db, hub),
+        Signals(hub),
         runner,
         maintenance,
         stop_database,

@@ -182,7 +182,7 @@ async def test_creating_a_task_records_who_created_it_from_where_T_SEC_10(s: Rpc
     assert event["task_id"] == task_id
     assert event["request_id"] == "req-create"
     assert event["client_address"] == "127.0.0.1"
-    assert event["detail"] == {"tool": "echo", "ttl_ms": 60_000}
+    assert event["detail"] == {"tool": "echo", "ttl_ms": 60_000, "surface": "2025-11-25"}
 
 
 async def test_a_finished_task_records_complete_with_its_outcome_T_SEC_10(s: RpcSession, server: RunningServer) -> None:
@@ -195,7 +195,8 @@ async def test_a_finished_task_records_complete_with_its_outcome_T_SEC_10(s: Rpc
     failed = only(events, action="complete", task_id=bad)
     assert completed["outcome"] == "completed"
     assert completed["detail"] == {"kind": "result"}
-    assert failed["outcome"] == "failed"
+    # One stored outcome for both wires: a tool error is a completed call whose result says so.
+    assert failed["outcome"] == "completed"
     assert failed["detail"] == {"kind": "tool_error"}
     for event in (completed, failed):
         # Attributed to the task's owner; no request made this change, so no request id or address.
@@ -435,7 +436,7 @@ async def test_a_task_whose_runner_stopped_records_complete_failed_T_SEC_10(
     for task_id in (reaped, handed_back):
         event = only(events, action="complete", task_id=task_id)
         assert event["outcome"] == "failed"
-        assert event["detail"] == {"reason": "runner_stopped"}
+        assert event["detail"] == {"kind": "failure", "reason": "runner_stopped"}
         assert event["subject"] == "local"
         assert event["request_id"] is None
     assert_linked_without_gaps(events)

@@ -240,7 +240,7 @@ async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(da
         runner = running.app.state.core.runner
         lease = runner.reserve()
         assert lease is not None
-        owner, key, _ms = lease
+        owner, key = lease.owner, lease.key
         db = await asyncpg.connect(database_url)
         try:
             await db.execute(

@@ -1,9 +1,10 @@
-"""Group commit (migration 0005): concurrent requests share one statement and one commit, and
-still get exactly the answers, isolation and audit events they would get alone."""
+"""Group commit: concurrent requests share one statement and one commit, and still get exactly the
+answers, isolation and audit events they would get alone (a single request is a batch of one)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,12 +15,13 @@ import pytest
 from prometheus_client import REGISTRY
 
 from service.domain.errors import InvalidArguments
-from service.domain.principal import Principal
+from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
-from service.store import repository as repo
+from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.queries import Q
+from service.store.repository import RunnerStore, TaskStore
 from tests.conftest import make_settings, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
@@ -45,47 +47,52 @@ def principal(tenant: str, subject: str) -> Principal:
     return Principal(tenant_id=tenant, subject=subject, client_id="c", issuer="https://issuer.test")
 
 
-def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -> repo.BatchItem:
-    return repo.create_item(
-        principal=owner,
-        task_id=secrets.token_urlsafe(16),
-        session_id=None,
-        surface="2025-11-25",
+def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -> rq.TaskRequest:
+    return rq.create(
+        Caller(owner, "r", "127.0.0.1"),
+        secrets.token_urlsafe(16),
         tool="echo",
         arguments={"text": text},
+        surface="2025-11-25",
+        session_id=None,
         client_capabilities={},
         progress_token=None,
         ttl_ms=60_000,
         poll_interval_ms=100,
         max_per_requestor=max_per_requestor,
         max_per_tenant=1_000,
-        request_id="r",
-        address="127.0.0.1",
-        detail={"tool": "echo"},
+        lease=None,
     )
 
 
+def leased_create(owner: Principal) -> rq.TaskRequest:
+    return dataclasses.replace(create(owner), lease_owner="runner-1", lease_key=1, lease_ms=60_000)
+
+
+def lookup(owner: Principal, task_id: str, *, retrieve: bool) -> rq.TaskRequest:
+    return rq.lookup(Caller(owner), task_id, retrieve=retrieve)
+
+
+def finish(task: Task, owner: str, outcome: Outcome) -> rq.FinishRequest:
+    return rq.FinishRequest.of(task.tenant_id, task.task_id, task.subject, owner, outcome)
+
+
 class Recorded:
-    """The batch functions as the service wires them, on a real database, recording batch sizes."""
+    """The batch statement as the service wires it, on a real database, recording batch sizes."""
 
     def __init__(self, db: Database) -> None:
-        self.db = db
+        self.store = TaskStore(db)
         self.sizes: list[int] = []
 
-    async def many(self, items: list[repo.BatchItem]) -> list[Task | None]:
+    async def many(self, items: list[rq.TaskRequest]) -> list[Task | None]:
         self.sizes.append(len(items))
-        async with self.db.connection() as conn:
-            return await repo.run_batch(conn, items)
-
-    async def one(self, item: repo.BatchItem) -> Task | None:
-        async with self.db.connection() as conn:
-            return await repo.run_item(conn, item)
+        return await self.store.run(items)
 
 
 async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Database) -> None:
     """Items of several tenants in one statement: each sees only its own tasks, as alone."""
     calls = Recorded(app_db)
-    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    batcher = Batcher(calls.many, name="test")
     before = fallbacks("test")
     alice, bob, mallory = principal("acme", "alice"), principal("acme", "bob"), principal("globex", "alice")
     made = await asyncio.gather(*(batcher.submit(create(p)) for p in (alice, bob, mallory)))
@@ -95,21 +102,21 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
     assert (alice_task.tenant_id, alice_task.subject) == ("acme", "alice")
     task_id = alice_task.task_id
     lookups = [
-        repo.lookup_item(alice, task_id, retrieve=False),
-        repo.lookup_item(bob, task_id, retrieve=False),  # same tenant, another subject
-        repo.lookup_item(mallory, task_id, retrieve=True),  # another tenant, same subject name
-        repo.lookup_item(alice, task_id, retrieve=True),
+        lookup(alice, task_id, retrieve=False),
+        lookup(bob, task_id, retrieve=False),  # same tenant, another subject
+        lookup(mallory, task_id, retrieve=True),  # another tenant, same subject name
+        lookup(alice, task_id, retrieve=True),
     ]
     found = await asyncio.gather(*(batcher.submit(item) for item in lookups))
     assert calls.sizes == [3, 4]
     assert [t.task_id if t else None for t in found] == [task_id, None, None, task_id]
     # The same id in another tenant (ids are unique per tenant only): each tenant sees its own.
-    twin = create(mallory) | {"task_id": task_id}
+    twin = dataclasses.replace(create(mallory), task_id=task_id)
     theirs = await batcher.submit(twin)
     assert theirs is not None
     both = await asyncio.gather(
-        batcher.submit(repo.lookup_item(alice, task_id, retrieve=True)),
-        batcher.submit(repo.lookup_item(mallory, task_id, retrieve=True)),
+        batcher.submit(lookup(alice, task_id, retrieve=True)),
+        batcher.submit(lookup(mallory, task_id, retrieve=True)),
     )
     assert [(t.tenant_id, t.subject) if t else None for t in both] == [("acme", "alice"), ("globex", "alice")]
     assert fallbacks("test") == before  # every answer came from the batch statement itself
@@ -118,23 +125,23 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
 async def test_a_bad_item_fails_alone_and_the_rest_of_its_batch_is_created(app_db: Database, database_url: str) -> None:
     """Text PostgreSQL cannot store fails the whole statement; each item is then tried alone."""
     calls = Recorded(app_db)
-    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    batcher = Batcher(calls.many, name="test")
     owner = principal("acme", "alice")
     items = [create(owner, text="ok-1"), create(owner, text="bad\u0000"), create(owner, text="ok-2")]
     before = fallbacks("test")
     outcomes = await asyncio.gather(*(batcher.submit(item) for item in items), return_exceptions=True)
-    assert calls.sizes == [3]
+    assert calls.sizes == [3, 1, 1, 1]  # refused whole, then each item as a batch of one
     assert fallbacks("test") == before + 1
     assert isinstance(outcomes[1], InvalidArguments)
     assert [o.arguments["text"] for o in (outcomes[0], outcomes[2]) if isinstance(o, Task)] == ["ok-1", "ok-2"]
     rows = await audit_rows(database_url, "acme")
-    assert sorted(e["task_id"] for e in rows) == sorted([items[0]["task_id"], items[2]["task_id"]])
+    assert sorted(e["task_id"] for e in rows) == sorted([items[0].task_id, items[2].task_id])
     assert_linked_without_gaps(rows)
 
 
 async def test_caps_count_the_creates_ahead_in_the_same_batch_T_SEC_7(app_db: Database) -> None:
     calls = Recorded(app_db)
-    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    batcher = Batcher(calls.many, name="test")
     owner = principal("acme", "alice")
     before = fallbacks("test")
     made = await asyncio.gather(*(batcher.submit(create(owner, max_per_requestor=2)) for _ in range(5)))
@@ -147,21 +154,19 @@ async def test_finishes_in_one_batch_record_only_leases_still_held_T_SEC_10(
     app_db: Database, database_url: str
 ) -> None:
     owner = principal("acme", "alice")
-    leased = [create(owner) | {"lease_owner": "runner-1", "lease_key": 1, "lease_ms": 60_000} for _ in range(3)]
-    async with app_db.connection() as conn:
-        tasks = [t for t in await repo.run_batch(conn, leased) if t is not None]
+    leased = [leased_create(owner) for _ in range(3)]
+    tasks = [t for t in await TaskStore(app_db).run(leased) if t is not None]
     assert len(tasks) == 3
     outcome = Outcome(OutcomeKind.RESULT, {"content": [], "isError": False})
     items = [
-        repo.finish_item(tasks[0], "runner-1", outcome, {"kind": "result"}),
-        repo.finish_item(tasks[1], "runner-2", outcome, {"kind": "result"}),  # not its lease
-        repo.finish_item(tasks[2], "runner-1", outcome, {"kind": "result"}),
+        finish(tasks[0], "runner-1", outcome),
+        finish(tasks[1], "runner-2", outcome),  # not its lease
+        finish(tasks[2], "runner-1", outcome),
     ]
     runner_db = Database(database_url, pool_size=1, role=RUNNER_ROLE)
     await runner_db.open()
     try:
-        async with runner_db.connection() as conn:
-            done = await repo.finish_batch(conn, items)
+        done = await RunnerStore(runner_db).finish(items)
     finally:
         await runner_db.close()
     assert [t.status.value if t else None for t in done] == ["completed", None, "completed"]
@@ -224,12 +229,12 @@ async def test_concurrent_lifecycles_of_many_tenants_share_commits_and_keep_thei
 async def test_a_request_whose_waiter_went_away_is_not_sent(app_db: Database) -> None:
     """A cancelled tasks/result must not be audited as a hand-out nobody received."""
     calls = Recorded(app_db)
-    batcher = Batcher(calls.many, calls.one, order=repo.batch_order, name="test")
+    batcher = Batcher(calls.many, name="test")
     owner = principal("acme", "alice")
     task = await batcher.submit(create(owner))
     assert task is not None
-    gone = batcher.enqueue(repo.lookup_item(owner, task.task_id, retrieve=True))
-    kept = batcher.enqueue(repo.lookup_item(owner, task.task_id, retrieve=False))
+    gone = batcher.enqueue(lookup(owner, task.task_id, retrieve=True))
+    kept = batcher.enqueue(lookup(owner, task.task_id, retrieve=False))
     gone.cancel()
     assert (await kept) is not None
     assert calls.sizes == [1, 1]
@@ -241,11 +246,12 @@ async def test_a_batch_cut_off_by_shutdown_answers_every_waiter(app_db: Database
     gate = asyncio.Event()
     calls = Recorded(app_db)
 
-    async def held_one(item: repo.BatchItem) -> Task | None:
-        await gate.wait()  # never set: the shutdown comes first
-        return await calls.one(item)
+    async def held_after_first(items: list[rq.TaskRequest]) -> list[Task | None]:
+        if calls.sizes:  # the item-by-item answers: held until the shutdown comes
+            await gate.wait()  # never set
+        return await calls.many(items)
 
-    batcher = Batcher(calls.many, held_one, order=repo.batch_order, name="test")
+    batcher = Batcher(held_after_first, name="test")
     owner = principal("acme", "alice")
     # PostgreSQL refuses the whole batch (text it cannot store), so it goes item by item.
     before = fallbacks("test")
@@ -265,11 +271,10 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
     """A cancel locks its task's row, then its requestor's counter. A finish batch that changed one
     task (locking the counter) and then waited for the cancelled task's row would close a cycle."""
     owner = principal("acme", "alice")
-    leased = [create(owner) | {"lease_owner": "runner-1", "lease_key": 1, "lease_ms": 60_000} for _ in range(2)]
-    async with app_db.connection() as conn:
-        tasks = sorted((t for t in await repo.run_batch(conn, leased) if t is not None), key=lambda t: t.task_id)
+    leased = [leased_create(owner) for _ in range(2)]
+    tasks = sorted((t for t in await TaskStore(app_db).run(leased) if t is not None), key=lambda t: t.task_id)
     outcome = Outcome(OutcomeKind.RESULT, {"content": [], "isError": False})
-    items = [repo.finish_item(t, "runner-1", outcome, {"kind": "result"}) for t in tasks]
+    items = [finish(t, "runner-1", outcome) for t in tasks]
     blocker = await asyncpg.connect(database_url)
     runner_db = Database(database_url, pool_size=1, role=RUNNER_ROLE)
     await runner_db.open()
@@ -278,11 +283,7 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
             # The second task's row is held, as by a cancel in progress.
             await blocker.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", tasks[1].task_id)
 
-            async def finish() -> list[Task | None]:
-                async with runner_db.connection() as conn:
-                    return await repo.finish_batch(conn, items)
-
-            finishing = asyncio.create_task(finish())
+            finishing = asyncio.create_task(RunnerStore(runner_db).finish(items))
             probe = await asyncpg.connect(database_url)
             try:
                 async with asyncio.timeout(10):

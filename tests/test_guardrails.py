@@ -243,8 +243,8 @@ async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: h
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("mcp_tasks_tasks_created_total", tool="echo", tenant="") == 1
-    assert delta("mcp_tasks_tasks_finished_total", tool="echo", status="completed", tenant="") == 1
-    assert delta("mcp_tasks_tasks_finished_total", tool="hang", status="cancelled", tenant="") == 1
+    assert delta("mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result", tenant="") == 1
+    assert delta("mcp_tasks_tasks_finished_total", tool="hang", status="cancelled", outcome="cancelled", tenant="") == 1
     assert delta("mcp_tasks_cap_refusals_total", scope="requestor") == 1
     assert delta("mcp_tasks_requests_total", method="tasks/get", outcome="error") == 1
     assert delta("mcp_tasks_requests_total", method="tasks/result", outcome="ok") == 1
@@ -311,7 +311,9 @@ async def test_metrics_of_several_processes_add_up_in_multiprocess_mode(
         r = await http.get(url.removesuffix("/mcp") + "/metrics")
     m = scrape(r.text)
     assert value(m, "mcp_tasks_tasks_created_total", tool="echo", tenant="") == 3  # counted by the front end
-    assert value(m, "mcp_tasks_tasks_finished_total", tool="echo", status="completed", tenant="") == 3  # by the worker
+    assert (
+        value(m, "mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result", tenant="") == 3
+    )  # by the worker
 
 
 async def test_counters_sum_a_statement_that_changes_many_tasks_of_many_requestors(database_url: str) -> None:

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-# The reserved _meta key that ties a message to its task (T-ASSOC-1).
-RELATED_TASK = "io.modelcontextprotocol/related-task"
-
 
 class TaskStatus(enum.StrEnum):
+    """The stored status. A finished call is ``completed`` whatever its result says (a tool error
+    is a result too) and ``failed`` only when the call itself failed; each wire renders it."""
+
     WORKING = "working"
     INPUT_REQUIRED = "input_required"
     COMPLETED = "completed"
@@ -25,35 +25,75 @@ class TaskStatus(enum.StrEnum):
 
 
 TERMINAL_STATUSES = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED})
+ACTIVE_STATUSES = frozenset({TaskStatus.WORKING, TaskStatus.INPUT_REQUIRED})
 
 
 class OutcomeKind(enum.StrEnum):
-    """How the underlying request ended, independent of any wire surface."""
+    """How the underlying call ended, independent of any wire."""
 
-    RESULT = "result"  # a CallToolResult without isError
-    TOOL_ERROR = "tool_error"  # a CallToolResult with isError: true
-    RPC_ERROR = "rpc_error"  # a JSON-RPC error {code, message, data?}
+    RESULT = "result"  # the tool returned a result
+    TOOL_ERROR = "tool_error"  # the tool returned a result that reports an error
+    FAILURE = "failure"  # the call failed: no result (see FailureReason)
+
+
+class FailureReason(enum.StrEnum):
+    """Why a call failed; the edge picks the error code for each (a tool may name its own)."""
+
+    TOOL = "tool"  # the tool ended the call with a failure of its own
+    INTERNAL = "internal"  # the tool raised something unexpected
+    UNKNOWN_TOOL = "unknown_tool"  # no tool of that name (here)
+    INVALID_INPUT = "invalid_input"  # the client's answer to a question was not usable
+    RUNNER_STOPPED = "runner_stopped"  # the process running it stopped and it may not run again
+    UNSTORABLE = "unstorable"  # the result could not be stored
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    """A finished call. ``payload`` is the result for RESULT and TOOL_ERROR, and
+    ``{"reason", "message", "code"?, "data"?}`` for FAILURE."""
+
     kind: OutcomeKind
     payload: dict[str, Any]
 
+    @classmethod
+    def failure(cls, reason: FailureReason, message: str, *, code: int | None = None, data: Any = None) -> Outcome:
+        payload: dict[str, Any] = {"reason": reason.value, "message": message}
+        if code is not None:
+            payload["code"] = code
+        if data is not None:
+            payload["data"] = data
+        return cls(OutcomeKind.FAILURE, payload)
+
     @property
     def status(self) -> TaskStatus:
-        """The 2025-11-25 status this outcome gives a task (T-STATE-5, T-STATE-7)."""
-        return TaskStatus.COMPLETED if self.kind is OutcomeKind.RESULT else TaskStatus.FAILED
+        """The stored status of a task that ends so: only a failed call is ``failed``."""
+        return TaskStatus.FAILED if self.kind is OutcomeKind.FAILURE else TaskStatus.COMPLETED
+
+    @property
+    def failure_reason(self) -> FailureReason | None:
+        if self.kind is not OutcomeKind.FAILURE:
+            return None
+        try:
+            return FailureReason(self.payload.get("reason", FailureReason.INTERNAL.value))
+        except ValueError:
+            return FailureReason.INTERNAL
 
     @property
     def status_message(self) -> str | None:
-        if self.kind is OutcomeKind.RPC_ERROR:
+        if self.kind is OutcomeKind.FAILURE:
             return str(self.payload.get("message", "the tool failed"))
         if self.kind is OutcomeKind.TOOL_ERROR:
             texts = [c.get("text", "") for c in self.payload.get("content", []) if isinstance(c, dict)]
             text = " ".join(t for t in texts if t)
             return text[:500] or "the tool reported an error"
         return None
+
+
+class Surface(enum.StrEnum):
+    """The wire a task was created through (it decides who may see it, XD-3)."""
+
+    LEGACY = "2025-11-25"
+    EXTENSION = "2026-07-28"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +116,7 @@ class Task:
     attempts: int = 0
     client_id: str = ""
     issuer: str = ""
+    surface: str = Surface.LEGACY.value
 
 
 def new_task_id() -> str:

@@ -4,55 +4,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import Callable
 from typing import Any
 
-from service.mcp import jsonrpc
+from service.domain.events import InputRequested, TaskEvent
+from service.domain.inputs import InputResponse, PendingInput
+from service.domain.task import FailureReason
 from service.tasks.signals import Signals
-from service.tools.api import ElicitAnswer, RpcError
-from service.tools.execute import parse_elicit_answer, parse_sample_answer, require_capability
+from service.tools.context import ToolContextBase
+from service.tools.execute import refused
 
 # A plain call that asked the client for input gives up after this long without an answer.
 PLAIN_INPUT_TIMEOUT_S = 600.0
 
 CallKey = tuple[str, str, str]  # (tenant, session, repr of the request id)
-AnswerKey = tuple[str, str, str]  # (tenant, subject, our request id): T-INPUT-7
-# RFC 5424 severities, lowest first (LoggingLevel in the schema).
-LOG_LEVELS = (
-    "debug",
-    "info",
-    "notice",
-    "warning",
-    "error",
-    "critical",
-    "alert",
-    "emergency",
-)  # (tenant, session, request id as JSON)
+AnswerKey = tuple[str, str, str]  # (tenant, subject, question key): T-INPUT-7
 
 
 class Inflight:
-    """Plain calls running in this process, and their outstanding requests to the client."""
+    """Plain calls running in this process, and their outstanding questions to the client."""
 
-    def __init__(self, signals: Signals) -> None:
+    def __init__(self, signals: Signals, *, input_timeout_s: float = PLAIN_INPUT_TIMEOUT_S) -> None:
         self.signals = signals
+        self.input_timeout_s = input_timeout_s
         # Requests in flight here that notifications/cancelled may stop: key -> how to stop it.
         self.calls: dict[CallKey, Callable[[], object]] = {}
-        self.pending: dict[AnswerKey, asyncio.Future[dict[str, Any]]] = {}
-        signals.listen(self._on_signal)
+        self.pending: dict[AnswerKey, asyncio.Future[InputResponse]] = {}
+        signals.listen(
+            lambda tenant, subject, key, response: self.resolve_local((tenant, subject, key), response),
+            lambda tenant, session, request: self.cancel_local((tenant, session, request)),
+        )
 
-    def _on_signal(self, kind: str, event: dict[str, Any]) -> None:
-        tenant = str(event.get("t"))
-        if kind == "rpc_response":
-            self.resolve_local((tenant, str(event.get("sub")), str(event.get("rpc_id"))), event.get("answer") or {})
-        elif kind == "cancel_request":
-            self.cancel_local((tenant, str(event.get("s", "")), str(event.get("rid"))))
-
-    def resolve_local(self, key: AnswerKey, answer: dict[str, Any]) -> bool:
+    def resolve_local(self, key: AnswerKey, response: InputResponse) -> bool:
         fut = self.pending.get(key)
         if fut is None or fut.done():
             return False
-        fut.set_result(answer)
+        fut.set_result(response)
         return True
 
     def cancel_local(self, key: CallKey) -> bool:
@@ -62,24 +49,24 @@ class Inflight:
         stop()
         return True
 
-    async def answer(self, tenant: str, subject: str, rpc_id: str, answer: dict[str, Any]) -> None:
-        if not self.resolve_local((tenant, subject, rpc_id), answer):
-            await self.signals.publish("rpc_response", tenant, sub=subject, rpc_id=rpc_id, answer=answer)
+    async def answer(self, tenant: str, subject: str, key: str, response: InputResponse) -> None:
+        if not self.resolve_local((tenant, subject, key), response):
+            await self.signals.answer(tenant, subject, key, response)
 
     async def cancel(self, key: CallKey) -> None:
         """C-4: stop a plain request, here or on whichever replica runs it."""
         if not self.cancel_local(key):
-            await self.signals.publish("cancel_request", key[0], s=key[1], rid=key[2])
+            await self.signals.cancel(*key)
 
 
-class Outbox(asyncio.Queue[dict[str, Any]]):
-    """The messages a plain call's tool sends before its result; ``first`` resolves on the first."""
+class Outbox(asyncio.Queue[TaskEvent]):
+    """The events a plain call's tool sends before its result; ``first`` resolves on the first."""
 
     def __init__(self) -> None:
         super().__init__()
         self.first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def put_nowait(self, item: dict[str, Any]) -> None:
+    def put_nowait(self, item: TaskEvent) -> None:
         super().put_nowait(item)
         self.wake()
 
@@ -89,76 +76,43 @@ class Outbox(asyncio.Queue[dict[str, Any]]):
 
 
 async def first_of(job: asyncio.Task[Any], outbox: Outbox) -> None:
-    """Wait until the job ends or sends its first message: plain futures, no helper task."""
+    """Wait until the job ends or sends its first event: plain futures, no helper task."""
     if job.done() or outbox.first.done():
         return
     job.add_done_callback(outbox.wake)
     await outbox.first
 
 
-class PlainCallContext:
-    """A tool running inside its own tools/call request: messages go on that request's stream."""
+class PlainCallContext(ToolContextBase):
+    """A tool running inside its own tools/call request: its events go on that request's stream."""
 
     def __init__(
         self,
         inflight: Inflight,
         owner: tuple[str, str],
-        outbox: asyncio.Queue[dict[str, Any]],
+        outbox: Outbox,
         *,
         progress_token: str | int | None,
         client_capabilities: dict[str, Any],
-        log_level: str | None = None,
     ) -> None:
+        super().__init__(task_id=None, progress_token=progress_token, client_capabilities=client_capabilities)
         self._inflight = inflight
         self._owner = owner
         self._outbox = outbox
-        self._token = progress_token
-        self._caps = client_capabilities
-        self._min_log = LOG_LEVELS.index(log_level) if log_level in LOG_LEVELS else 0
-        self._last_progress: float | None = None
 
-    @property
-    def task_id(self) -> str | None:
-        return None
+    async def _emit(self, event: TaskEvent) -> None:
+        self._outbox.put_nowait(event)
 
-    async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
-        if self._token is None or (self._last_progress is not None and progress <= self._last_progress):
-            return
-        self._last_progress = progress
-        params: dict[str, Any] = {"progressToken": self._token, "progress": progress}
-        if total is not None:
-            params["total"] = total
-        if message is not None:
-            params["message"] = message
-        self._outbox.put_nowait(jsonrpc.notification("notifications/progress", params))
-
-    async def log(self, level: str, data: Any, logger: str | None = None) -> None:
-        if level not in LOG_LEVELS or LOG_LEVELS.index(level) < self._min_log:
-            return
-        params: dict[str, Any] = {"level": level, "data": data}
-        if logger:
-            params["logger"] = logger
-        self._outbox.put_nowait(jsonrpc.notification("notifications/message", params))
-
-    async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer:
-        params = {"mode": "form", "message": message, "requestedSchema": requested_schema}
-        return parse_elicit_answer(await self._ask("elicitation/create", params, needs="elicitation"))
-
-    async def sample(self, params: dict[str, Any]) -> dict[str, Any]:
-        return parse_sample_answer(await self._ask("sampling/createMessage", params, needs="sampling"))
-
-    async def _ask(self, method: str, params: dict[str, Any], *, needs: str) -> dict[str, Any]:
-        require_capability(self._caps, needs)
-        rpc_id = f"req-{secrets.token_urlsafe(12)}"
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        key = (*self._owner, rpc_id)
+    async def _ask(self, question: PendingInput) -> InputResponse:
+        fut: asyncio.Future[InputResponse] = asyncio.get_running_loop().create_future()
+        key = (*self._owner, question.key)
         self._inflight.pending[key] = fut
         try:
-            self._outbox.put_nowait(jsonrpc.request(rpc_id, method, params))
+            self._outbox.put_nowait(InputRequested(None, question))
             try:
-                return await asyncio.wait_for(fut, timeout=PLAIN_INPUT_TIMEOUT_S)
+                return await asyncio.wait_for(fut, timeout=self._inflight.input_timeout_s)
             except TimeoutError:
-                raise RpcError(-32603, f"no answer from the client to {method} in time") from None
+                raise refused(FailureReason.INTERNAL, "no answer from the client in time") from None
         finally:
             self._inflight.pending.pop(key, None)
             if not fut.done():

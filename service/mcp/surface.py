@@ -10,16 +10,17 @@ from typing import Any
 
 from service import __version__
 from service.domain.errors import CapacityExceeded, DomainError, InvalidArguments, TaskNotFound
+from service.domain.events import LOG_LEVELS, Finished, TaskEvent
 from service.domain.principal import Caller, Principal
 from service.guard.ratelimit import RateLimiter
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
-from service.mcp.plain import LOG_LEVELS, CallKey, Inflight, Outbox, PlainCallContext, first_of
-from service.mcp.wire import outcome_result, related, task_result, task_to_wire
+from service.mcp.plain import CallKey, Inflight, Outbox, PlainCallContext, first_of
+from service.mcp.wire import event_message, outcome_result, related, task_result, task_to_wire
 from service.observability import metrics
 from service.tasks.audit import AuditLog
-from service.tasks.service import ClientRequest, Finished, FollowEvent, Notice, StatusChanged, TaskService
+from service.tasks.service import TaskService
 from service.tasks.sessions import Session, SessionService
 from service.tools.execute import run_tool
 from service.tools.registry import Registry
@@ -233,7 +234,6 @@ class Surface:
                 session_id=call.session.session_id if call.session else None,
                 client_capabilities=caps,
             )
-            metrics.tasks_created.labels(task.tool, metrics.tenant(task.tenant_id)).inc()
             # D-5: the CreateTaskResult carries related-task metadata.
             return {"task": task_to_wire(task), "_meta": related(task.task_id)}
         # Sessions below 2025-11-25 cannot augment, so taskSupport does not bind them.
@@ -251,7 +251,6 @@ class Surface:
             outbox,
             progress_token=token,
             client_capabilities=caps,
-            log_level=call.session.log_level if call.session else None,
         )
         job = asyncio.create_task(run_tool(self.registry, name, arguments, ctx))
         key = call.cancel_key
@@ -263,6 +262,7 @@ class Surface:
                 return Streamed(_nothing())
             return outcome_result(job.result())
         first = asyncio.ensure_future(outbox.get())
+        log_level = call.session.log_level if call.session else None
 
         async def stream() -> AsyncIterator[dict[str, Any]]:
             pending: set[asyncio.Future[Any]] = {first, job}
@@ -271,13 +271,15 @@ class Surface:
                 while True:
                     done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     if getter in done:
-                        yield getter.result()
+                        if (message := event_message(getter.result(), None, log_level)) is not None:
+                            yield message
                         pending.discard(getter)
                         getter = asyncio.ensure_future(outbox.get())
                         pending.add(getter)
                         continue
                     while not outbox.empty():
-                        yield outbox.get_nowait()
+                        if (message := event_message(outbox.get_nowait(), None, log_level)) is not None:
+                            yield message
                     if job.cancelled():
                         return  # C-4: a cancelled request gets no response
                     try:
@@ -296,15 +298,13 @@ class Surface:
         return task_to_wire(await self.tasks.get(call.caller, _str_param(call.params, "taskId")))
 
     async def tasks_cancel(self, call: Call) -> Reply:
-        task = await self.tasks.cancel(call.caller, _str_param(call.params, "taskId"))
-        metrics.tasks_finished.labels(task.tool, "cancelled", metrics.tenant(task.tenant_id)).inc()
-        return task_to_wire(task)
+        return task_to_wire(await self.tasks.cancel(call.caller, _str_param(call.params, "taskId")))
 
     async def tasks_list(self, call: Call) -> Reply:
         cursor = call.params.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
             raise RpcFailure(INVALID_PARAMS, "params.cursor must be a string")
-        tasks, next_cursor = await self.tasks.list(call.caller, cursor)
+        tasks, next_cursor = await self.tasks.list_page(call.caller, cursor)
         out: dict[str, Any] = {"tasks": [task_to_wire(t) for t in tasks]}
         if next_cursor:
             out["nextCursor"] = next_cursor
@@ -319,7 +319,7 @@ class Surface:
             return task_result(task)
         # Like a plain call: answer JSON if the task ends before there is anything to stream.
         events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s)
-        first: asyncio.Task[FollowEvent] = asyncio.ensure_future(anext(events))
+        first: asyncio.Task[TaskEvent] = asyncio.ensure_future(anext(events))
         key = call.cancel_key
         stop = first.cancel
         self.inflight.calls[key] = stop  # notifications/cancelled during the wait (C-4)
@@ -345,14 +345,16 @@ class Surface:
         return Streamed(self._follow(call, first, events), cancel_key=key)
 
     async def _follow(
-        self, call: Call, first: asyncio.Task[FollowEvent], events: AsyncIterator[FollowEvent]
+        self, call: Call, first: asyncio.Task[TaskEvent], events: AsyncIterator[TaskEvent]
     ) -> AsyncIterator[dict[str, Any]]:
         try:
             event = await first
-            yield self.follow_message(call, event)
+            if (message := self.follow_message(call, event)) is not None:
+                yield message
             if not isinstance(event, Finished):
                 async for event in events:
-                    yield self.follow_message(call, event)
+                    if (message := self.follow_message(call, event)) is not None:
+                        yield message
         except DomainError as exc:
             yield jsonrpc.error_message(call.request_id, to_rpc(exc).error_object())
         finally:
@@ -362,18 +364,8 @@ class Surface:
             await events.aclose()  # type: ignore[attr-defined]
 
     @staticmethod
-    def follow_message(call: Call, event: FollowEvent) -> dict[str, Any]:
-        if isinstance(event, ClientRequest):
-            return jsonrpc.request(event.rpc_id, event.method, event.params)
-        if isinstance(event, Notice):
-            return jsonrpc.notification(event.method, event.params)
-        if isinstance(event, StatusChanged):
-            return jsonrpc.notification("notifications/tasks/status", task_to_wire(event.task))
-        assert isinstance(event, Finished)
-        try:
-            return jsonrpc.result_message(call.request_id, task_result(event.task))
-        except RpcFailure as failure:
-            return jsonrpc.error_message(call.request_id, failure.error_object())
+    def follow_message(call: Call, event: TaskEvent) -> dict[str, Any] | None:
+        return event_message(event, call.request_id, call.session.log_level if call.session else None)
 
     # --- resources, prompts, completion (used by tool packs that define them) ----------------
 

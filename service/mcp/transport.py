@@ -18,7 +18,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.auth.base import Authenticator, AuthFailure
 from service.config import Settings, is_loopback_host
-from service.domain.errors import DomainError
+from service.domain.errors import DomainError, InvalidArguments
+from service.domain.inputs import InputResponse
 from service.domain.principal import Caller, Principal
 from service.guard.ratelimit import RateLimited, RateLimiter
 from service.mcp import jsonrpc
@@ -424,10 +425,21 @@ class McpEndpoint:
         rpc_id = message["id"]
         if not jsonrpc.valid_id(rpc_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid response: id must be a string or an integer")
-        answer = {"result": message["result"]} if "result" in message else {"error": message["error"]}
-        rpc_key = str(rpc_id)
-        if not await self.tasks.answer(caller, rpc_key, answer):
-            await self.surface.inflight.answer(caller.principal.tenant_id, caller.principal.subject, rpc_key, answer)
+        if "result" in message:
+            result = message["result"]
+            response = InputResponse(result=result if isinstance(result, dict) else {})
+        else:
+            error = message["error"]
+            response = InputResponse(error=error if isinstance(error, dict) else {})
+        key = str(rpc_id)
+        try:
+            answered = await self.tasks.answer(caller, None, {key: response})
+        except InvalidArguments as exc:
+            # Not a usable answer to the question: the tool gets it as the client's error.
+            refusal = {"code": INVALID_PARAMS, "message": f"invalid answer: {exc.message}"}
+            answered = await self.tasks.answer(caller, None, {key: InputResponse(error=refusal)})
+        if not answered:
+            await self.surface.inflight.answer(caller.principal.tenant_id, caller.principal.subject, key, response)
         await send_json(send, 202, None)
 
     # --- GET and DELETE ------------------------------------------------------------------------
@@ -443,7 +455,8 @@ class McpEndpoint:
 
             async def messages() -> Any:
                 async for event in events:
-                    yield Surface.follow_message(call, event)
+                    if (message := Surface.follow_message(call, event)) is not None:
+                        yield message
 
             await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
 

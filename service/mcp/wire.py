@@ -1,12 +1,40 @@
-"""2025-11-25 wire shapes of tasks and their outcomes."""
+"""2025-11-25 wire shapes of tasks, their outcomes, events and questions."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
-from service.domain.task import RELATED_TASK, Outcome, OutcomeKind, Task, TaskStatus
-from service.mcp.jsonrpc import INVALID_PARAMS, RpcFailure
+from service.domain.events import (
+    Finished,
+    InputRequested,
+    InputVoided,
+    LogEntry,
+    Progress,
+    StatusChanged,
+    TaskEvent,
+    log_wanted,
+)
+from service.domain.inputs import InputKind, PendingInput
+from service.domain.task import FailureReason, Outcome, OutcomeKind, Task, TaskStatus
+from service.mcp import jsonrpc
+from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, RpcFailure
+
+# The reserved _meta key that ties a message to its task (T-ASSOC-1).
+RELATED_TASK: Final = "io.modelcontextprotocol/related-task"
+
+# The request method of each kind of question.
+INPUT_METHODS: Final = {
+    InputKind.ELICITATION: "elicitation/create",
+    InputKind.SAMPLING: "sampling/createMessage",
+    InputKind.ROOTS: "roots/list",
+}
+
+# The JSON-RPC code of each failure the service itself reports (a tool may name its own).
+_FAILURE_CODES: Final = {
+    FailureReason.UNKNOWN_TOOL: INVALID_PARAMS,
+    FailureReason.INVALID_INPUT: INVALID_PARAMS,
+}
 
 
 def iso(ts: datetime) -> str:
@@ -14,11 +42,30 @@ def iso(ts: datetime) -> str:
     return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def error_object(outcome: Outcome) -> dict[str, Any]:
+    """The JSON-RPC error object of a failed call (both wires: replayed, or the extension's ``error``)."""
+    p = outcome.payload
+    code = p.get("code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        code = _FAILURE_CODES.get(outcome.failure_reason or FailureReason.INTERNAL, INTERNAL_ERROR)
+    error: dict[str, Any] = {"code": code, "message": str(p.get("message", ""))}
+    if p.get("data") is not None:
+        error["data"] = p["data"]
+    return error
+
+
+def legacy_status(task: Task) -> TaskStatus:
+    """T-STATE-7: on 2025-11-25 a result with isError: true ends the task as failed."""
+    if task.outcome is not None and task.outcome.kind is OutcomeKind.TOOL_ERROR:
+        return TaskStatus.FAILED
+    return task.status
+
+
 def task_to_wire(task: Task) -> dict[str, Any]:
     """The Task object (T-CREATE-6, T-TTL-1/2/4, D-11: ttl is always an integer)."""
     out: dict[str, Any] = {
         "taskId": task.task_id,
-        "status": task.status.value,
+        "status": legacy_status(task).value,
         "createdAt": iso(task.created_at),
         "lastUpdatedAt": iso(task.last_updated_at),
         "ttl": task.ttl_ms,
@@ -34,20 +81,65 @@ def related(task_id: str) -> dict[str, Any]:
 
 
 def outcome_result(outcome: Outcome) -> dict[str, Any]:
-    """The CallToolResult of an outcome; a JSON-RPC error outcome is raised as stored (T-RES-4, D-2)."""
-    if outcome.kind is OutcomeKind.RPC_ERROR:
-        p = outcome.payload
-        raise RpcFailure(int(p.get("code", -32603)), str(p.get("message", "")), p.get("data"))
+    """The CallToolResult of an outcome; a failed call is raised as its JSON-RPC error (T-RES-4, D-2)."""
+    if outcome.kind is OutcomeKind.FAILURE:
+        error = error_object(outcome)
+        raise RpcFailure(error["code"], error["message"], error.get("data"))
     return dict(outcome.payload)
 
 
 def task_result(task: Task) -> dict[str, Any]:
     """What tasks/result answers for a terminal task (T-RES-2/4/5/6, D-1).
 
-    Raises RpcFailure for a JSON-RPC error outcome and for a cancelled task.
+    Raises RpcFailure for a failed call and for a cancelled task.
     """
     if task.status is TaskStatus.CANCELLED or task.outcome is None:
         raise RpcFailure(INVALID_PARAMS, "Task was cancelled", {"taskId": task.task_id, "status": task.status.value})
     result = outcome_result(task.outcome)
     result["_meta"] = {**(result.get("_meta") or {}), **related(task.task_id)}
     return result
+
+
+def input_request(question: PendingInput, task_id: str | None) -> dict[str, Any]:
+    """A question as a server-to-client JSON-RPC request; its id is the question's key (T-INPUT-5)."""
+    params = dict(question.params)
+    if task_id is not None:
+        params["_meta"] = related(task_id)
+    return jsonrpc.request(question.key, INPUT_METHODS[question.kind], params)
+
+
+def event_message(
+    event: TaskEvent, request_id: jsonrpc.RequestId | None, log_level: str | None
+) -> dict[str, Any] | None:
+    """A task event as the message a 2025-11-25 stream carries (None: nothing to send)."""
+    if isinstance(event, InputRequested):
+        return input_request(event.input, event.task_id)
+    if isinstance(event, Progress):
+        params: dict[str, Any] = {"progressToken": event.token, "progress": event.progress}
+        if event.total is not None:
+            params["total"] = event.total
+        if event.message is not None:
+            params["message"] = event.message
+        if event.task_id is not None:
+            params["_meta"] = related(event.task_id)
+        return jsonrpc.notification("notifications/progress", params)
+    if isinstance(event, LogEntry):
+        if not log_wanted(event.level, log_level):
+            return None
+        params = {"level": event.level, "data": event.data}
+        if event.logger:
+            params["logger"] = event.logger
+        if event.task_id is not None:
+            params["_meta"] = related(event.task_id)
+        return jsonrpc.notification("notifications/message", params)
+    if isinstance(event, InputVoided):
+        params = {"requestId": event.key, "reason": event.reason, "_meta": related(event.task_id)}
+        return jsonrpc.notification("notifications/cancelled", params)
+    if isinstance(event, StatusChanged):
+        return jsonrpc.notification("notifications/tasks/status", task_to_wire(event.task))
+    assert isinstance(event, Finished)
+    assert request_id is not None
+    try:
+        return jsonrpc.result_message(request_id, task_result(event.task))
+    except RpcFailure as failure:
+        return jsonrpc.error_message(request_id, failure.error_object())

@@ -31,7 +31,9 @@ request_seconds = Histogram(
 )  # fmt: skip
 tasks_created = Counter("mcp_tasks_tasks_created_total", "Tasks created", ["tool", "tenant"])
 tasks_finished = Counter(
-    "mcp_tasks_tasks_finished_total", "Tasks that reached a terminal status", ["tool", "status", "tenant"]
+    "mcp_tasks_tasks_finished_total",
+    "Tasks that reached a terminal status: stored status and outcome (result, tool_error, failure, cancelled)",
+    ["tool", "status", "outcome", "tenant"],
 )
 tasks_active = Gauge(
     "mcp_tasks_tasks_active", "Non-terminal tasks by status (cluster-wide)", ["status"], multiprocess_mode="max"

@@ -8,16 +8,16 @@ import logging
 
 from service.domain.errors import Unavailable
 from service.observability import metrics
-from service.store import repository as repo
+from service.runtime.handback import hand_back
 from service.store.db import Database
-from service.store.events import notify
-from service.tools.execute import runner_stopped_error
+from service.store.repository import RunnerStore
 from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3
 BATCH = 500
+# Events sent by reference are read at once by every listener; their payloads go after this.
+EVENT_PAYLOAD_MAX_AGE_MS = 60_000
 
 
 class Maintenance:
@@ -30,7 +30,7 @@ class Maintenance:
         session_idle_ms: int,
         pools: dict[str, Database] | None = None,
     ) -> None:
-        self.db = db
+        self.store = RunnerStore(db)
         self.pools = pools or {"runner": db}
         self.registry = registry
         self.interval_s = interval_s
@@ -60,14 +60,11 @@ class Maintenance:
         await self.reap_lost_leases()
         await self.delete_expired()
         await self.observe()
-        async with self.db.connection() as conn:
-            await repo.delete_idle_sessions(conn, self.session_idle_ms)
-            await repo.drop_idle_counters(conn)
+        await self.store.tidy(self.session_idle_ms, EVENT_PAYLOAD_MAX_AGE_MS)
 
     async def observe(self) -> None:
         """Gauges read from the database and the pools (cluster-wide task counts; this process's pools)."""
-        async with self.db.connection() as conn:
-            counts = await repo.count_active_by_status(conn)
+        counts = await self.store.active_by_status()
         for status in ("working", "input_required"):
             metrics.tasks_active.labels(status).set(counts.get(status, 0))
         for name, db in self.pools.items():
@@ -76,49 +73,28 @@ class Maintenance:
             metrics.db_pool_connections.labels(name, "idle").set(size - in_use)
 
     async def reap_lost_leases(self) -> int:
-        count = 0
-        async with self.db.transaction() as conn:
-            # Lock order, the same as every other writer's: task rows and active-task counters in
-            # (tenant, subject) order first, then audit heads in tenant order (no deadlock).
-            lost = sorted(await repo.find_lost_leases(conn, BATCH), key=lambda r: (r["tenant_id"], r["subject"]))
-            failed, moved_all = [], []
-            for row in lost:
-                tenant, task_id, owner = row["tenant_id"], row["task_id"], row["lease_owner"]
-                spec = self.registry.tools.get(row["tool"])
-                rerun = spec is not None and spec.rerunnable and row["attempts"] < MAX_ATTEMPTS
-                metrics.lease_losses.labels("requeued" if rerun else "failed").inc()
-                if rerun:
-                    message = f"re-running: the previous runner stopped (attempt {row['attempts'] + 1})"
-                    moved = await repo.requeue_task(conn, tenant, task_id, owner, message)
-                else:
-                    moved = await repo.fail_lost_task(conn, tenant, task_id, owner, runner_stopped_error(row["tool"]))
-                    if moved is not None:
-                        failed.append(moved)
-                if moved is not None:
-                    moved_all.append((moved, rerun))
-            for task in sorted(failed, key=lambda t: t.tenant_id):
-                await repo.audit_task_event(conn, task, "complete", "failed", reason="runner_stopped")
-                metrics.tasks_finished.labels(task.tool, "failed", metrics.tenant(task.tenant_id)).inc()
-            for task, rerun in moved_all:
-                count += 1
-                if rerun:
-                    await notify(conn, {"k": "created", "t": task.tenant_id, "id": task.task_id})
-                await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
-        if count:
-            log.warning("reaped %d task(s) whose runner stopped", count)
-        return count
+        """Tasks whose runner died or lost its lease go back (re-run) or fail, as on shutdown."""
+        lost = await self.store.lost_leases(BATCH)
+        if not lost:
+            return 0
+        requests = sorted(
+            (
+                hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
+                          owner=t.owner, why="re-running: the previous runner stopped")
+                for t in lost
+            ),
+            key=lambda r: r.order,
+        )  # fmt: skip
+        moved = sum(1 for task in await self.store.release(requests) if task is not None)
+        if moved:
+            log.warning("reaped %d task(s) whose runner stopped", moved)
+        return moved
 
     async def delete_expired(self) -> int:
         """D-12: an expired task is deleted whatever its state; its runner is told to stop."""
         total = 0
         while True:
-            async with self.db.transaction() as conn:
-                rows = await repo.delete_expired_tasks(conn, BATCH)
-                for task in sorted(rows, key=lambda t: t.tenant_id):  # same lock order on every replica
-                    await repo.audit_task_event(conn, task, "expire", task.status.value)
-                    await notify(conn, {"k": "deleted", "t": task.tenant_id, "id": task.task_id})
-            total += len(rows)
-            metrics.sweeper_deleted.inc(len(rows))
-            if len(rows) < BATCH:
-                break
-        return total
+            deleted = await self.store.delete_expired(BATCH)
+            total += deleted
+            if deleted < BATCH:
+                return total

@@ -14,15 +14,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from service.domain.errors import Unavailable
-from service.domain.task import Outcome, Task
+from service.domain.task import FailureReason, Outcome, Task
 from service.observability import metrics
 from service.runtime.context import TaskRunContext
-from service.store import repository as repo
+from service.runtime.handback import hand_back
 from service.store.batch import Batcher
 from service.store.db import Database
-from service.store.events import Event, EventHub, notify
+from service.store.events import Event, EventHub, Resync, TaskCancelRequested, TaskCreated, TaskDeleted
 from service.store.liveness import LivenessLock
-from service.tools.execute import run_tool, runner_stopped_error
+from service.store.repository import RunnerStore
+from service.store.requests import FinishRequest, Lease, ReleaseRequest
+from service.tools.execute import run_tool
 from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class Runner:
         lease_ms: int,
         poll_s: float,
     ) -> None:
-        self.db = db
+        self.store = RunnerStore(db)
         self.hub = hub
         self.registry = registry
         self.concurrency = concurrency
@@ -61,19 +63,19 @@ class Runner:
         self._backlog = True
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._finishes = Batcher(self._finish_many, self._finish_one, order=repo.batch_order, name="finishes")
+        self._finishes = Batcher(self.store.finish, name="finishes")
 
     @property
     def busy(self) -> int:
         return len(self._running)
 
-    def reserve(self) -> tuple[str, int, int] | None:
-        """A free slot for a task this process is about to create: the lease to create it under
-        (owner, liveness key, ms), or None. The creator must call ``adopt`` either way."""
+    def reserve(self) -> Lease | None:
+        """A free slot for a task this process is about to create: the lease to create it under,
+        or None. The creator must call ``adopt`` either way."""
         if self._stopping or not self.liveness.held or self.busy + self._reserved >= self.concurrency:
             return None
         self._reserved += 1
-        return (self.owner, self.liveness.key, self.lease_ms)
+        return Lease(self.owner, self.liveness.key, self.lease_ms)
 
     def adopt(self, task: Task | None) -> None:
         """Run a task created under a reserved lease (None: a cap refused it, nothing was written)."""
@@ -83,7 +85,9 @@ class Runner:
                 self._wake.set()
             return
         if self._stopping:  # it never started: back to the queue, whatever its tool
-            self._background(self._requeue_unstarted(task.tenant_id, task.task_id))
+            self._background(
+                self._hand_back([task], "re-queued: the runner was shut down before it started", never_started=True)
+            )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
         self._start(task)
@@ -95,19 +99,11 @@ class Runner:
 
     async def _adopt_by_id(self, tenant_id: str, task_id: str) -> None:
         try:
-            async with self.db.connection() as conn:
-                task = await repo.get_leased_task(conn, tenant_id, task_id, self.owner)
+            task = await self.store.leased(tenant_id, task_id, self.owner)
         except Exception as exc:  # the lease lapses and the reaper takes the task over
             log.warning("could not look up task %s after a failed create: %s", task_id[:8], exc)
             task = None
         self.adopt(task)
-
-    async def _requeue_unstarted(self, tenant_id: str, task_id: str) -> None:
-        try:
-            async with self.db.connection() as conn:
-                await repo.requeue_task(conn, tenant_id, task_id, self.owner, "queued: the runner was shut down")
-        except Exception as exc:  # the reaper re-queues or fails it once our liveness lock is gone
-            log.warning("could not re-queue task %s on shutdown: %s", task_id[:8], exc)
 
     def _background(self, job: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(job)
@@ -146,11 +142,10 @@ class Runner:
         await self.liveness.release()
 
     def _on_event(self, event: Event) -> None:
-        kind = event.get("k")
-        if kind in ("created", "resync"):
+        if isinstance(event, TaskCreated | Resync):
             self._wake.set()
-        elif kind in ("cancel", "deleted"):
-            job = self._running.get((str(event.get("t")), str(event.get("id"))))
+        elif isinstance(event, TaskCancelRequested | TaskDeleted):
+            job = self._running.get((event.tenant_id, event.task_id))
             if job is not None:
                 job.cancel()
 
@@ -179,8 +174,7 @@ class Runner:
         want = min(free, CLAIM_BATCH)
         self._reserved += want  # creates meanwhile must not promise these slots too
         try:
-            async with self.db.connection() as conn:  # one statement: its own transaction
-                tasks = await repo.claim_tasks(conn, self.owner, self.liveness.key, self.lease_ms, want)
+            tasks = await self.store.claim(self.owner, self.liveness.key, self.lease_ms, want)
         finally:
             self._reserved -= want
         self._backlog = len(tasks) == want  # a full claim: there may be more
@@ -199,8 +193,7 @@ class Runner:
                 continue
             try:
                 await self.liveness.ensure()
-                async with self.db.connection() as conn:
-                    held = await repo.renew_leases(conn, self.owner, self.lease_ms, running)
+                held = await self.store.renew(self.owner, self.lease_ms, running)
             except Unavailable as exc:
                 log.warning("runner cannot renew leases: %s", exc)
                 continue
@@ -214,7 +207,7 @@ class Runner:
 
     async def _execute(self, task: Task) -> None:
         key = (task.tenant_id, task.task_id)
-        ctx = TaskRunContext(task, owner=self.owner, db=self.db, hub=self.hub, poll_s=self.poll_s)
+        ctx = TaskRunContext(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
         started = time.perf_counter()
         try:
             outcome = await run_tool(self.registry, task.tool, task.arguments, ctx)
@@ -222,7 +215,7 @@ class Runner:
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if self._stopping:
-                await self._hand_back(task)
+                await self._hand_back([task], "re-queued: the runner was shut down")
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
@@ -234,12 +227,12 @@ class Runner:
                 self._wake.set()
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
-        # Group commit (migration 0005): the outcome, its audit event and the status wake-up, in one
-        # statement with the outcomes of other tasks finishing meanwhile.
-        detail = {"kind": outcome.kind.value}
-        finishing = self._finishes.enqueue(repo.finish_item(task, self.owner, outcome, detail))
+        # Group commit: the outcome, its audit event and the status wake-up, in one statement with
+        # the outcomes of other tasks finishing meanwhile.
+        request = FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, outcome)
+        finishing = self._finishes.enqueue(request)
         try:
-            done = await asyncio.shield(finishing)
+            await asyncio.shield(finishing)
         except asyncio.CancelledError:
             # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
             # before anything else (a hand-back) touches the task, however often we are cancelled.
@@ -247,45 +240,27 @@ class Runner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(finishing)
             raise
-        if done is not None:
-            metrics.tasks_finished.labels(done.tool, done.status.value, metrics.tenant(done.tenant_id)).inc()
-
-    async def _finish_many(self, items: list[repo.BatchItem]) -> list[Task | None]:
-        async with self.db.connection() as conn:
-            return await repo.finish_batch(conn, items)
-
-    async def _finish_one(self, item: repo.BatchItem) -> Task | None:
-        async with self.db.connection() as conn:
-            return await repo.finish_one(conn, item)
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""
-        error = {"code": -32603, "message": f"the tool finished but its result could not be stored (reference {ref})"}
+        failure = Outcome.failure(
+            FailureReason.UNSTORABLE, f"the tool finished but its result could not be stored (reference {ref})"
+        )
         try:
-            async with self.db.transaction() as conn:
-                if failed := await repo.fail_lost_task(conn, task.tenant_id, task.task_id, self.owner, error):
-                    await repo.audit_task_event(conn, failed, "complete", "failed", reason="unstorable")
-                    await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
+            await self._finishes.submit(
+                FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, failure)
+            )
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
 
-    async def _hand_back(self, task: Task) -> None:
-        """On shutdown: re-queue a task whose tool is safe to re-run, otherwise fail it."""
-        spec = self.registry.tools.get(task.tool)
+    async def _hand_back(self, tasks: list[Task], why: str, *, never_started: bool = False) -> None:
+        """Re-queue what may run again, fail the rest (the reaper's rule, handback.py)."""
+        requests: list[ReleaseRequest] = [
+            hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
+                      owner=self.owner, why=why, never_started=never_started)
+            for t in tasks
+        ]  # fmt: skip
         try:
-            async with self.db.transaction() as conn:
-                if spec is not None and spec.rerunnable:
-                    moved = await repo.requeue_task(
-                        conn, task.tenant_id, task.task_id, self.owner, "re-queued: the runner was shut down"
-                    )
-                    await notify(conn, {"k": "created", "t": task.tenant_id, "id": task.task_id})
-                else:
-                    moved = await repo.fail_lost_task(
-                        conn, task.tenant_id, task.task_id, self.owner, runner_stopped_error(task.tool)
-                    )
-                    if moved is not None:
-                        await repo.audit_task_event(conn, moved, "complete", "failed", reason="runner_stopped")
-                if moved is not None:
-                    await notify(conn, {"k": "status", "t": task.tenant_id, "id": task.task_id, "s": task.session_id})
-        except Exception as exc:  # the reaper will pick it up when our liveness lock goes
-            log.warning("could not hand back task %s on shutdown: %s", task.task_id[:8], exc)
+            await self.store.release(sorted(requests, key=lambda r: r.order))
+        except Exception as exc:  # the reaper takes them over once our liveness lock is gone
+            log.warning("could not hand back %d task(s): %s", len(requests), exc)

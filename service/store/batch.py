@@ -7,8 +7,8 @@ serve many requests, and each is still answered only after its commit. Items are
 they are sent, so every batch takes its row locks in one global order (see migration 0005).
 
 A batch that PostgreSQL refuses as a whole (for example a deadlock, or one request's text it
-cannot store) rolled back, so it is retried one item at a time and each request gets its own
-answer or error. Any other failure leaves the batch's outcome unknown: every request in it gets
+cannot store) rolled back, so it is retried one item at a time (each a batch of one, through the
+same statement) and each request gets its own answer or error. Any other failure leaves the batch's outcome unknown: every request in it gets
 the error, and nothing is replayed.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import asyncpg
 
@@ -26,29 +26,27 @@ from service.observability import metrics
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+
+class Ordered(Protocol):
+    @property
+    def order(self) -> tuple[str, ...]: ...
+
+
+T = TypeVar("T", bound=Ordered)
 R = TypeVar("R")
 
 MAX_ITEMS = 64
 
 
 class Batcher(Generic[T, R]):
-    """Coalesces ``run_many`` calls; ``run_one`` answers an item alone when its batch failed."""
+    """Coalesces calls of ``run_many``; an item is answered alone (a batch of one) when its batch failed."""
 
     def __init__(
-        self,
-        run_many: Callable[[list[T]], Awaitable[list[R]]],
-        run_one: Callable[[T], Awaitable[R]],
-        *,
-        order: Callable[[T], tuple[str, ...]],
-        name: str,
-        max_items: int = MAX_ITEMS,
+        self, run_many: Callable[[list[T]], Awaitable[list[R]]], *, name: str, max_items: int = MAX_ITEMS
     ) -> None:
         self._sizes = metrics.db_batch_items.labels(name)
         self._fallbacks = metrics.db_batch_fallbacks.labels(name)
         self._run_many = run_many
-        self._run_one = run_one
-        self._order = order
         self._max_items = max_items
         self._queue: list[tuple[T, asyncio.Future[R]]] = []
         self._drainer: asyncio.Task[None] | None = None
@@ -86,7 +84,7 @@ class Batcher(Generic[T, R]):
         batch = [entry for entry in batch if not entry[1].done()]
         if not batch:
             return
-        batch.sort(key=lambda entry: self._order(entry[0]))
+        batch.sort(key=lambda entry: entry[0].order)
         self._sizes.observe(len(batch))
         try:
             await self._answer(batch)
@@ -111,7 +109,7 @@ class Batcher(Generic[T, R]):
                 if future.done():  # its waiter went away meanwhile: not sent, as above
                     continue
                 try:
-                    alone = await self._run_one(item)
+                    (alone,) = await self._run_many([item])
                 except Exception as one_exc:
                     _settle(future, exc=one_exc)
                 else:

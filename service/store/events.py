@@ -1,66 +1,204 @@
-"""LISTEN/NOTIFY hub: replicas wake each other; local waiters subscribe to topics.
+"""Events between processes over LISTEN/NOTIFY: every payload defined here, typed and versioned.
 
-An event is a small JSON object ``{"k": kind, "t": tenant, "id": task_id, ...}`` sent with
-``pg_notify`` inside the transaction that made the change, so it arrives only after commit.
-Events are hints: every waiter re-reads the database and also polls on a timer, so a lost
-LISTEN connection slows things down but never loses a task.
+An event is sent with ``pg_notify`` inside the transaction that made the change, so it arrives only
+after commit; the SQL functions of the schema send ``created`` and ``status`` events in exactly
+the form ``TaskCreated`` and ``TaskChanged`` define. Events are hints: every waiter re-reads the
+database and also polls on a timer, so a lost LISTEN connection slows things down but never loses
+a task.
+
+Nothing is trimmed: NOTIFY takes at most 8000 bytes, so an event whose payload is larger is
+stored in ``event_payloads`` and sent by reference (``{"v", "k", "tenant_id", "ref"}``); the
+receiving hub reads it back, under the tenant's row-level security, before dispatching it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import asyncpg
 import orjson
 
+from service.store.db import Database
+from service.store.queries import Q
+
 log = logging.getLogger(__name__)
 
 CHANNEL = "mcp_tasks"
-Event = dict[str, Any]
+VERSION = 1
 Topic = tuple[str, ...]
-# NOTIFY payloads are limited to 8000 bytes; larger events are trimmed to their routing keys.
-_MAX_PAYLOAD = 7900
+# NOTIFY payloads are limited to 8000 bytes (with the channel name); larger events go by reference.
+MAX_INLINE = 7_900
 
 
-def encode_event(event: Event) -> str:
-    raw = orjson.dumps(event)
-    if len(raw) > _MAX_PAYLOAD:
-        raw = orjson.dumps({k: event[k] for k in ("k", "t", "id", "s") if k in event})
-    return raw.decode()
+@dataclass(frozen=True, slots=True)
+class Event:
+    KIND: ClassVar[str] = ""
+    tenant_id: str
+
+    def topics(self) -> list[Topic]:
+        return [("kind", self.KIND)]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent(Event):
+    task_id: str
+
+    def topics(self) -> list[Topic]:
+        return [("kind", self.KIND), ("task", self.tenant_id, self.task_id)]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskCreated(TaskEvent):
+    """A task is queued for a runner (sent by the schema's create and re-queue functions)."""
+
+    KIND: ClassVar[str] = "created"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskChanged(TaskEvent):
+    """A task's row changed (status, outcome, questions); ``session_id`` routes it to a GET stream."""
+
+    KIND: ClassVar[str] = "status"
+    session_id: str | None = None
+
+    def topics(self) -> list[Topic]:
+        out = TaskEvent.topics(self)
+        if self.session_id:
+            out.append(("session", self.tenant_id, self.session_id))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TaskCancelRequested(TaskEvent):
+    """Stop running this task: it was cancelled (its row says so)."""
+
+    KIND: ClassVar[str] = "cancel"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDeleted(TaskEvent):
+    KIND: ClassVar[str] = "deleted"
+
+
+@dataclass(frozen=True, slots=True)
+class InputAnswered(TaskEvent):
+    """A client answered some of a task's questions (the answers are in the row)."""
+
+    KIND: ClassVar[str] = "answer"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskProgress(TaskEvent):
+    KIND: ClassVar[str] = "progress"
+    session_id: str | None
+    token: str | int
+    progress: float
+    total: float | None = None
+    message: str | None = None
+
+    def topics(self) -> list[Topic]:
+        return TaskChanged.topics(self)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskLog(TaskEvent):
+    KIND: ClassVar[str] = "log"
+    session_id: str | None
+    level: str
+    data: Any
+    logger: str | None = None
+
+    def topics(self) -> list[Topic]:
+        return TaskChanged.topics(self)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class PlainAnswer(Event):
+    """A client's answer to a question of a plain (non-task) call, for whichever process runs it."""
+
+    KIND: ClassVar[str] = "plain_answer"
+    subject: str
+    key: str
+    response: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PlainCancel(Event):
+    """Stop a plain call (notifications/cancelled), wherever it runs."""
+
+    KIND: ClassVar[str] = "plain_cancel"
+    session_id: str
+    request: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionChanged(Event):
+    KIND: ClassVar[str] = "session_changed"
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resync(Event):
+    """Local only: the listener was away, so anything may have changed."""
+
+    KIND: ClassVar[str] = "resync"
+
+
+_KINDS: dict[str, type[Event]] = {
+    cls.KIND: cls
+    for cls in (
+        TaskCreated, TaskChanged, TaskCancelRequested, TaskDeleted, InputAnswered, TaskProgress, TaskLog,
+        PlainAnswer, PlainCancel, SessionChanged,
+    )
+}  # fmt: skip
+
+
+def encode(event: Event) -> bytes:
+    body = {"v": VERSION, "k": event.KIND, **{f.name: getattr(event, f.name) for f in dataclasses.fields(event)}}
+    return orjson.dumps(body)
+
+
+def decode(body: dict[str, Any]) -> Event | None:
+    """The event of a payload, or None for one this version does not know (a newer replica's)."""
+    if body.get("v", VERSION) != VERSION:
+        return None
+    cls = _KINDS.get(str(body.get("k")))
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in body.items() if k in names})
+    except TypeError:
+        return None
 
 
 async def notify(conn: asyncpg.Connection, event: Event) -> None:
-    """Queue an event on this connection's transaction (sent at commit)."""
-    await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, encode_event(event))
-
-
-def topics_for(event: Event) -> list[Topic]:
-    """Which local subscribers an event concerns."""
-    kind = event.get("k")
-    tenant = str(event.get("t", ""))
-    out: list[Topic] = [("kind", str(kind))]
-    if "id" in event:
-        out.append(("task", tenant, str(event["id"])))
-    if event.get("s"):
-        out.append(("session", tenant, str(event["s"])))
-    return out
+    """Queue an event on this connection's transaction (sent at commit); large ones by reference."""
+    raw = encode(event)
+    if len(raw) > MAX_INLINE:
+        ref = await conn.fetchval(Q["store_event_payload"], event.tenant_id, orjson.loads(raw))
+        raw = orjson.dumps({"v": VERSION, "k": event.KIND, "tenant_id": event.tenant_id, "ref": ref})
+    await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, raw.decode())
 
 
 class EventHub:
-    """One LISTEN connection per process, fanned out to in-process queues."""
+    """One LISTEN connection per process, fanned out to in-process queues and listeners."""
 
-    def __init__(self, dsn: str, *, reconnect_delay: float = 1.0) -> None:
-        self._dsn = dsn
+    def __init__(self, db: Database, *, reconnect_delay: float = 1.0) -> None:
+        self._db = db
         self._subs: dict[Topic, set[asyncio.Queue[Event]]] = defaultdict(set)
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self._reconnect_delay = reconnect_delay
         self._connected = asyncio.Event()
+        self._fetches: set[asyncio.Task[None]] = set()
         self.listeners: list[Callable[[Event], None]] = []
 
     async def start(self) -> None:
@@ -69,10 +207,11 @@ class EventHub:
             await asyncio.wait_for(self._connected.wait(), timeout=10)
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for job in [self._task, *self._fetches]:
+            if job is not None:
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
         if self._conn is not None and not self._conn.is_closed():
             await self._conn.close()
 
@@ -83,13 +222,15 @@ class EventHub:
     async def _run(self) -> None:
         while True:
             try:
-                self._conn = await asyncpg.connect(self._dsn, server_settings={"application_name": "mcp-tasks-listen"})
+                self._conn = await asyncpg.connect(
+                    self._db.dsn, server_settings={"application_name": "mcp-tasks-listen"}
+                )
                 lost = asyncio.Event()
                 self._conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await self._conn.add_listener(CHANNEL, self._on_notify)
                 self._connected.set()
                 # Wake everyone once: anything may have happened while we were not listening.
-                self.dispatch({"k": "resync"})
+                self.dispatch(Resync(""))
                 await lost.wait()
             except asyncio.CancelledError:
                 raise
@@ -100,20 +241,38 @@ class EventHub:
 
     def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
         try:
-            event = orjson.loads(payload)
+            body = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return
-        if isinstance(event, dict):
+        if not isinstance(body, dict):
+            return
+        if "ref" in body:
+            job = asyncio.get_running_loop().create_task(self._fetch(body))
+            self._fetches.add(job)
+            job.add_done_callback(self._fetches.discard)
+            return
+        if (event := decode(body)) is not None:
+            self.dispatch(event)
+
+    async def _fetch(self, body: dict[str, Any]) -> None:
+        """An event sent by reference: read it back (as its tenant) and dispatch it."""
+        try:
+            async with self._db.transaction(str(body.get("tenant_id"))) as conn:
+                stored = await conn.fetchval(Q["get_event_payload"], int(body["ref"]))
+        except Exception as exc:  # a hint lost: waiters poll
+            log.warning("could not read an event sent by reference: %s", exc)
+            return
+        if isinstance(stored, dict) and (event := decode(stored)) is not None:
             self.dispatch(event)
 
     def dispatch(self, event: Event) -> None:
-        """Deliver to local subscribers (also used for purely local events), once per queue."""
+        """Deliver to local listeners and subscribers (also for purely local events), once per queue."""
         for listener in self.listeners:
             listener(event)
-        if event.get("k") == "resync":
+        if isinstance(event, Resync):
             targets = {q for queues in self._subs.values() for q in queues}
         else:
-            targets = {q for topic in topics_for(event) for q in self._subs.get(topic, ())}
+            targets = {q for topic in event.topics() for q in self._subs.get(topic, ())}
         for queue in targets:
             queue.put_nowait(event)
 
@@ -132,7 +291,7 @@ class EventHub:
                     if not subs:
                         del self._subs[topic]
 
-    async def publish(self, pool: asyncpg.Pool, event: Event) -> None:
-        """Send an event outside any transaction (e.g. progress, which is not stored)."""
-        async with pool.acquire() as conn:
+    async def publish(self, event: Event) -> None:
+        """Send an event outside any transaction (progress, plain-call signals); an outage is Unavailable."""
+        async with self._db.transaction(event.tenant_id) as conn:
             await notify(conn, event)

@@ -1,16 +1,28 @@
-"""Task, message, session and key repositories: named SQL in, domain objects out."""
+"""The stored operations: named SQL in, domain objects out, one transaction per operation.
+
+Nothing of asyncpg leaves this package: callers pass domain values and get domain values back.
+Lifecycle metrics (created, finished, lease losses, expiries) are counted here, where the change
+commits, and nowhere else.
+"""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from service.domain.principal import Principal
+from service.domain.inputs import InputKind, InputResponse, PendingInput, check_response
+from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task, TaskStatus
+from service.observability import metrics
+from service.store.db import Database
+from service.store.events import InputAnswered, SessionChanged, TaskCancelRequested, TaskChanged, TaskDeleted, notify
 from service.store.queries import Q
+from service.store.requests import FinishRequest, ReleaseRequest, TaskRequest, as_items
 
 
 def task_from_row(row: asyncpg.Record) -> Task:
@@ -36,6 +48,7 @@ def task_from_row(row: asyncpg.Record) -> Task:
         attempts=row["attempts"],
         client_id=row["client_id"],
         issuer=row["issuer"],
+        surface=row["surface"],
     )
 
 
@@ -43,365 +56,26 @@ def _task_or_none(row: asyncpg.Record | None) -> Task | None:
     return task_from_row(row) if row is not None else None
 
 
-# --- tasks ------------------------------------------------------------------------------------
-
-
-# --- batched requests (migration 0005) ---------------------------------------------------------
-#
-# A request is a dict in the shape of the SQL type task_batch_item (k: create, retrieve or get), so
-# many travel as one jsonb argument of task_batch; each can also be sent alone to its 0004 function.
-
-BatchItem = dict[str, Any]
-
-
-def create_item(
-    *,
-    principal: Principal,
-    task_id: str,
-    session_id: str | None,
-    surface: str,
-    tool: str,
-    arguments: dict[str, Any],
-    client_capabilities: dict[str, Any],
-    progress_token: str | int | None,
-    ttl_ms: int,
-    poll_interval_ms: int,
-    max_per_requestor: int,
-    max_per_tenant: int,
-    request_id: str | None,
-    address: str | None,
-    detail: dict[str, Any],
-    lease: tuple[str, int, int] | None = None,
-) -> BatchItem:
-    """A create under the caps; ``lease`` (owner, liveness key, milliseconds) creates it already
-    leased to a local runner."""
-    owner, key, lease_ms = lease if lease is not None else (None, None, None)
-    return {
-        "k": "create",
-        "tenant_id": principal.tenant_id,
-        "task_id": task_id,
-        "subject": principal.subject,
-        "issuer": principal.issuer,
-        "client_id": principal.client_id,
-        "session_id": session_id,
-        "surface": surface,
-        "tool": tool,
-        "arguments": arguments,
-        "client_capabilities": client_capabilities,
-        "progress_token": progress_token,
-        "ttl_ms": ttl_ms,
-        "poll_interval_ms": poll_interval_ms,
-        "max_per_requestor": max_per_requestor,
-        "max_per_tenant": max_per_tenant,
-        "request_id": request_id,
-        "client_address": address,
-        "detail": detail,
-        "lease_owner": owner,
-        "lease_key": key,
-        "lease_ms": lease_ms,
-    }
-
-
-def lookup_item(
-    principal: Principal, task_id: str, *, retrieve: bool, request_id: str | None = None, address: str | None = None
-) -> BatchItem:
-    """The principal's unexpired task; ``retrieve`` audits the hand-out when it is terminal."""
-    return {
-        "k": "retrieve" if retrieve else "get",
-        "tenant_id": principal.tenant_id,
-        "task_id": task_id,
-        "subject": principal.subject,
-        "issuer": principal.issuer,
-        "client_id": principal.client_id,
-        "request_id": request_id,
-        "client_address": address,
-    }
-
-
-def batch_order(item: BatchItem) -> tuple[str, str, str]:
-    """The order of a batch: counters and rows are locked in (tenant, subject, task) order."""
-    return (item["tenant_id"], item["subject"], item["task_id"])
-
-
-async def run_batch(conn: asyncpg.Connection, items: list[BatchItem]) -> list[Task | None]:
-    """Every item in one statement (its own transaction); None where there is no task for it (a cap
-    refused the create, or the task is unknown, expired or someone else's)."""
-    return _matched(items, await conn.fetch(Q["task_batch"], items))
-
-
-def _matched(items: list[BatchItem], rows: list[asyncpg.Record]) -> list[Task | None]:
-    """One task (or None) per item, checked to be the item's own: answers are handed out by
-    position, so a row that is not its item's task fails the batch instead of reaching anyone."""
+def _matched(keys: list[tuple[str, str]], rows: list[asyncpg.Record]) -> list[Task | None]:
+    """One task (or None) per request, checked to be the request's own: answers are handed out by
+    position, so a row that is not its request's task fails the batch instead of reaching anyone."""
     tasks: list[Task | None] = []
-    for item, row in zip(items, rows, strict=True):  # a missing or extra row raises
+    for key, row in zip(keys, rows, strict=True):  # a missing or extra row raises
         if row["task_id"] is None:
             tasks.append(None)
-        elif (row["tenant_id"], row["task_id"]) != (item["tenant_id"], item["task_id"]):
-            raise RuntimeError("a batch returned a row for another item")
+        elif (row["tenant_id"], row["task_id"]) != key:
+            raise RuntimeError("a batch returned a row for another request")
         else:
             tasks.append(task_from_row(row))
     return tasks
 
 
-async def run_item(conn: asyncpg.Connection, item: BatchItem) -> Task | None:
-    """One item alone, through its single-request function."""
-    if item["k"] == "create":
-        row = await conn.fetchrow(
-            Q["create_task_checked"],
-            *(item[f] for f in _CREATE_FIELDS),
-        )
-    elif item["k"] == "retrieve":
-        row = await conn.fetchrow(
-            Q["retrieve_task"],
-            *(
-                item[f]
-                for f in ("tenant_id", "task_id", "subject", "client_id", "issuer", "request_id", "client_address")
-            ),
-        )
-    else:
-        row = await conn.fetchrow(Q["get_task_scoped"], item["tenant_id"], item["task_id"], item["subject"])
-    return _task_or_none(row)
+def _finished(task: Task) -> None:
+    kind = task.outcome.kind.value if task.outcome is not None else "cancelled"
+    metrics.tasks_finished.labels(task.tool, task.status.value, kind, metrics.tenant(task.tenant_id)).inc()
 
 
-# task_create's parameters, in order.
-_CREATE_FIELDS = (
-    "tenant_id", "task_id", "subject", "issuer", "client_id", "session_id", "surface", "tool", "arguments",
-    "client_capabilities", "progress_token", "ttl_ms", "poll_interval_ms", "max_per_requestor", "max_per_tenant",
-    "request_id", "client_address", "detail", "lease_owner", "lease_key", "lease_ms",
-)  # fmt: skip
-
-
-async def get_leased_task(conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str) -> Task | None:
-    """A task as its runner sees it, if it is active and leased to ``owner`` (runner role)."""
-    return _task_or_none(await conn.fetchrow(Q["get_leased_task"], tenant_id, task_id, owner))
-
-
-async def get_task(conn: asyncpg.Connection, principal: Principal, task_id: str) -> Task | None:
-    return _task_or_none(await conn.fetchrow(Q["get_task"], principal.tenant_id, task_id, principal.subject))
-
-
-async def list_tasks(
-    conn: asyncpg.Connection, principal: Principal, *, after: tuple[datetime, str] | None, limit: int
-) -> list[Task]:
-    if after is None:
-        rows = await conn.fetch(Q["list_tasks_first"], principal.tenant_id, principal.subject, limit)
-    else:
-        rows = await conn.fetch(
-            Q["list_tasks_after"], principal.tenant_id, principal.subject, after[0], after[1], limit
-        )
-    return [task_from_row(r) for r in rows]
-
-
-async def cancel_task(conn: asyncpg.Connection, principal: Principal, task_id: str, message: str) -> Task | None:
-    row = await conn.fetchrow(Q["cancel_task"], principal.tenant_id, task_id, principal.subject, message)
-    return _task_or_none(row)
-
-
-def finish_item(task: Task, owner: str, outcome: Outcome, detail: dict[str, Any]) -> BatchItem:
-    """A runner's outcome, in the shape of the SQL type task_finish_item."""
-    return {
-        "tenant_id": task.tenant_id,
-        "task_id": task.task_id,
-        "subject": task.subject,  # orders the batch; not a field of task_finish_item
-        "owner": owner,
-        "status": outcome.status.value,
-        "outcome": outcome.kind.value,
-        "payload": outcome.payload,
-        "status_message": outcome.status_message,
-        "detail": detail,
-    }
-
-
-async def finish_batch(conn: asyncpg.Connection, items: list[BatchItem]) -> list[Task | None]:
-    """Record outcomes (only where the owner still holds the lease of an active task), their audit
-    events and status wake-ups, in one statement; None where the task was no longer the owner's."""
-    return _matched(items, await conn.fetch(Q["finish_task_batch"], items))
-
-
-async def finish_one(conn: asyncpg.Connection, item: BatchItem) -> Task | None:
-    """One outcome alone, through task_finish."""
-    row = await conn.fetchrow(
-        Q["finish_task_audited"],
-        *(
-            item[f]
-            for f in ("tenant_id", "task_id", "owner", "status", "outcome", "payload", "status_message", "detail")
-        ),
-    )
-    return _task_or_none(row)
-
-
-async def set_active_status(
-    conn: asyncpg.Connection,
-    tenant_id: str,
-    task_id: str,
-    owner: str,
-    status: TaskStatus,
-    message: str | None,
-) -> Task | None:
-    row = await conn.fetchrow(Q["set_active_status"], tenant_id, task_id, owner, status.value, message)
-    return _task_or_none(row)
-
-
-async def claim_tasks(conn: asyncpg.Connection, owner: str, owner_key: int, lease_ms: int, limit: int) -> list[Task]:
-    rows = await conn.fetch(Q["claim_tasks"], owner, owner_key, lease_ms, limit)
-    return [task_from_row(r) for r in rows]
-
-
-async def renew_leases(
-    conn: asyncpg.Connection, owner: str, lease_ms: int, running: list[tuple[str, str]]
-) -> set[tuple[str, str]]:
-    tenants, task_ids = [k[0] for k in running], [k[1] for k in running]
-    rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids)
-    return {(r["tenant_id"], r["task_id"]) for r in rows}
-
-
-async def find_lost_leases(conn: asyncpg.Connection, limit: int) -> list[asyncpg.Record]:
-    return list(await conn.fetch(Q["find_lost_leases"], limit))
-
-
-async def requeue_task(conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, message: str) -> Task | None:
-    """Back to the queue; questions the previous run asked are voided with it."""
-    task = _task_or_none(await conn.fetchrow(Q["requeue_task"], tenant_id, task_id, owner, message))
-    if task is not None:
-        await conn.execute(Q["void_unanswered_messages"], tenant_id, task_id)
-    return task
-
-
-async def fail_lost_task(
-    conn: asyncpg.Connection, tenant_id: str, task_id: str, owner: str, error: dict[str, Any]
-) -> Task | None:
-    row = await conn.fetchrow(Q["fail_lost_task"], tenant_id, task_id, owner, error, error["message"])
-    return _task_or_none(row)
-
-
-async def count_active_by_status(conn: asyncpg.Connection) -> dict[str, int]:
-    row = await conn.fetchrow(Q["count_active_by_status"])
-    waiting = int(row["input_required"])
-    return {"working": max(0, int(row["active"]) - waiting), "input_required": waiting}
-
-
-async def delete_expired_tasks(conn: asyncpg.Connection, limit: int) -> list[Task]:
-    return [task_from_row(r) for r in await conn.fetch(Q["delete_expired_tasks"], limit)]
-
-
-async def lock_and_count_active(conn: asyncpg.Connection, principal: Principal) -> tuple[int, int]:
-    """Take the tenant's create lock (until commit), then count (requestor, tenant) active tasks."""
-    await conn.execute(Q["lock_tenant_creates"], principal.tenant_id)
-    row = await conn.fetchrow(Q["count_active"], principal.tenant_id, principal.subject)
-    return int(row["requestor"]), int(row["tenant"])
-
-
-async def drop_idle_counters(conn: asyncpg.Connection) -> None:
-    await conn.execute(Q["drop_idle_counters"])
-
-
-# --- messages ---------------------------------------------------------------------------------
-
-
-async def insert_message(
-    conn: asyncpg.Connection, tenant_id: str, task_id: str, rpc_id: str, method: str, params: dict[str, Any]
-) -> int:
-    seq: int = await conn.fetchval(Q["insert_message"], tenant_id, task_id, rpc_id, method, params)
-    return seq
-
-
-async def claim_undelivered_messages(
-    conn: asyncpg.Connection, tenant_id: str, task_id: str, stream_id: str, stale_ms: int
-) -> list[asyncpg.Record]:
-    return list(await conn.fetch(Q["claim_undelivered_messages"], tenant_id, task_id, stream_id, stale_ms))
-
-
-async def unanswered_for_stream(conn: asyncpg.Connection, tenant_id: str, task_id: str, stream_id: str) -> list[str]:
-    return [r["rpc_id"] for r in await conn.fetch(Q["unanswered_for_stream"], tenant_id, task_id, stream_id)]
-
-
-async def touch_deliveries(conn: asyncpg.Connection, tenant_id: str, stream_id: str) -> None:
-    await conn.execute(Q["touch_deliveries"], tenant_id, stream_id)
-
-
-async def release_messages(conn: asyncpg.Connection, tenant_id: str, stream_id: str) -> None:
-    await conn.execute(Q["release_messages"], tenant_id, stream_id)
-
-
-async def answer_message(
-    conn: asyncpg.Connection, principal: Principal, rpc_id: str, answer: dict[str, Any]
-) -> asyncpg.Record | None:
-    row: asyncpg.Record | None = await conn.fetchrow(
-        Q["answer_message"], principal.tenant_id, rpc_id, answer, principal.subject
-    )
-    return row
-
-
-async def get_answer(conn: asyncpg.Connection, tenant_id: str, task_id: str, seq: int) -> dict[str, Any] | None:
-    answer: dict[str, Any] | None = await conn.fetchval(Q["get_answer"], tenant_id, task_id, seq)
-    return answer
-
-
-# --- sessions ---------------------------------------------------------------------------------
-
-
-async def insert_session(
-    conn: asyncpg.Connection,
-    principal: Principal,
-    session_id: str,
-    protocol_version: str,
-    client_capabilities: dict[str, Any],
-    client_info: dict[str, Any] | None,
-) -> None:
-    await conn.execute(
-        Q["insert_session"],
-        principal.tenant_id,
-        session_id,
-        principal.subject,
-        protocol_version,
-        client_capabilities,
-        client_info,
-    )
-
-
-async def get_session(conn: asyncpg.Connection, principal: Principal, session_id: str) -> asyncpg.Record | None:
-    row: asyncpg.Record | None = await conn.fetchrow(
-        Q["get_session"], principal.tenant_id, session_id, principal.subject
-    )
-    return row
-
-
-async def touch_session(conn: asyncpg.Connection, tenant_id: str, session_id: str) -> None:
-    await conn.execute(Q["touch_session"], tenant_id, session_id)
-
-
-async def set_session_log_level(conn: asyncpg.Connection, tenant_id: str, session_id: str, level: str) -> None:
-    await conn.execute(Q["set_session_log_level"], tenant_id, session_id, level)
-
-
-async def delete_session(conn: asyncpg.Connection, principal: Principal, session_id: str) -> bool:
-    row = await conn.fetchrow(Q["delete_session"], principal.tenant_id, session_id, principal.subject)
-    return row is not None
-
-
-async def delete_idle_sessions(conn: asyncpg.Connection, idle_ms: int) -> None:
-    await conn.execute(Q["delete_idle_sessions"], idle_ms)
-
-
-# --- audit ------------------------------------------------------------------------------------
-
-
-async def audit_task_event(conn: asyncpg.Connection, task: Task, action: str, outcome: str, **detail: Any) -> None:
-    """An audit event about a task, attributed to the task's own principal (runner-side changes)."""
-    await append_audit(
-        conn,
-        task.tenant_id,
-        action,
-        outcome,
-        subject=task.subject,
-        client_id=task.client_id,
-        issuer=task.issuer,
-        task_id=task.task_id,
-        detail=detail or None,
-    )
-
-
-async def append_audit(
+async def _audit(
     conn: asyncpg.Connection,
     tenant_id: str,
     action: str,
@@ -415,27 +89,362 @@ async def append_audit(
     address: str | None = None,
     detail: dict[str, Any] | None = None,
 ) -> None:
-    """Append to the tenant's hash chain inside the caller's transaction (migration 0003)."""
+    """Append to the tenant's hash chain inside the current transaction."""
     await conn.execute(
         Q["append_audit"], tenant_id, action, outcome, subject, client_id, issuer, task_id, request_id, address, detail
     )
 
 
-async def audit_events(
-    conn: asyncpg.Connection, tenant_id: str | None, since: datetime | None, after: tuple[str, int], limit: int
-) -> list[asyncpg.Record]:
-    return list(await conn.fetch(Q["audit_events"], tenant_id, since, after[0], after[1], limit))
+async def _audit_caller(
+    conn: asyncpg.Connection, caller: Caller, action: str, outcome: str, task_id: str | None = None, **detail: Any
+) -> None:
+    p = caller.principal
+    await _audit(
+        conn,
+        p.tenant_id,
+        action,
+        outcome,
+        subject=p.subject,
+        client_id=p.client_id,
+        issuer=p.issuer,
+        task_id=task_id,
+        request_id=caller.request_id,
+        address=caller.address,
+        detail=detail or None,
+    )
 
 
-async def audit_chain_problems(conn: asyncpg.Connection, tenant_id: str | None) -> list[asyncpg.Record]:
-    return list(await conn.fetch(Q["audit_chain_problems"], tenant_id))
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    """``task`` is the cancelled task; else ``existing`` is the task that was already terminal
+    (both None: no such task for this principal)."""
+
+    task: Task | None
+    existing: Task | None
 
 
-# --- keys -------------------------------------------------------------------------------------
+class TaskStore:
+    """Requests' operations on tasks (the app role: each transaction scoped to one tenant)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def run(self, requests: list[TaskRequest]) -> list[Task | None]:
+        """Creates, gets and retrieves in one statement (its own transaction); None where there is
+        no task for a request (a cap refused the create; the task is unknown, expired or not yours)."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["task_batch"], as_items(requests))
+        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
+        for request, task in zip(requests, tasks, strict=True):
+            if request.k == "create" and task is not None:
+                metrics.tasks_created.labels(task.tool, metrics.tenant(task.tenant_id)).inc()
+        return tasks
+
+    async def refuse_create(
+        self, caller: Caller, tool: str, decide: Callable[[int, int], tuple[str, int, int]]
+    ) -> tuple[str, int, int]:
+        """A cap refused a create: under the tenant's create lock, count, let ``decide`` name the
+        (scope, limit, current), and record the denial."""
+        p = caller.principal
+        async with self.db.transaction(p.tenant_id) as conn:
+            await conn.execute(Q["lock_tenant_creates"], p.tenant_id)
+            row = await conn.fetchrow(Q["count_active"], p.tenant_id, p.subject)
+            scope, limit, current = decide(int(row["requestor"]), int(row["tenant"]))
+            await _audit_caller(
+                conn, caller, "deny", "cap_exceeded", scope=scope, limit=limit, current=current, tool=tool
+            )
+        return scope, limit, current
+
+    async def deny(self, caller: Caller, outcome: str, task_id: str | None = None, **detail: Any) -> None:
+        """Record a refusal that changed nothing."""
+        async with self.db.transaction(caller.principal.tenant_id) as conn:
+            await _audit_caller(conn, caller, "deny", outcome, task_id, **detail)
+
+    async def deny_anonymous(self, tenant_id: str, outcome: str, *, request_id: str | None, address: str | None,
+                             **detail: Any) -> None:  # fmt: skip
+        async with self.db.transaction(tenant_id) as conn:
+            await _audit(conn, tenant_id, "deny", outcome, request_id=request_id, address=address,
+                         detail=detail or None)  # fmt: skip
+
+    async def list_tasks(self, principal: Principal, *, after: tuple[datetime, str] | None, limit: int) -> list[Task]:
+        async with self.db.transaction(principal.tenant_id) as conn:
+            if after is None:
+                rows = await conn.fetch(Q["list_tasks_first"], principal.tenant_id, principal.subject, limit)
+            else:
+                rows = await conn.fetch(
+                    Q["list_tasks_after"], principal.tenant_id, principal.subject, after[0], after[1], limit
+                )
+        return [task_from_row(r) for r in rows]
+
+    async def cancel(self, caller: Caller, task_id: str, message: str) -> CancelResult:
+        """Cancel wins: the row is cancelled (its lease dropped) and audited in one transaction."""
+        p = caller.principal
+        async with self.db.transaction(p.tenant_id) as conn:
+            task = _task_or_none(await conn.fetchrow(Q["cancel_task"], p.tenant_id, task_id, p.subject, message))
+            if task is not None:
+                await _audit_caller(conn, caller, "cancel", "cancelled", task_id)
+                await notify(conn, TaskCancelRequested(p.tenant_id, task_id))
+                await notify(conn, TaskChanged(p.tenant_id, task_id, task.session_id))
+                existing = None
+            else:
+                existing = _task_or_none(await conn.fetchrow(Q["get_task"], p.tenant_id, task_id, p.subject))
+                if existing is None:
+                    await _audit_caller(conn, caller, "deny", "not_found", task_id[:200])
+                else:
+                    await _audit_caller(conn, caller, "cancel", f"refused:{existing.status.value}", task_id)
+        if task is not None:
+            _finished(task)
+        return CancelResult(task, existing)
+
+    # --- questions and answers ------------------------------------------------------------------
+
+    async def pending_inputs(self, principal: Principal, task_id: str) -> list[PendingInput]:
+        """Every unanswered question of the principal's task, oldest first."""
+        async with self.db.transaction(principal.tenant_id) as conn:
+            rows = await conn.fetch(Q["pending_inputs"], principal.tenant_id, task_id, principal.subject)
+        return [PendingInput(r["input_key"], InputKind(r["kind"]), r["params"]) for r in rows]
+
+    async def claim_inputs(self, tenant_id: str, task_id: str, stream_id: str, stale_ms: int) -> list[PendingInput]:
+        """Hand unanswered questions to one stream (no broadcast, H-MULTI-2); stale ones are offered again."""
+        async with self.db.transaction(tenant_id) as conn:
+            rows = await conn.fetch(Q["claim_undelivered_messages"], tenant_id, task_id, stream_id, stale_ms)
+        return [PendingInput(r["input_key"], InputKind(r["kind"]), r["params"]) for r in rows]
+
+    async def unanswered_for_stream(self, tenant_id: str, task_id: str, stream_id: str) -> list[str]:
+        async with self.db.transaction(tenant_id) as conn:
+            rows = await conn.fetch(Q["unanswered_for_stream"], tenant_id, task_id, stream_id)
+        return [r["input_key"] for r in rows]
+
+    async def touch_deliveries(self, tenant_id: str, stream_id: str) -> None:
+        async with self.db.transaction(tenant_id) as conn:
+            await conn.execute(Q["touch_deliveries"], tenant_id, stream_id)
+
+    async def release_deliveries(self, tenant_id: str, stream_id: str) -> None:
+        async with self.db.transaction(tenant_id) as conn:
+            await conn.execute(Q["release_messages"], tenant_id, stream_id)
+
+    async def answer(self, caller: Caller, task_id: str | None, responses: dict[str, InputResponse]) -> str | None:
+        """Apply answers atomically: only keys still outstanding on the caller's active task count
+        (others are ignored), every one of those must parse as its question's answer or nothing is
+        applied (InvalidArguments), the first answer per key wins, and when no question remains the
+        task is working again. ``task_id`` None: find the task by the keys (2025-11-25 answers by
+        request id). Returns the task answered, or None when no key was outstanding."""
+        p = caller.principal
+        async with self.db.transaction(p.tenant_id) as conn:
+            rows = await conn.fetch(Q["lock_outstanding_inputs"], p.tenant_id, p.subject, task_id, list(responses))
+            if not rows:
+                return None
+            answered_task = rows[0]["task_id"]
+            rows = [r for r in rows if r["task_id"] == answered_task]  # keys of one task per call
+            for row in rows:
+                check_response(InputKind(row["kind"]), responses[row["input_key"]])
+            keys = [r["input_key"] for r in rows]
+            answers = [responses[k].to_stored() for k in keys]
+            remaining = await conn.fetchval(Q["store_answers"], p.tenant_id, answered_task, keys, answers)
+            for key in keys:
+                response = responses[key]
+                result = response.result or {}
+                action = result.get("action")
+                # Only known words reach the audit trail: the client chooses this value.
+                outcome = "error" if response.error is not None else action if action in (
+                    "accept", "decline", "cancel") else "answered"  # fmt: skip
+                await _audit_caller(conn, caller, "input", outcome, answered_task, key=key)
+            session_id = await conn.fetchval(Q["resume_if_answered"], p.tenant_id, answered_task, remaining)
+            await notify(conn, InputAnswered(p.tenant_id, answered_task))
+            await notify(conn, TaskChanged(p.tenant_id, answered_task, session_id))
+        return str(answered_task)
 
 
-async def service_key(conn: asyncpg.Connection, name: str) -> bytes:
+@dataclass(frozen=True, slots=True)
+class LostLease:
+    tenant_id: str
+    task_id: str
+    subject: str
+    tool: str
+    attempts: int
+    owner: str
+
+
+class RunnerStore:
+    """The runners' and the maintenance loop's operations (the runner role: all tenants)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def claim(self, owner: str, owner_key: int, lease_ms: int, limit: int) -> list[Task]:
+        async with self.db.connection() as conn:  # one statement: its own transaction
+            rows = await conn.fetch(Q["claim_tasks"], owner, owner_key, lease_ms, limit)
+        return [task_from_row(r) for r in rows]
+
+    async def leased(self, tenant_id: str, task_id: str, owner: str) -> Task | None:
+        """An active task leased to ``owner`` (after a create whose answer was lost)."""
+        async with self.db.connection() as conn:
+            return _task_or_none(await conn.fetchrow(Q["get_leased_task"], tenant_id, task_id, owner))
+
+    async def renew(self, owner: str, lease_ms: int, running: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        tenants, task_ids = [k[0] for k in running], [k[1] for k in running]
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids)
+        return {(r["tenant_id"], r["task_id"]) for r in rows}
+
+    async def finish(self, requests: list[FinishRequest]) -> list[Task | None]:
+        """Outcomes (only where the owner still holds the lease of an active task), their audit
+        events and wake-ups, in one statement; None where the task was no longer the owner's."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["finish_task_batch"], as_items(requests))
+        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
+        for task in tasks:
+            if task is not None:
+                _finished(task)
+        return tasks
+
+    async def release(self, requests: list[ReleaseRequest]) -> list[Task | None]:
+        """Give tasks back: re-queued (rerunnable, attempts left) or failed; audited, woken."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["release_task_batch"], as_items(requests))
+        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
+        for task in tasks:
+            if task is None:
+                continue
+            requeued = task.status is TaskStatus.WORKING
+            metrics.lease_losses.labels("requeued" if requeued else "failed").inc()
+            if not requeued:
+                _finished(task)
+        return tasks
+
+    async def ask(self, task: Task, owner: str, question: PendingInput) -> bool:
+        """Store a question and go input_required, while the lease is ours (False: it is not)."""
+        async with self.db.transaction() as conn:
+            moved = await conn.fetchval(
+                Q["ask_input"], task.tenant_id, task.task_id, owner, question.key, question.kind.value,
+                question.params,
+            )  # fmt: skip
+            if moved:
+                await notify(conn, TaskChanged(task.tenant_id, task.task_id, task.session_id))
+        return bool(moved)
+
+    async def response(self, tenant_id: str, task_id: str, key: str) -> InputResponse | None:
+        async with self.db.connection() as conn:
+            stored = await conn.fetchval(Q["get_answer"], tenant_id, task_id, key)
+        return InputResponse.from_stored(stored) if stored is not None else None
+
+    async def lost_leases(self, limit: int) -> list[LostLease]:
+        """Leases whose time ran out or whose owner's liveness lock is gone (not locked: the release
+        re-checks the owner under the row lock)."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["find_lost_leases"], limit)
+        return [LostLease(r["tenant_id"], r["task_id"], r["subject"], r["tool"], r["attempts"], r["lease_owner"])
+                for r in rows]  # fmt: skip
+
+    async def delete_expired(self, limit: int) -> int:
+        """D-12: one batch of expired tasks deleted whatever their state, audited; their runners told."""
+        async with self.db.transaction() as conn:
+            tasks = [task_from_row(r) for r in await conn.fetch(Q["delete_expired_tasks"], limit)]
+            for task in sorted(tasks, key=lambda t: t.tenant_id):  # same lock order on every replica
+                await _audit(conn, task.tenant_id, "expire", task.status.value, subject=task.subject,
+                             client_id=task.client_id, issuer=task.issuer, task_id=task.task_id)  # fmt: skip
+                await notify(conn, TaskDeleted(task.tenant_id, task.task_id))
+        metrics.sweeper_deleted.inc(len(tasks))
+        return len(tasks)
+
+    async def tidy(self, session_idle_ms: int, event_max_age_ms: int) -> None:
+        """Idle sessions, requestors' zero counters and old event payloads go."""
+        async with self.db.connection() as conn:
+            await conn.execute(Q["delete_idle_sessions"], session_idle_ms)
+            await conn.execute(Q["drop_idle_counters"])
+            await conn.execute(Q["delete_old_event_payloads"], event_max_age_ms)
+
+    async def active_by_status(self) -> dict[str, int]:
+        async with self.db.connection() as conn:
+            row = await conn.fetchrow(Q["count_active_by_status"])
+        waiting = int(row["input_required"])
+        return {"working": max(0, int(row["active"]) - waiting), "input_required": waiting}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    session_id: str
+    protocol_version: str
+    client_capabilities: dict[str, Any]
+    log_level: str | None
+    last_seen_at: datetime
+
+
+class SessionStore:
+    """MCP sessions (2025-11-25), bound to the principal that opened them."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def insert(
+        self,
+        principal: Principal,
+        session_id: str,
+        protocol_version: str,
+        client_capabilities: dict[str, Any],
+        client_info: dict[str, Any] | None,
+    ) -> None:
+        async with self.db.transaction(principal.tenant_id) as conn:
+            await conn.execute(
+                Q["insert_session"], principal.tenant_id, session_id, principal.subject, protocol_version,
+                client_capabilities, client_info,
+            )  # fmt: skip
+
+    async def get(self, principal: Principal, session_id: str, *, touch_after_s: float) -> StoredSession | None:
+        """The session if it is the principal's; its last use is refreshed when older than ``touch_after_s``."""
+        async with self.db.transaction(principal.tenant_id) as conn:
+            row = await conn.fetchrow(Q["get_session"], principal.tenant_id, session_id, principal.subject)
+            if row is None:
+                return None
+            if row["idle_s"] > touch_after_s:
+                await conn.execute(Q["touch_session"], principal.tenant_id, session_id)
+        return StoredSession(
+            row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"],
+            row["last_seen_at"],
+        )  # fmt: skip
+
+    async def set_log_level(self, principal: Principal, session_id: str, level: str) -> None:
+        async with self.db.transaction(principal.tenant_id) as conn:
+            await conn.execute(Q["set_session_log_level"], principal.tenant_id, session_id, level)
+            await notify(conn, SessionChanged(principal.tenant_id, session_id))
+
+    async def delete(self, principal: Principal, session_id: str) -> bool:
+        async with self.db.transaction(principal.tenant_id) as conn:
+            row = await conn.fetchrow(Q["delete_session"], principal.tenant_id, session_id, principal.subject)
+            if row is not None:
+                await notify(conn, SessionChanged(principal.tenant_id, session_id))
+        return row is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ChainProblem:
+    tenant_id: str
+    seq: int
+    problem: str
+
+
+class AuditStore:
+    """Reading the audit trail: chain verification and export (any role that may read it)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def problems(self, tenant_id: str | None) -> list[ChainProblem]:
+        async with self.db.transaction() as conn:
+            rows = await conn.fetch(Q["audit_chain_problems"], tenant_id)
+        return [ChainProblem(r["tenant_id"], r["seq"], r["problem"]) for r in rows]
+
+    async def events(
+        self, tenant_id: str | None, since: datetime | None, after: tuple[str, int], limit: int
+    ) -> list[dict[str, Any]]:
+        async with self.db.transaction() as conn:
+            rows = await conn.fetch(Q["audit_events"], tenant_id, since, after[0], after[1], limit)
+        return [dict(r) for r in rows]
+
+
+async def service_key(db: Database, name: str) -> bytes:
     """A 32-byte secret shared by every replica, created by whichever starts first."""
-    await conn.execute(Q["ensure_key"], name, secrets.token_bytes(32))
-    secret: bytes = await conn.fetchval(Q["get_key"], name)
+    async with db.connection() as conn:
+        await conn.execute(Q["ensure_key"], name, secrets.token_bytes(32))
+        secret: bytes = await conn.fetchval(Q["get_key"], name)
     return secret

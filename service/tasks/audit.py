@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Any
 
 from service.domain.principal import RESERVED_TENANT, Caller
-from service.store import repository as repo
 from service.store.db import Database
+from service.store.repository import AuditStore, ChainProblem, TaskStore
 
 log = logging.getLogger(__name__)
 
@@ -18,37 +17,13 @@ log = logging.getLogger(__name__)
 UNAUTHENTICATED_TENANT = RESERVED_TENANT
 EXPORT_PAGE = 1_000
 
-
-@dataclass(frozen=True, slots=True)
-class ChainProblem:
-    tenant_id: str
-    seq: int
-    problem: str
-
-
-async def audit(
-    conn: Any, caller: Caller, action: str, outcome: str, task_id: str | None = None, **detail: Any
-) -> None:
-    """Append one audit event for this caller inside the current transaction."""
-    p = caller.principal
-    await repo.append_audit(
-        conn,
-        p.tenant_id,
-        action,
-        outcome,
-        subject=p.subject,
-        client_id=p.client_id,
-        issuer=p.issuer,
-        task_id=task_id,
-        request_id=caller.request_id,
-        address=caller.address,
-        detail=detail or None,
-    )
+__all__ = ["UNAUTHENTICATED_TENANT", "AuditLog", "ChainProblem"]
 
 
 class AuditLog:
-    def __init__(self, db: Database, *, on_write_failure: Any = None) -> None:
-        self.db = db
+    def __init__(self, db: Database, *, on_write_failure: Callable[[], None] | None = None) -> None:
+        self._tasks = TaskStore(db)
+        self._audit = AuditStore(db)
         self._on_write_failure = on_write_failure
 
     async def deny(
@@ -62,15 +37,13 @@ class AuditLog:
     ) -> None:
         """Record a refusal that changes nothing (bad token, rate limit). Never fails the request:
         a write failure is logged and counted instead."""
-        tenant = caller.principal.tenant_id if caller else UNAUTHENTICATED_TENANT
         try:
-            async with self.db.transaction(tenant) as conn:
-                if caller is not None:
-                    await audit(conn, caller, "deny", outcome, **detail)
-                else:
-                    await repo.append_audit(
-                        conn, tenant, "deny", outcome, request_id=request_id, address=address, detail=detail or None
-                    )
+            if caller is not None:
+                await self._tasks.deny(caller, outcome, **detail)
+            else:
+                await self._tasks.deny_anonymous(
+                    UNAUTHENTICATED_TENANT, outcome, request_id=request_id, address=address, **detail
+                )
         except Exception as exc:
             log.error("audit write failed for a %s denial: %s", outcome, exc)
             if self._on_write_failure is not None:
@@ -78,20 +51,15 @@ class AuditLog:
 
     async def verify(self, tenant_id: str | None = None) -> list[ChainProblem]:
         """Every break in the hash chains (all tenants unless one is named)."""
-        async with self.db.transaction() as conn:
-            rows = await repo.audit_chain_problems(conn, tenant_id)
-        return [ChainProblem(r["tenant_id"], r["seq"], r["problem"]) for r in rows]
+        return await self._audit.problems(tenant_id)
 
     async def export(self, tenant_id: str | None, since: datetime | None) -> AsyncIterator[dict[str, Any]]:
         """Events in chain order, as JSON-ready dicts, fetched a page at a time."""
         after: tuple[str, int] = ("", 0)
         while True:
-            async with self.db.transaction() as conn:
-                rows = await repo.audit_events(conn, tenant_id, since, after, EXPORT_PAGE)
-            for row in rows:
-                event = dict(row)
-                event["at"] = row["at"].isoformat()
-                yield event
+            rows = await self._audit.events(tenant_id, since, after, EXPORT_PAGE)
+            for event in rows:
+                yield {**event, "at": event["at"].isoformat()}
             if len(rows) < EXPORT_PAGE:
                 return
             after = (rows[-1]["tenant_id"], rows[-1]["seq"])

@@ -1,4 +1,8 @@
-"""TaskService: the rules of the task lifecycle, one transaction per use case."""
+"""TaskService: the rules of the task lifecycle, for every wire alike.
+
+It speaks domain records only: tasks, typed events (``service.domain.events``) and pending inputs
+``(key, kind, params)`` answered by key. The edge (``service.mcp``) renders them for each wire.
+"""
 
 from __future__ import annotations
 
@@ -12,25 +16,32 @@ from typing import Any, Protocol
 
 from service.domain.errors import (
     CapacityExceeded,
-    DomainError,
     InvalidArguments,
     TaskAlreadyTerminal,
     TaskNotFound,
     TaskSupportMismatch,
 )
+from service.domain.events import (
+    Finished,
+    InputRequested,
+    InputVoided,
+    LogEntry,
+    Progress,
+    StatusChanged,
+    TaskEvent,
+)
+from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller, Principal
-from service.domain.task import RELATED_TASK, Task, TaskStatus, clamp_ttl, new_task_id
-from service.store import repository as repo
+from service.domain.task import Surface, Task, TaskStatus, clamp_ttl, new_task_id
+from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import Database
-from service.store.events import EventHub, notify
-from service.tasks.audit import audit
+from service.store.events import Event, EventHub, Resync, TaskChanged, TaskLog, TaskProgress
+from service.store.repository import TaskStore
 from service.tasks.cursor import CursorCodec
 from service.tools.registry import Registry, ToolSpec
 
 PAGE_SIZE = 50
-# A delivery to a stream that went away without releasing it (replica crash) is offered again after this.
-STALE_DELIVERY_MS = 60_000
 NOT_FOUND = "task not found (unknown, expired, or not yours)"
 
 
@@ -42,63 +53,45 @@ class TaskPolicy:
     poll_interval_ms: int
     max_active_per_requestor: int = 16
     max_active_per_tenant: int = 256
-
-
-@dataclass(frozen=True, slots=True)
-class ClientRequest:
-    """A request a task sends its client (e.g. elicitation/create), to deliver on the stream."""
-
-    rpc_id: str
-    method: str
-    params: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Notice:
-    """A notification for the client (progress, log) that is not stored."""
-
-    method: str
-    params: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class StatusChanged:
-    task: Task
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    task: Task
-
-
-FollowEvent = ClientRequest | Notice | StatusChanged | Finished
+    # A question handed to a stream that went away without releasing it (replica crash) is
+    # offered to the next stream after this.
+    stale_delivery_ms: int = 60_000
 
 
 class LocalRunner(Protocol):
-    def reserve(self) -> tuple[str, int, int] | None: ...
+    def reserve(self) -> rq.Lease | None: ...
 
     def adopt(self, task: Task | None) -> None: ...
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
 
 
+def notice_of(event: Event) -> TaskEvent | None:
+    """The domain event of a progress or log event, if it is one."""
+    if isinstance(event, TaskProgress):
+        return Progress(event.task_id, event.token, event.progress, event.total, event.message)
+    if isinstance(event, TaskLog):
+        return LogEntry(event.task_id, event.level, event.data, event.logger)
+    return None
+
+
 class TaskService:
     def __init__(
         self, db: Database, hub: EventHub, registry: Registry, policy: TaskPolicy, cursors: CursorCodec
     ) -> None:
-        self.db = db
+        self.store = TaskStore(db)
         self.hub = hub
         self.registry = registry
         self.policy = policy
         self.cursors = cursors
-        # Tasks with a tasks/result stream open in this process: their notices go there only.
+        # Tasks with a result stream open in this process: their notices go there only.
         self.following: Counter[tuple[str, str]] = Counter()
         # This process's runner, if it runs tasks: new tasks go straight to a free slot of it.
         self.runner: LocalRunner | None = None
-        # Group commit (migration 0005): creates and retrieves (which audit) share statements and
-        # commits; gets share read-only statements of their own, so they never wait for a commit.
-        self._writes = Batcher(self._run_batch, self._run_item, order=repo.batch_order, name="writes")
-        self._reads = Batcher(self._run_batch, self._run_item, order=repo.batch_order, name="reads")
+        # Group commit: creates and retrieves (which audit) share statements and commits; gets
+        # share read-only statements of their own, so they never wait for a commit.
+        self._writes = Batcher(self.store.run, name="writes")
+        self._reads = Batcher(self.store.run, name="reads")
 
     def check_call(
         self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
@@ -121,43 +114,39 @@ class TaskService:
         progress_token: str | int | None,
         session_id: str | None,
         client_capabilities: dict[str, Any],
-        surface: str = "2025-11-25",
+        surface: Surface = Surface.LEGACY,
     ) -> Task:
         """Check the caps and insert under the tenant's create lock, so no replica can overshoot."""
         _spec, valid = self.check_call(tool, arguments, as_task=True)
         if ttl_ms is not None and ttl_ms < 0:
-            raise InvalidArguments("task.ttl must be a non-negative integer (milliseconds)")
+            raise InvalidArguments("the task's ttl must be a non-negative integer (milliseconds)")
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
         # A free local slot: create the task already leased to it (no claim, no wake-up round trip).
         lease = self.runner.reserve() if self.runner is not None else None
-        principal = caller.principal
-        item = repo.create_item(
-            principal=principal,
-            task_id=new_task_id(),
-            session_id=session_id,
-            surface=surface,
+        request = rq.create(
+            caller,
+            new_task_id(),
             tool=tool,
             arguments=valid,
+            surface=surface.value,
+            session_id=session_id,
             client_capabilities=client_capabilities,
             progress_token=progress_token,
             ttl_ms=granted,
             poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=p.max_active_per_requestor,
             max_per_tenant=p.max_active_per_tenant,
-            request_id=caller.request_id,
-            address=caller.address,
-            detail={"tool": tool, "ttl_ms": granted},
             lease=lease,
         )
-        created = self._writes.enqueue(item)
+        created = self._writes.enqueue(request)
         try:
             # Shielded: a create whose caller went away still commits with its batch, and a task
             # leased to our runner must then be started (or its slot given back) all the same.
             task = await asyncio.shield(created)
         finally:
             if lease is not None:
-                self._settle_lease(principal.tenant_id, item["task_id"], created)
+                self._settle_lease(request.tenant_id, request.task_id, created)
         if task is None:
             raise await self._refuse_capacity(caller, tool)
         return task
@@ -177,14 +166,13 @@ class TaskService:
     async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
         """A cap refused a create: record the denial with the counts as they stand now."""
         p = self.policy
-        async with self.db.transaction(caller.principal.tenant_id) as conn:
-            mine, tenant = await repo.lock_and_count_active(conn, caller.principal)
-            scope, limit, current = (
-                ("tenant", p.max_active_per_tenant, tenant)
-                if tenant >= p.max_active_per_tenant and mine < p.max_active_per_requestor
-                else ("requestor", p.max_active_per_requestor, mine)
-            )
-            await audit(conn, caller, "deny", "cap_exceeded", scope=scope, limit=limit, current=current, tool=tool)
+
+        def decide(mine: int, tenant: int) -> tuple[str, int, int]:
+            if tenant >= p.max_active_per_tenant and mine < p.max_active_per_requestor:
+                return "tenant", p.max_active_per_tenant, tenant
+            return "requestor", p.max_active_per_requestor, mine
+
+        scope, limit, current = await self.store.refuse_create(caller, tool, decide)
         return CapacityExceeded(
             f"too many active tasks for this {scope}: {current} of at most {limit}; "
             "wait for one to finish (or cancel one) and try again",
@@ -193,45 +181,36 @@ class TaskService:
             current=current,
         )
 
-    async def _load(self, principal: Principal, task_id: str) -> Task | None:
-        return await self._reads.submit(repo.lookup_item(principal, task_id, retrieve=False))
+    @staticmethod
+    def _visible(task: Task | None, surface: Surface) -> Task | None:
+        """XD-3: a 2025-11-25 session never sees a task created through the extension."""
+        if task is not None and surface is Surface.LEGACY and task.surface != Surface.LEGACY.value:
+            return None
+        return task
 
-    async def get(self, caller: Caller, task_id: str) -> Task:
+    async def get(self, caller: Caller, task_id: str, *, surface: Surface = Surface.LEGACY) -> Task:
         """The caller's task; a miss (unknown, expired or someone else's) is audited as a denial."""
-        task = await self._load(caller.principal, task_id)
+        task = self._visible(await self._reads.submit(rq.lookup(caller, task_id, retrieve=False)), surface)
         if task is None:
-            await self._deny_not_found(caller, task_id)
-            raise TaskNotFound(NOT_FOUND, task_id=task_id)
+            raise await self._not_found(caller, task_id)
         return task
 
     async def retrieve(self, caller: Caller, task_id: str) -> Task:
-        """Like get; a terminal task's hand-out is audited in the same statement (T-SEC-10)."""
-        item = repo.lookup_item(
-            caller.principal, task_id, retrieve=True, request_id=caller.request_id, address=caller.address
-        )
-        task = await self._writes.submit(item)
+        """Like get (2025-11-25 only); a terminal task's hand-out is audited in the same statement."""
+        task = self._visible(await self._writes.submit(rq.lookup(caller, task_id, retrieve=True)), Surface.LEGACY)
         if task is None:
-            await self._deny_not_found(caller, task_id)
-            raise TaskNotFound(NOT_FOUND, task_id=task_id)
+            raise await self._not_found(caller, task_id)
         return task
 
-    async def _run_batch(self, items: list[repo.BatchItem]) -> list[Task | None]:
-        async with self.db.connection() as conn:  # one statement, its own transaction (migration 0005)
-            return await repo.run_batch(conn, items)
+    async def _not_found(self, caller: Caller, task_id: str) -> TaskNotFound:
+        await self.store.deny(caller, "not_found", task_id[:200])
+        return TaskNotFound(NOT_FOUND, task_id=task_id)
 
-    async def _run_item(self, item: repo.BatchItem) -> Task | None:
-        async with self.db.connection() as conn:
-            return await repo.run_item(conn, item)
-
-    async def _deny_not_found(self, caller: Caller, task_id: str) -> None:
-        async with self.db.transaction(caller.principal.tenant_id) as conn:
-            await audit(conn, caller, "deny", "not_found", task_id[:200])
-
-    async def list(self, caller: Caller, cursor: str | None) -> tuple[list[Task], str | None]:
+    async def list_page(self, caller: Caller, cursor: str | None) -> tuple[list[Task], str | None]:
+        """The caller's 2025-11-25 tasks, newest first (the extension has no list, X-SEC-4)."""
         principal = caller.principal
         after = self.cursors.decode(principal, cursor) if cursor is not None else None
-        async with self.db.transaction(principal.tenant_id) as conn:
-            tasks = await repo.list_tasks(conn, principal, after=after, limit=PAGE_SIZE + 1)
+        tasks = await self.store.list_tasks(principal, after=after, limit=PAGE_SIZE + 1)
         next_cursor = None
         if len(tasks) > PAGE_SIZE:
             tasks = tasks[:PAGE_SIZE]
@@ -239,88 +218,81 @@ class TaskService:
             next_cursor = self.cursors.encode(principal, last.created_at, last.task_id)
         return tasks, next_cursor
 
-    async def cancel(self, caller: Caller, task_id: str) -> Task:
-        """T-CANCEL-5: the row is cancelled (and its lease dropped) before we answer."""
-        principal = caller.principal
-        refusal: DomainError | None = None
-        async with self.db.transaction(principal.tenant_id) as conn:
-            task = await repo.cancel_task(conn, principal, task_id, "cancelled by the requestor")
-            if task is None:
-                existing = await repo.get_task(conn, principal, task_id)
-                if existing is None:
-                    await audit(conn, caller, "deny", "not_found", task_id[:200])
-                    refusal = TaskNotFound(NOT_FOUND, task_id=task_id)
-                else:
-                    await audit(conn, caller, "cancel", f"refused:{existing.status.value}", task_id)
-                    refusal = TaskAlreadyTerminal(
-                        f"Cannot cancel task: already in terminal status '{existing.status.value}'",
-                        task_id=task_id,
-                        status=existing.status.value,
-                    )
-            else:
-                await audit(conn, caller, "cancel", "cancelled", task_id)
-                await notify(conn, {"k": "cancel", "t": principal.tenant_id, "id": task_id})
-                await notify(conn, {"k": "status", "t": principal.tenant_id, "id": task_id, "s": task.session_id})
-        if refusal is not None:
-            raise refusal
-        assert task is not None
-        return task
+    async def cancel(self, caller: Caller, task_id: str, *, surface: Surface = Surface.LEGACY) -> Task:
+        """T-CANCEL-5 / XD-7: the row is cancelled (and its lease dropped) before we answer.
+        Raises TaskAlreadyTerminal for a task that had already ended (with it in ``details``)."""
+        if surface is Surface.LEGACY:
+            # A 2025-11-25 session may not touch a task created through the extension.
+            await self.get(caller, task_id, surface=surface)
+        result = await self.store.cancel(caller, task_id, "cancelled by the requestor")
+        if result.task is not None:
+            return result.task
+        if result.existing is None:
+            raise TaskNotFound(NOT_FOUND, task_id=task_id)
+        status = result.existing.status.value
+        raise TaskAlreadyTerminal(
+            f"Cannot cancel task: already in terminal status '{status}'", task_id=task_id, status=status
+        )
 
-    async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[FollowEvent]:
-        """Everything a blocking tasks/result stream carries, ending with the terminal task.
+    async def pending_inputs(self, caller: Caller, task: Task) -> list[PendingInput]:
+        """Every question of the task still waiting for an answer (empty unless input_required)."""
+        if task.status is not TaskStatus.INPUT_REQUIRED:
+            return []
+        return await self.store.pending_inputs(caller.principal, task.task_id)
 
-        Requests to the client are claimed for this stream alone (no broadcast, H-MULTI-2) and
-        released if the stream goes away unanswered, so the next tasks/result gets them.
+    async def answer(self, caller: Caller, task_id: str | None, responses: dict[str, InputResponse]) -> bool:
+        """Apply answers by key, all or nothing (InvalidArguments); unknown or already answered keys
+        are ignored and the first answer per key wins. ``task_id`` None: the task is found by key.
+        False when no key named an open question of the caller's."""
+        return await self.store.answer(caller, task_id, responses) is not None
+
+    async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[TaskEvent]:
+        """Everything a 2025-11-25 tasks/result stream carries, ending with Finished.
+
+        Questions are claimed for this stream alone (no broadcast, H-MULTI-2) and released if the
+        stream goes away unanswered, so the next tasks/result gets them.
         """
-        principal = caller.principal
+        tenant = caller.principal.tenant_id
         stream_id = secrets.token_urlsafe(12)
-        key = (principal.tenant_id, task_id)
-        carried = False  # whether this stream has claimed any of the task's requests
+        key = (tenant, task_id)
+        carried = False  # whether this stream has claimed any of the task's questions
         self.following[key] += 1
         try:
-            async with self.hub.subscribe(("task", principal.tenant_id, task_id)) as events:
+            async with self.hub.subscribe(("task", tenant, task_id)) as events:
                 last_status = None
                 loop = asyncio.get_running_loop()
                 touched = loop.time()
+                stale_ms = self.policy.stale_delivery_ms
                 while True:
                     task = await self.retrieve(caller, task_id)  # read after subscribing: no change is missed
                     if task.status.is_terminal:
-                        # C-10: requests this stream carried and nobody answered are void now.
+                        # C-10: questions this stream carried that nobody answered are void now.
                         if carried:
-                            async with self.db.transaction(principal.tenant_id) as conn:
-                                void = await repo.unanswered_for_stream(conn, principal.tenant_id, task_id, stream_id)
-                            for rpc_id in void:
-                                meta = {RELATED_TASK: {"taskId": task_id}}
-                                params = {"requestId": rpc_id, "reason": f"task {task.status.value}", "_meta": meta}
-                                yield Notice("notifications/cancelled", params)
+                            for input_key in await self.store.unanswered_for_stream(tenant, task_id, stream_id):
+                                yield InputVoided(task_id, input_key, f"task {task.status.value}")
                         yield Finished(task)
                         return
                     if last_status is not None and task.status != last_status:
                         yield StatusChanged(task)
                     last_status = task.status
-                    # A task asks its client only while input_required (the request and the status
+                    # A task asks its client only while input_required (the question and the status
                     # change commit together), so only then is there anything to claim.
                     if task.status is TaskStatus.INPUT_REQUIRED:
-                        async with self.db.transaction(principal.tenant_id) as conn:
-                            pending = await repo.claim_undelivered_messages(
-                                conn, principal.tenant_id, task_id, stream_id, STALE_DELIVERY_MS
-                            )
+                        pending = await self.store.claim_inputs(tenant, task_id, stream_id, stale_ms)
                         carried = carried or bool(pending)
-                        for msg in pending:
-                            yield ClientRequest(msg["rpc_id"], msg["method"], msg["params"])
-                    if carried and loop.time() - touched > STALE_DELIVERY_MS / 3000:
+                        for question in pending:
+                            yield InputRequested(task_id, question)
+                    if carried and loop.time() - touched > stale_ms / 3000:
                         touched = loop.time()
-                        async with self.db.transaction(principal.tenant_id) as conn:
-                            await repo.touch_deliveries(conn, principal.tenant_id, stream_id)
+                        await self.store.touch_deliveries(tenant, stream_id)
                     # Wait for something to happen; notices are passed on without a re-read.
                     while True:
                         try:
                             event = await asyncio.wait_for(events.get(), timeout=poll_s)
                         except TimeoutError:
                             break
-                        if event.get("k") in ("progress", "log") and isinstance(event.get("params"), dict):
-                            method = "notifications/progress" if event["k"] == "progress" else "notifications/message"
-                            yield Notice(method, event["params"])
+                        if (notice := notice_of(event)) is not None:
+                            yield notice
                             continue
                         break
         finally:
@@ -329,46 +301,62 @@ class TaskService:
                 del self.following[key]
             if carried:
                 with contextlib.suppress(Exception):
-                    async with self.db.transaction(principal.tenant_id) as conn:
-                        await repo.release_messages(conn, principal.tenant_id, stream_id)
+                    await self.store.release_deliveries(tenant, stream_id)
+
+    async def watch(self, caller: Caller, task_ids: list[str], *, poll_s: float) -> AsyncIterator[Task]:
+        """The current state of each of the caller's tasks, then each change, until cancelled.
+        Ids that are not the caller's live tasks are skipped (XD-14). Changes on any replica arrive
+        through the store's events; a poll every ``poll_s`` covers a lost event."""
+        tenant = caller.principal.tenant_id
+        topics = [("task", tenant, task_id) for task_id in task_ids]
+        async with self.hub.subscribe(*topics) as events:
+            seen: dict[str, tuple[Any, ...]] = {}
+            for task_id in task_ids:
+                task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
+                if task is not None:
+                    seen[task_id] = (task.status, task.last_updated_at)
+                    yield task
+            while seen:
+                changed: set[str] = set()
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=poll_s)
+                    if isinstance(event, TaskChanged) and event.task_id in seen:
+                        changed.add(event.task_id)
+                    elif isinstance(event, Resync):
+                        changed = set(seen)
+                except TimeoutError:
+                    changed = set(seen)
+                for task_id in sorted(changed):
+                    task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
+                    if task is None:
+                        del seen[task_id]
+                        continue
+                    state = (task.status, task.last_updated_at)
+                    if state != seen[task_id]:
+                        seen[task_id] = state
+                        yield task
+                    if task.status.is_terminal:
+                        del seen[task_id]
 
     @contextlib.asynccontextmanager
-    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[FollowEvent]]:
+    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[TaskEvent]]:
         """For a session's GET stream: status changes and notices of tasks that session created,
-        unless a tasks/result stream in this process already carries them (no duplicates).
+        unless a result stream in this process already carries them (no duplicates).
         Subscribed on entry, so nothing is missed between subscribing and iterating."""
+        caller = Caller(principal)
         async with self.hub.subscribe(("session", principal.tenant_id, session_id)) as queue:
 
-            async def events() -> AsyncIterator[FollowEvent]:
+            async def events() -> AsyncIterator[TaskEvent]:
                 while True:
                     event = await queue.get()
-                    task_id = str(event.get("id", ""))
-                    if (principal.tenant_id, task_id) in self.following:
+                    task_id = getattr(event, "task_id", None)
+                    if task_id is None or (principal.tenant_id, task_id) in self.following:
                         continue
-                    kind = event.get("k")
-                    if kind in ("progress", "log") and isinstance(event.get("params"), dict):
-                        method = "notifications/progress" if kind == "progress" else "notifications/message"
-                        yield Notice(method, event["params"])
-                    elif kind == "status":
-                        task = await self._load(principal, task_id)
+                    if (notice := notice_of(event)) is not None:
+                        yield notice
+                    elif isinstance(event, TaskChanged):
+                        task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
                         if task is not None:
                             yield StatusChanged(task)
 
             yield events()
-
-    async def answer(self, caller: Caller, rpc_id: str, answer: dict[str, Any]) -> bool:
-        """A client's JSON-RPC response to a task's request; False if it answers nothing of ours."""
-        principal = caller.principal
-        async with self.db.transaction(principal.tenant_id) as conn:
-            row = await repo.answer_message(conn, principal, rpc_id, answer)
-            if row is None:
-                return False
-            result = answer.get("result")
-            action = result.get("action") if isinstance(result, dict) else None
-            # Only known words reach the audit trail: the client chooses this value.
-            outcome = (
-                action if action in ("accept", "decline", "cancel") else "invalid" if result is not None else "error"
-            )
-            await audit(conn, caller, "input", str(outcome), row["task_id"])
-            await notify(conn, {"k": "answer", "t": principal.tenant_id, "id": row["task_id"]})
-        return True

@@ -5,21 +5,19 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from service.domain.principal import Principal
-from service.store import repository as repo
 from service.store.db import Database
-from service.store.events import Event, EventHub, notify
+from service.store.events import Event, EventHub, Resync, SessionChanged
+from service.store.repository import SessionStore
 
-TOUCH_EVERY = timedelta(minutes=1)
+TOUCH_EVERY_S = 60.0
 # Every request names its session, so each replica keeps the sessions it has seen for a few
 # seconds: a plain call then needs no database work. A change (DELETE, logging/setLevel) is
 # announced to every replica at commit; the expiry bounds staleness should that event be lost.
 CACHE_SECONDS = 5.0
 CACHE_MAX = 50_000
-SESSION_CHANGED = "session_changed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +30,7 @@ class Session:
 
 class SessionService:
     def __init__(self, db: Database, hub: EventHub | None = None, *, cache_seconds: float = CACHE_SECONDS) -> None:
-        self.db = db
+        self.store = SessionStore(db)
         self._cache_seconds = cache_seconds
         # (tenant, session id) -> (subject, session, monotonic expiry)
         self._cache: dict[tuple[str, str], tuple[str, Session, float]] = {}
@@ -42,9 +40,9 @@ class SessionService:
             hub.listeners.append(self._on_event)
 
     def _on_event(self, event: Event) -> None:
-        if event.get("k") == SESSION_CHANGED:
-            self._forget(str(event.get("t")), str(event.get("sid")))
-        elif event.get("k") == "resync":  # the listener was away: anything may have changed
+        if isinstance(event, SessionChanged):
+            self._forget(event.tenant_id, event.session_id)
+        elif isinstance(event, Resync):  # the listener was away: anything may have changed
             self._generation += 1
             self._cache.clear()
 
@@ -67,8 +65,7 @@ class SessionService:
     ) -> Session:
         # H-SESS-2: CSPRNG, visible ASCII only.
         session_id = secrets.token_urlsafe(24)
-        async with self.db.transaction(principal.tenant_id) as conn:
-            await repo.insert_session(conn, principal, session_id, protocol_version, client_capabilities, client_info)
+        await self.store.insert(principal, session_id, protocol_version, client_capabilities, client_info)
         session = Session(session_id, protocol_version, client_capabilities)
         self._remember(principal, session)
         return session
@@ -79,27 +76,19 @@ class SessionService:
         if cached is not None and cached[2] > time.monotonic():
             return cached[1] if cached[0] == principal.subject else None
         generation = self._generation
-        async with self.db.transaction(principal.tenant_id) as conn:
-            row = await repo.get_session(conn, principal, session_id)
-            if row is None:
-                return None
-            if datetime.now(UTC) - row["last_seen_at"] > TOUCH_EVERY:
-                await repo.touch_session(conn, principal.tenant_id, session_id)
-        session = Session(row["session_id"], row["protocol_version"], row["client_capabilities"], row["log_level"])
+        row = await self.store.get(principal, session_id, touch_after_s=TOUCH_EVERY_S)
+        if row is None:
+            return None
+        session = Session(row.session_id, row.protocol_version, row.client_capabilities, row.log_level)
         if generation == self._generation:  # no change was announced while we read it
             self._remember(principal, session)
         return session
 
     async def set_log_level(self, principal: Principal, session_id: str, level: str) -> None:
-        async with self.db.transaction(principal.tenant_id) as conn:
-            await repo.set_session_log_level(conn, principal.tenant_id, session_id, level)
-            await notify(conn, {"k": SESSION_CHANGED, "t": principal.tenant_id, "sid": session_id})
+        await self.store.set_log_level(principal, session_id, level)
         self._forget(principal.tenant_id, session_id)
 
     async def end(self, principal: Principal, session_id: str) -> bool:
-        async with self.db.transaction(principal.tenant_id) as conn:
-            ended = await repo.delete_session(conn, principal, session_id)
-            if ended:
-                await notify(conn, {"k": SESSION_CHANGED, "t": principal.tenant_id, "sid": session_id})
+        ended = await self.store.delete(principal, session_id)
         self._forget(principal.tenant_id, session_id)
         return ended

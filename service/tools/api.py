@@ -35,20 +35,23 @@ class ToolError(Exception):
     """Raised by a tool for an error the model should see: becomes ``isError: true``."""
 
 
-class RpcError(Exception):
-    """Raised by a tool to end its request with a JSON-RPC error (replayed by tasks/result)."""
+class ToolFailure(Exception):
+    """Raised by a tool to end its call as failed, without a result: a protocol error on the wire
+    (replayed by tasks/result; ``failed`` with ``error`` on the extension). The service picks the
+    error code unless ``code`` names one."""
 
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
+    def __init__(self, message: str, *, code: int | None = None, data: Any = None) -> None:
         super().__init__(message)
-        self.code = code
         self.message = message
+        self.code = code
         self.data = data
 
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            out["data"] = self.data
-        return out
+
+class RpcError(ToolFailure):
+    """A ToolFailure with the JSON-RPC error code the tool chooses."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message, code=code, data=data)
 
 
 class InputNotSupported(ToolError):

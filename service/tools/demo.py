@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.tools.api import RpcError, ToolContext, ToolError
+from service.tools.api import ToolContext, ToolError, ToolFailure
 from service.tools.registry import ToolPack
 
 pack = ToolPack("demo")
@@ -39,8 +39,8 @@ async def fail(ctx: ToolContext, message: str) -> str:
 
 @pack.tool()
 async def crash(ctx: ToolContext, message: str) -> str:
-    """End with a JSON-RPC error (-32603) carrying the message."""
-    raise RpcError(-32603, message)
+    """End the call as failed (a protocol error, not a result) carrying the message."""
+    raise ToolFailure(message)
 
 
 @pack.tool()

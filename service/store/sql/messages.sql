@@ -1,51 +1,84 @@
--- name: insert_message
--- A request from a running task to its client; seq orders a task's requests.
-INSERT INTO task_messages (tenant_id, task_id, seq, rpc_id, method, params)
-SELECT $1, $2, coalesce(max(seq), 0) + 1, $3, $4, $5
-FROM task_messages WHERE tenant_id = $1 AND task_id = $2
+-- name: ask_input
+-- A running task asks its client a question and goes input_required, only while the runner holds
+-- its lease (no row back: cancelled, expired or taken over). seq orders a task's questions.
+WITH moved AS (
+    UPDATE tasks SET status = 'input_required', status_message = 'waiting for input',
+                     last_updated_at = clock_timestamp()
+    WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_active(status)
+    RETURNING tenant_id, task_id
+)
+INSERT INTO task_messages (tenant_id, task_id, seq, input_key, kind, params)
+SELECT m.tenant_id, m.task_id,
+       (SELECT coalesce(max(seq), 0) + 1 FROM task_messages WHERE tenant_id = $1 AND task_id = $2), $4, $5, $6
+FROM moved m
 RETURNING seq;
 
+-- name: pending_inputs
+-- Every unanswered question of an owner's active task, oldest first (the extension's inputRequests).
+SELECT m.input_key, m.kind, m.params
+FROM task_messages m JOIN tasks t ON t.tenant_id = m.tenant_id AND t.task_id = m.task_id
+WHERE m.tenant_id = $1 AND m.task_id = $2 AND t.subject = $3 AND m.answered_at IS NULL
+  AND task_status_active(t.status) AND t.expires_at > clock_timestamp()
+ORDER BY m.seq;
+
 -- name: claim_undelivered_messages
--- Hand unanswered requests to one stream (no broadcast); stale deliveries are offered again.
+-- Hand unanswered questions to one stream (no broadcast); stale deliveries are offered again.
 UPDATE task_messages
 SET delivered_to = $3, delivered_at = clock_timestamp()
 WHERE tenant_id = $1 AND task_id = $2 AND answered_at IS NULL
   AND (delivered_to IS NULL
        OR (delivered_to <> $3 AND delivered_at < clock_timestamp() - $4 * interval '1 millisecond'))
-RETURNING seq, rpc_id, method, params;
+RETURNING seq, input_key, kind, params;
 
 -- name: touch_deliveries
--- A live stream keeps its claim on the requests it delivered (they are not stale).
+-- A live stream keeps its claim on the questions it delivered (they are not stale).
 UPDATE task_messages SET delivered_at = clock_timestamp()
 WHERE tenant_id = $1 AND delivered_to = $2 AND answered_at IS NULL;
 
--- name: void_unanswered_messages
--- A task re-queued to run again from the start: its old questions can no longer be answered.
-DELETE FROM task_messages WHERE tenant_id = $1 AND task_id = $2 AND answered_at IS NULL;
-
 -- name: release_messages
--- A stream closed before its requests were answered: let the next stream take them.
+-- A stream closed before its questions were answered: let the next stream take them.
 UPDATE task_messages
 SET delivered_to = NULL, delivered_at = NULL
 WHERE tenant_id = $1 AND delivered_to = $2 AND answered_at IS NULL;
 
--- name: answer_message
--- Record the client's answer, only for a request of a task the same subject owns.
-UPDATE task_messages m
-SET answer = $3, answered_at = clock_timestamp()
-FROM tasks t
-WHERE m.tenant_id = $1 AND m.rpc_id = $2 AND m.answered_at IS NULL
-  AND t.tenant_id = m.tenant_id AND t.task_id = m.task_id AND t.subject = $4
-  AND t.status IN ('working', 'input_required') AND t.expires_at > clock_timestamp()
-RETURNING m.task_id, m.seq;
+-- name: lock_outstanding_inputs
+-- The questions among keys $4 still open on an active task of subject $2 (of task $3, or found by
+-- key when $3 is NULL), locked so the first answer per key wins.
+SELECT m.task_id, m.input_key, m.kind
+FROM task_messages m JOIN tasks t ON t.tenant_id = m.tenant_id AND t.task_id = m.task_id
+WHERE m.tenant_id = $1 AND t.subject = $2 AND ($3::text IS NULL OR m.task_id = $3)
+  AND m.input_key = ANY ($4::text[]) AND m.answered_at IS NULL
+  AND task_status_active(t.status) AND t.expires_at > clock_timestamp()
+ORDER BY m.task_id, m.seq
+FOR UPDATE OF m;
+
+-- name: store_answers
+-- Record answers ($4, in the order of keys $3); returns how many questions of the task stay open.
+WITH answered AS (
+    UPDATE task_messages m SET answer = a.answer, answered_at = clock_timestamp()
+    FROM unnest($3::text[], $4::jsonb[]) AS a(input_key, answer)
+    WHERE m.tenant_id = $1 AND m.task_id = $2 AND m.input_key = a.input_key AND m.answered_at IS NULL
+    RETURNING m.input_key
+)
+SELECT count(*) FROM task_messages
+WHERE tenant_id = $1 AND task_id = $2 AND answered_at IS NULL
+  AND input_key NOT IN (SELECT input_key FROM answered);
+
+-- name: resume_if_answered
+-- No question left open ($3 = 0): the task is working again (XD-10); returns its session.
+UPDATE tasks SET status = CASE WHEN $3 = 0 THEN 'working'::task_status ELSE status END,
+                 status_message = CASE WHEN $3 = 0 THEN NULL ELSE status_message END,
+                 last_updated_at = clock_timestamp()
+WHERE tenant_id = $1 AND task_id = $2 AND task_status_active(status)
+RETURNING session_id;
 
 -- name: get_answer
--- The answer to one request, once it has come.
+-- The answer to one question, once it has come.
 SELECT answer FROM task_messages
-WHERE tenant_id = $1 AND task_id = $2 AND seq = $3 AND answered_at IS NOT NULL;
+WHERE tenant_id = $1 AND task_id = $2 AND input_key = $3 AND answered_at IS NOT NULL;
 
 -- name: unanswered_for_stream
--- Requests this stream delivered that were never answered (void once the task has ended).
-SELECT rpc_id FROM task_messages
+-- Questions this stream delivered that were never answered (void once the task has ended).
+SELECT input_key FROM task_messages
 WHERE tenant_id = $1 AND task_id = $2 AND delivered_to = $3 AND answered_at IS NULL
 ORDER BY seq;

@@ -5,7 +5,8 @@ VALUES ($1, $2, $3, $4, $5, $6);
 
 -- name: get_session
 -- The session as its owner sees it; another subject's session is not returned.
-SELECT session_id, protocol_version, client_capabilities, log_level, last_seen_at
+SELECT session_id, protocol_version, client_capabilities, log_level, last_seen_at,
+       extract(epoch FROM clock_timestamp() - last_seen_at) AS idle_s
 FROM sessions WHERE tenant_id = $1 AND session_id = $2 AND subject = $3;
 
 -- name: touch_session

@@ -6,19 +6,19 @@ WHERE tenant_id = $1 AND task_id = $2 AND subject = $3 AND expires_at > clock_ti
 -- name: get_leased_task
 -- An active task leased to this runner (after a create whose answer was lost).
 SELECT * FROM tasks
-WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND status IN ('working', 'input_required');
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_active(status);
 
 -- name: list_tasks_first
--- First page of an owner's tasks, newest first.
+-- First page of an owner's 2025-11-25 tasks, newest first (the extension has no list, X-SEC-4).
 SELECT * FROM tasks
-WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp()
+WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND surface = '2025-11-25'
 ORDER BY created_at DESC, task_id DESC
 LIMIT $3;
 
 -- name: list_tasks_after
 -- Next page after the keyset (created_at, task_id) carried by the cursor.
 SELECT * FROM tasks
-WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp()
+WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND surface = '2025-11-25'
   AND (created_at, task_id) < ($3, $4)
 ORDER BY created_at DESC, task_id DESC
 LIMIT $5;
@@ -29,14 +29,7 @@ UPDATE tasks
 SET status = 'cancelled', status_message = $4, last_updated_at = clock_timestamp(),
     finished_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
 WHERE tenant_id = $1 AND task_id = $2 AND subject = $3
-  AND status IN ('working', 'input_required') AND expires_at > clock_timestamp()
-RETURNING *;
-
--- name: set_active_status
--- working <-> input_required while the runner holds the lease.
-UPDATE tasks
-SET status = $4, status_message = $5, last_updated_at = clock_timestamp()
-WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND status IN ('working', 'input_required')
+  AND task_status_active(status) AND expires_at > clock_timestamp()
 RETURNING *;
 
 -- name: claim_tasks
@@ -64,7 +57,7 @@ FROM (
     SELECT h.tenant_id, h.task_id FROM tasks h
     JOIN unnest($3::text[], $4::text[]) AS running(tenant_id, task_id)
       ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
-    WHERE h.lease_owner = $1 AND h.status IN ('working', 'input_required')
+    WHERE h.lease_owner = $1 AND task_status_active(h.status)
     ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
     FOR NO KEY UPDATE OF h
 ) held
@@ -73,6 +66,7 @@ RETURNING t.tenant_id, t.task_id;
 
 -- name: find_lost_leases
 -- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
+-- Not locked here: task_release_batch re-checks the owner under the row lock.
 SELECT tenant_id, task_id, subject, tool, attempts, lease_owner FROM tasks t
 WHERE lease_owner IS NOT NULL
   AND (lease_expires_at < clock_timestamp()
@@ -81,25 +75,7 @@ WHERE lease_owner IS NOT NULL
                         AND l.classid::bigint = ((t.lease_key >> 32) & 4294967295)
                         AND l.objid::bigint = (t.lease_key & 4294967295)))
 ORDER BY lease_expires_at
-LIMIT $1
-FOR UPDATE SKIP LOCKED;
-
--- name: requeue_task
--- A lost task whose tool is safe to re-run goes back to the queue.
-UPDATE tasks
-SET status = 'working', status_message = $4, last_updated_at = clock_timestamp(),
-    lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3
-RETURNING *;
-
--- name: fail_lost_task
--- A lost task whose tool is not safe to re-run fails with a protocol error outcome.
-UPDATE tasks
-SET status = 'failed', outcome = 'rpc_error', payload = $4, status_message = $5,
-    last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-    lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3
-RETURNING *;
+LIMIT $1;
 
 -- name: delete_expired_tasks
 -- One sweeper batch; SKIP LOCKED keeps concurrent sweepers from blocking each other.
@@ -121,24 +97,6 @@ RETURNING t.*;
 SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
        (SELECT count(*) FROM tasks WHERE status = 'input_required') AS input_required;
 
--- name: create_task_checked
--- The caps under the tenant's create lock, the row, its audit event and the wake-up (migration 0004).
--- No row back: a cap refused it and nothing was written. $19-$21 lease it to a local runner at once.
-SELECT * FROM task_create($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
-                          $19, $20, $21);
-
--- name: get_task_scoped
--- get_task in one round trip: the function sets the tenant for its own transaction (migration 0004).
-SELECT * FROM task_get($1, $2, $3);
-
--- name: retrieve_task
--- The task, auditing the hand-out of a terminal result in the same statement (migration 0004).
-SELECT * FROM task_retrieve($1, $2, $3, $4, $5, $6, $7);
-
--- name: finish_task_audited
--- finish_task, its audit event and the status wake-up in one statement (migration 0004).
-SELECT * FROM task_finish($1, $2, $3, $4, $5, $6, $7, $8);
-
 -- name: task_batch
 -- Many creates, gets and retrieves in one statement and one commit (migration 0005): one row per
 -- item, in order; a row of NULLs where there is no task.
@@ -147,3 +105,7 @@ SELECT * FROM task_batch($1);
 -- name: finish_task_batch
 -- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
 SELECT * FROM task_finish_batch($1);
+
+-- name: release_task_batch
+-- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken (the one hand-back path).
+SELECT * FROM task_release_batch($1);

@@ -1,0 +1,66 @@
+"""What happens to a task, as the core tells it to the edge: typed, wire-neutral events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from service.domain.inputs import PendingInput
+from service.domain.task import Task
+
+# Log levels (RFC 5424 severities), lowest first.
+LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+
+
+@dataclass(frozen=True, slots=True)
+class StatusChanged:
+    task: Task
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A step of a call's progress; ``token`` is the one its creating request gave (T-PROG-1)."""
+
+    task_id: str | None
+    token: str | int
+    progress: float
+    total: float | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    task_id: str | None
+    level: str
+    data: Any
+    logger: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InputRequested:
+    task_id: str | None
+    input: PendingInput
+
+
+@dataclass(frozen=True, slots=True)
+class InputVoided:
+    """A question this stream carried can no longer be answered (its task ended, C-10)."""
+
+    task_id: str
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    task: Task
+
+
+TaskEvent = StatusChanged | Progress | LogEntry | InputRequested | InputVoided | Finished
+
+
+def log_wanted(level: str, minimum: str | None) -> bool:
+    """Whether a log entry at ``level`` passes a session's ``logging/setLevel`` minimum."""
+    if level not in LOG_LEVELS:
+        return False
+    return minimum is None or minimum not in LOG_LEVELS or LOG_LEVELS.index(level) >= LOG_LEVELS.index(minimum)

@@ -1,0 +1,28 @@
+"""Giving a task back when its run cannot go on: the one rule for the reaper and a stopping runner."""
+
+from __future__ import annotations
+
+from service.store.requests import ReleaseRequest
+from service.tools.execute import runner_stopped
+from service.tools.registry import Registry
+
+# A task whose runs keep being lost is failed after this many attempts, rerunnable or not.
+MAX_ATTEMPTS = 3
+
+
+def hand_back(
+    registry: Registry, *, tenant_id: str, task_id: str, subject: str, tool: str, owner: str, why: str,
+    never_started: bool = False,
+) -> ReleaseRequest:  # fmt: skip
+    """Run it again if its tool is safe to re-run (or it never started), else fail it."""
+    spec = registry.tools.get(tool)
+    return ReleaseRequest(
+        tenant_id=tenant_id,
+        task_id=task_id,
+        owner=owner,
+        rerunnable=never_started or (spec is not None and spec.rerunnable),
+        max_attempts=MAX_ATTEMPTS,
+        requeue_message=why,
+        failure=runner_stopped(tool).payload,
+        subject=subject,
+    )

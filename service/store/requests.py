@@ -1,0 +1,174 @@
+"""Typed requests of the batched operations, one dataclass per SQL item type of the schema.
+
+Each travels to PostgreSQL as one element of a jsonb array whose keys are the item type's fields
+(``jsonb_populate_record``): a field added here is a field added to the SQL type, nowhere else.
+A single request is a batch of one (one implementation per stored operation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from service.domain.principal import Caller, Principal
+from service.domain.task import Outcome, OutcomeKind
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRequest:
+    """An item of ``task_batch`` (SQL type task_batch_item): a create, a get or a retrieve."""
+
+    k: str
+    tenant_id: str
+    task_id: str
+    subject: str
+    issuer: str = ""
+    client_id: str = ""
+    request_id: str | None = None
+    client_address: str | None = None
+    session_id: str | None = None
+    surface: str | None = None
+    tool: str | None = None
+    arguments: dict[str, Any] | None = None
+    client_capabilities: dict[str, Any] | None = None
+    progress_token: str | int | None = None
+    ttl_ms: int | None = None
+    poll_interval_ms: int | None = None
+    max_per_requestor: int | None = None
+    max_per_tenant: int | None = None
+    detail: dict[str, Any] | None = None
+    lease_owner: str | None = None
+    lease_key: int | None = None
+    lease_ms: int | None = None
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        """Counters and rows are locked in (tenant, subject, task) order (see the schema)."""
+        return (self.tenant_id, self.subject, self.task_id)
+
+
+def lookup(caller: Caller, task_id: str, *, retrieve: bool) -> TaskRequest:
+    """The caller's unexpired task; ``retrieve`` audits the hand-out when it is terminal (T-SEC-10)."""
+    p = caller.principal
+    return TaskRequest(
+        "retrieve" if retrieve else "get",
+        p.tenant_id,
+        task_id,
+        p.subject,
+        issuer=p.issuer,
+        client_id=p.client_id,
+        request_id=caller.request_id,
+        client_address=caller.address,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A slot of this process's runner: create the task already leased to it."""
+
+    owner: str
+    key: int
+    ms: int
+
+
+def create(
+    caller: Caller,
+    task_id: str,
+    *,
+    tool: str,
+    arguments: dict[str, Any],
+    surface: str,
+    session_id: str | None,
+    client_capabilities: dict[str, Any],
+    progress_token: str | int | None,
+    ttl_ms: int,
+    poll_interval_ms: int,
+    max_per_requestor: int,
+    max_per_tenant: int,
+    lease: Lease | None,
+) -> TaskRequest:
+    p: Principal = caller.principal
+    return TaskRequest(
+        "create",
+        p.tenant_id,
+        task_id,
+        p.subject,
+        issuer=p.issuer,
+        client_id=p.client_id,
+        request_id=caller.request_id,
+        client_address=caller.address,
+        session_id=session_id,
+        surface=surface,
+        tool=tool,
+        arguments=arguments,
+        client_capabilities=client_capabilities,
+        progress_token=progress_token,
+        ttl_ms=ttl_ms,
+        poll_interval_ms=poll_interval_ms,
+        max_per_requestor=max_per_requestor,
+        max_per_tenant=max_per_tenant,
+        detail={"tool": tool, "ttl_ms": ttl_ms, "surface": surface},
+        lease_owner=lease.owner if lease else None,
+        lease_key=lease.key if lease else None,
+        lease_ms=lease.ms if lease else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRequest:
+    """An item of ``task_finish_batch`` (task_finish_item): a runner's outcome, under its lease."""
+
+    tenant_id: str
+    task_id: str
+    owner: str
+    status: str
+    outcome: str
+    payload: dict[str, Any]
+    status_message: str | None
+    detail: dict[str, Any]
+    subject: str = ""  # orders the batch; not a field of the SQL type (ignored there)
+
+    @classmethod
+    def of(cls, tenant_id: str, task_id: str, subject: str, owner: str, outcome: Outcome) -> FinishRequest:
+        detail: dict[str, Any] = {"kind": outcome.kind.value}
+        if outcome.kind is OutcomeKind.FAILURE:
+            detail["reason"] = outcome.payload.get("reason")
+        return cls(
+            tenant_id,
+            task_id,
+            owner,
+            outcome.status.value,
+            outcome.kind.value,
+            outcome.payload,
+            outcome.status_message,
+            detail,
+            subject,
+        )
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        return (self.tenant_id, self.subject, self.task_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest:
+    """An item of ``task_release_batch`` (task_release_item): a runner gives a task back; it runs
+    again if ``rerunnable`` and attempts remain, else it fails with ``failure``."""
+
+    tenant_id: str
+    task_id: str
+    owner: str
+    rerunnable: bool
+    max_attempts: int
+    requeue_message: str
+    failure: dict[str, Any]
+    subject: str = ""
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        return (self.tenant_id, self.subject, self.task_id)
+
+
+def as_items(requests: list[Any]) -> list[dict[str, Any]]:
+    """The jsonb array a batch function takes (slots dataclasses: no deep copy on the hot path)."""
+    return [{name: getattr(r, name) for name in r.__slots__} for r in requests]
