@@ -23,13 +23,13 @@ test: $(STAMP) ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASK
 	$(BIN)/pytest
 
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
-	$(BIN)/ruff check service tests bench
-	$(BIN)/ruff format --check service tests bench
+	$(BIN)/ruff check service tests bench alembic
+	$(BIN)/ruff format --check service tests bench alembic
 	$(BIN)/mypy
 
 format: $(STAMP) ## apply ruff's fixes and formatting
-	$(BIN)/ruff check --fix service tests bench
-	$(BIN)/ruff format service tests bench
+	$(BIN)/ruff check --fix service tests bench alembic
+	$(BIN)/ruff format service tests bench alembic
 
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
 	scripts/interop.sh

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from functools import cache
 from importlib import resources
+from pathlib import Path
 
 import asyncpg
 from alembic import command
@@ -11,9 +13,24 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 
+@cache
+def script_location() -> Path:
+    """The migration scripts: inside the installed package, else the checkout's top-level alembic/.
+
+    A wheel carries the repository's alembic/ as ``service/_alembic`` (pyproject.toml maps it);
+    an editable install or a plain checkout reads alembic/ next to ``service/``."""
+    shipped = resources.files("service").joinpath("_alembic")
+    if shipped.joinpath("env.py").is_file():
+        return Path(str(shipped))
+    checkout = Path(__file__).resolve().parents[2] / "alembic"
+    if (checkout / "env.py").is_file():
+        return checkout
+    raise RuntimeError(f"migration scripts not found (neither {shipped} nor {checkout})")
+
+
 def _config(dsn: str) -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(resources.files("service.store").joinpath("migrations")))
+    cfg.set_main_option("script_location", str(script_location()))
     cfg.set_main_option("sqlalchemy.url", dsn.replace("%", "%%"))
     return cfg
 
