@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -35,8 +36,29 @@ def _config(dsn: str) -> Config:
     return cfg
 
 
+@dataclass(frozen=True)
+class Upgrade:
+    """What ``upgrade_to_head`` did: the revision found, and the head it left the database at."""
+
+    before: str | None
+    head: str
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.head
+
+
 def upgrade(dsn: str, revision: str = "head") -> None:
+    """Each revision runs in its own transaction: one that fails leaves the database at the one before."""
     command.upgrade(_config(dsn), revision)
+
+
+def upgrade_to_head(dsn: str) -> Upgrade:
+    before = asyncio.run(current_revision(dsn))
+    head = head_revision()
+    if before != head:
+        upgrade(dsn)
+    return Upgrade(before, head)
 
 
 def downgrade(dsn: str, revision: str) -> None:
