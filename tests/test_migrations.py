@@ -17,12 +17,9 @@ from alembic.config import Config
 
 from service.store import migrate
 from tests.conftest import _with_db
-from tests.pgdump import pg_dump_available, schema_dump
-
-needs_pg_dump = pytest.mark.skipif(not pg_dump_available(), reason="needs pg_dump (PostgreSQL client tools)")
+from tests.pgdump import schema_dump
 
 
-@needs_pg_dump
 async def test_upgrade_downgrade_upgrade_round_trips(admin_dsn: str, database_url: str) -> None:
     """Down to base leaves what an empty database has; up again rebuilds the whole catalog, not only
     the columns: functions, triggers, policies and grants too."""

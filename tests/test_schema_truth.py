@@ -9,9 +9,7 @@ import pytest
 
 from service.store import migrate
 from tests.conftest import _with_db
-from tests.pgdump import object_diff, pg_dump_available, schema_dump, schema_objects
-
-pytestmark = pytest.mark.skipif(not pg_dump_available(), reason="needs pg_dump (PostgreSQL client tools)")
+from tests.pgdump import object_diff, schema_dump, schema_objects
 
 WHAT_TO_DO = """\
 alembic/schema.sql and the migrations in alembic/versions/ describe different schemas.
