@@ -15,8 +15,8 @@ WHAT_TO_DO = """\
 alembic/schema.sql and the migrations in alembic/versions/ describe different schemas.
   - lines: what the migrations build (upgraded to head);  + lines: what alembic/schema.sql builds.
 To change the schema, edit alembic/schema.sql AND add a migration that makes the same change
-(`alembic revision -m "..."`; a changed function carries its full new body). Never edit a committed
-migration. See CONTRIBUTING.md."""
+(`alembic revision --rev-id <next> -m "..."`; a changed function carries its full new body).
+Never edit a committed migration. See CONTRIBUTING.md."""
 
 
 async def test_migrations_build_exactly_the_schema_file(admin_dsn: str, template_db: str) -> None:
