@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test lint format interop bench bench-smoke clean
+.PHONY: help run test schema-check lint format interop bench bench-smoke clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,14 +22,17 @@ run: $(STAMP) ## run the service (embedded PostgreSQL unless MCP_TASKS_DATABASE_
 test: $(STAMP) ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
 	$(BIN)/pytest
 
+schema-check: $(STAMP) ## alembic/schema.sql against the migrations, and the migration tests (CONTRIBUTING.md)
+	$(BIN)/pytest tests/test_schema_truth.py tests/test_migrations.py
+
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
-	$(BIN)/ruff check service tests bench
-	$(BIN)/ruff format --check service tests bench
+	$(BIN)/ruff check service tests bench alembic
+	$(BIN)/ruff format --check service tests bench alembic
 	$(BIN)/mypy
 
 format: $(STAMP) ## apply ruff's fixes and formatting
-	$(BIN)/ruff check --fix service tests bench
-	$(BIN)/ruff format service tests bench
+	$(BIN)/ruff check --fix service tests bench alembic
+	$(BIN)/ruff format service tests bench alembic
 
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
 	scripts/interop.sh

@@ -86,8 +86,16 @@ def _migrate(args: argparse.Namespace) -> None:
     settings = _settings()
     if not settings.database_url:
         sys.exit("mcp-tasks migrate: set MCP_TASKS_DATABASE_URL (the embedded database migrates itself on serve)")
-    migrate.upgrade(settings.database_url)
-    print(f"database at revision {migrate.head_revision()}")
+    from alembic.util import CommandError
+
+    try:
+        done = migrate.upgrade_to_head(settings.database_url)
+    except CommandError as exc:  # e.g. the database is at a revision this version does not know
+        sys.exit(f"mcp-tasks migrate: {exc}")
+    if done.changed:
+        print(f"database upgraded from {done.before or 'an empty schema'} to {done.head} (head)")
+    else:
+        print(f"database already at head ({done.head}); nothing to do")
 
 
 def _parse_arg(raw: str) -> tuple[str, Any]:

@@ -1,35 +1,41 @@
-"""Migrations are raw SQL, reversible: upgrade → downgrade → upgrade leaves the same schema."""
+"""Migrations are raw SQL, reversible, and each runs in one transaction."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import asyncpg
 import pytest
+from alembic import command
+from alembic.config import Config
 
 from service.store import migrate
-from service.store.queries import Q
-
-SCHEMA_QUERY = """
-SELECT table_name, column_name, data_type, is_nullable
-FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1, 2
-"""
+from tests.conftest import _with_db
+from tests.pgdump import schema_dump
 
 
-async def test_upgrade_downgrade_upgrade_round_trips(database_url: str) -> None:
-    conn = await asyncpg.connect(database_url)
+async def test_upgrade_downgrade_upgrade_round_trips(admin_dsn: str, database_url: str) -> None:
+    """Down to base leaves what an empty database has; up again rebuilds the whole catalog, not only
+    the columns: functions, triggers, policies and grants too."""
+    at_head = schema_dump(database_url)
+    assert await migrate.current_revision(database_url) == migrate.head_revision()
+    await asyncio.to_thread(migrate.downgrade, database_url, "base")
+    empty = f"mcp_tasks_empty_{secrets.token_hex(4)}"
+    admin = await asyncpg.connect(admin_dsn)
     try:
-        at_head = await conn.fetch(SCHEMA_QUERY)
-        assert await migrate.current_revision(database_url) == migrate.head_revision()
-        await asyncio.to_thread(migrate.downgrade, database_url, "base")
-        tables = await conn.fetchval(
-            "SELECT count(*) FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'alembic_version'"
-        )
-        assert tables == 0
-        await asyncio.to_thread(migrate.upgrade, database_url)
-        assert await conn.fetch(SCHEMA_QUERY) == at_head
+        await admin.execute(f'CREATE DATABASE "{empty}"')
+        assert schema_dump(database_url) == schema_dump(_with_db(admin_dsn, empty))
     finally:
-        await conn.close()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
+        await admin.close()
+    await asyncio.to_thread(migrate.upgrade, database_url)
+    assert schema_dump(database_url) == at_head
 
 
 async def test_schema_refuses_a_terminal_status_without_outcome(database_url: str) -> None:
@@ -45,32 +51,58 @@ async def test_schema_refuses_a_terminal_status_without_outcome(database_url: st
         await conn.close()
 
 
-async def test_0004_counts_existing_active_tasks_and_keeps_audit_chains_verifiable(database_url: str) -> None:
-    """Upgrading a database with tasks and audit events: the counters start at the true counts, and
-    chains written by 0003's functions verify after 0004 replaced them (same canonical text)."""
-    await asyncio.to_thread(migrate.downgrade, database_url, "0003")
+_REVISION = '''"""A test revision.
+
+Revision ID: {rev}
+Revises: {down}
+"""
+
+from service.store.sqlscript import run_script
+
+revision = "{rev}"
+down_revision = "{down}"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    run_script("CREATE TABLE probe_{rev} (id integer)")
+    run_script("{then}")
+
+
+def downgrade() -> None:
+    run_script("DROP TABLE probe_{rev}")
+'''
+
+
+async def test_a_migration_that_fails_half_way_leaves_the_previous_revision(database_url: str, tmp_path: Path) -> None:
+    """Revision 0002 applies; 0003 creates a table, then fails: 0003 is rolled back whole, 0002 stays."""
+    scripts = tmp_path / "alembic"
+    shutil.copytree(migrate.script_location(), scripts, ignore=shutil.ignore_patterns("__pycache__"))
+    head = migrate.head_revision()
+    (scripts / "versions" / "0002_ok.py").write_text(_REVISION.format(rev="0002", down=head, then="SELECT 1"))
+    (scripts / "versions" / "0003_fails.py").write_text(_REVISION.format(rev="0003", down="0002", then="SELECT 1/0"))
+    cfg = Config()
+    cfg.set_main_option("script_location", str(scripts))
+    cfg.set_main_option("sqlalchemy.url", database_url)
+    with pytest.raises(Exception, match="division by zero"):
+        await asyncio.to_thread(command.upgrade, cfg, "head")
+    assert await migrate.current_revision(database_url) == "0002"
     conn = await asyncpg.connect(database_url)
     try:
-        insert = """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
-                    poll_interval_ms, expires_at, status, outcome, payload)
-                    VALUES ($1, $2, $3, '2025-11-25', 'echo', '{}', 60000, 100, now() + interval '1 minute', $4,
-                    $5, $6)"""
-        for i, (tenant, subject, status) in enumerate(
-            [("a", "x", "working"), ("a", "x", "input_required"), ("a", "y", "working"), ("a", "y", "completed"),
-             ("b", "x", "cancelled"), ("b", "z", "working")]
-        ):  # fmt: skip
-            done = status == "completed"
-            await conn.execute(
-                insert, tenant, f"t{i}", subject, status, "result" if done else None, "{}" if done else None
-            )
-        for tenant in ("a", "b"):
-            await conn.execute("SELECT audit_append($1, 'deny', 'old', 's', 'c', 'i', NULL, NULL, NULL, NULL)", tenant)
-        await asyncio.to_thread(migrate.upgrade, database_url)
-        counts = {(r["tenant_id"], r["subject"]): r["active"] for r in await conn.fetch("SELECT * FROM active_tasks")}
-        assert counts == {("a", "x"): 2, ("a", "y"): 1, ("b", "z"): 1}
-        await conn.execute("SELECT audit_append('a', 'deny', 'new', 's', 'c', 'i', NULL, NULL, NULL, '{\"k\": 1}')")
-        problems = await conn.fetch(Q["audit_chain_problems"], None)
-        assert [dict(p) for p in problems] == []
-        assert await conn.fetchval("SELECT seq FROM audit_heads WHERE tenant_id = 'a'") == 2
+        tables = {
+            r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE tablename LIKE 'probe%'")
+        }
+        assert tables == {"probe_0002"}
     finally:
         await conn.close()
+
+
+def test_migrate_on_a_database_at_head_is_a_no_op_that_says_so(database_url: str) -> None:
+    env = {**os.environ, "MCP_TASKS_DATABASE_URL": database_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "migrate"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"database already at head ({migrate.head_revision()}); nothing to do"
+    assert "Running upgrade" not in done.stderr

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from functools import cache
 from importlib import resources
+from pathlib import Path
 
 import asyncpg
 from alembic import command
@@ -11,15 +14,51 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 
+@cache
+def script_location() -> Path:
+    """The migration scripts: inside the installed package, else the checkout's top-level alembic/.
+
+    A wheel carries the repository's alembic/ as ``service/_alembic`` (pyproject.toml maps it);
+    an editable install or a plain checkout reads alembic/ next to ``service/``."""
+    shipped = resources.files("service").joinpath("_alembic")
+    if shipped.joinpath("env.py").is_file():
+        return Path(str(shipped))
+    checkout = Path(__file__).resolve().parents[2] / "alembic"
+    if (checkout / "env.py").is_file():
+        return checkout
+    raise RuntimeError(f"migration scripts not found (neither {shipped} nor {checkout})")
+
+
 def _config(dsn: str) -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(resources.files("service.store").joinpath("migrations")))
+    cfg.set_main_option("script_location", str(script_location()))
     cfg.set_main_option("sqlalchemy.url", dsn.replace("%", "%%"))
     return cfg
 
 
+@dataclass(frozen=True)
+class Upgrade:
+    """What ``upgrade_to_head`` did: the revision found, and the head it left the database at."""
+
+    before: str | None
+    head: str
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.head
+
+
 def upgrade(dsn: str, revision: str = "head") -> None:
+    """Each revision runs in its own transaction: one that fails leaves the database at the one before."""
     command.upgrade(_config(dsn), revision)
+
+
+def upgrade_to_head(dsn: str) -> Upgrade:
+    before = asyncio.run(current_revision(dsn))
+    head = head_revision()
+    if before != head:
+        upgrade(dsn)
+    return Upgrade(before, head)
 
 
 def downgrade(dsn: str, revision: str) -> None:

@@ -2,9 +2,12 @@
 
 Revision ID: ${up_revision}
 Revises: ${down_revision | comma,n}
+
+Append-only: once committed, this file never changes (docs/decisions.md). A changed SQL function
+is created here with its full new body; alembic/schema.sql gets the same change.
 """
 
-from alembic import op
+from service.store.sqlscript import run_script
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}
@@ -13,10 +16,10 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute("""
+    run_script("""
     """)
 
 
 def downgrade() -> None:
-    op.execute("""
+    run_script("""
     """)

@@ -1,0 +1,694 @@
+"""Baseline: the whole schema the first release starts from (the unreleased 0001-0005, squashed).
+
+Revision ID: 0001
+Revises:
+
+Frozen: this revision never changes. The schema moves on in later revisions and in
+alembic/schema.sql (the current truth); see docs/decisions.md, "Migrations are append-only".
+Roles are cluster-wide, created if missing, and never dropped by the downgrade.
+"""
+
+from service.store.sqlscript import run_script
+
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    run_script("""
+    -- ===================================================================================== roles ==
+    -- Two NOLOGIN roles, shared by every database of the cluster (so they are created if missing and
+    -- never dropped, which could break another database):
+    -- - mcp_tasks_app handles requests: it sees and writes only rows whose tenant_id equals
+    --   current_setting('app.tenant_id'), set per transaction; no tenant set means no rows.
+    -- - mcp_tasks_runner claims, reaps and sweeps across tenants.
+    -- The service's login user is a member of both and acts as one of them per connection pool (the
+    -- `role` startup parameter). Policies apply to members of a role too, so every all-tenants policy
+    -- also requires current_user to be the runner role: a login user that merely inherits it sees
+    -- nothing. FORCE ROW LEVEL SECURITY makes the policies apply to the tables' owner too.
+    DO $$
+    BEGIN
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_app') THEN
+            CREATE ROLE mcp_tasks_app NOLOGIN NOBYPASSRLS;
+        END IF;
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_runner') THEN
+            CREATE ROLE mcp_tasks_runner NOLOGIN NOBYPASSRLS;
+        END IF;
+    END
+    $$;
+    GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner;
+
+
+    -- ===================================================================================== tasks ==
+    CREATE TYPE task_status AS ENUM ('working', 'input_required', 'completed', 'failed', 'cancelled');
+
+    -- One row per task. Every key starts with tenant_id so the table can be distributed by it.
+    CREATE TABLE tasks (
+        tenant_id           text        NOT NULL,
+        task_id             text        NOT NULL,
+        subject             text        NOT NULL,
+        issuer              text        NOT NULL DEFAULT '',
+        client_id           text        NOT NULL DEFAULT '',
+        session_id          text,
+        surface             text        NOT NULL,
+        tool                text        NOT NULL,
+        arguments           jsonb       NOT NULL,
+        client_capabilities jsonb       NOT NULL DEFAULT '{}',
+        progress_token      jsonb,
+        status              task_status NOT NULL DEFAULT 'working',
+        status_message      text,
+        outcome             text,
+        payload             jsonb,
+        ttl_ms              bigint      NOT NULL,
+        poll_interval_ms    integer     NOT NULL,
+        created_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+        last_updated_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+        expires_at          timestamptz NOT NULL,
+        started_at          timestamptz,
+        finished_at         timestamptz,
+        lease_owner         text,
+        lease_key           bigint,
+        lease_expires_at    timestamptz,
+        attempts            integer     NOT NULL DEFAULT 0,
+        CONSTRAINT tasks_pkey PRIMARY KEY (tenant_id, task_id),
+        CONSTRAINT tasks_surface_known CHECK (surface IN ('2025-11-25', '2026-07-28')),
+        CONSTRAINT tasks_ttl_positive CHECK (ttl_ms > 0),
+        CONSTRAINT tasks_outcome_matches_status CHECK (
+               (status = 'completed' AND outcome = 'result' AND payload IS NOT NULL)
+            OR (status = 'failed' AND outcome IN ('tool_error', 'rpc_error') AND payload IS NOT NULL)
+            OR (status IN ('working', 'input_required', 'cancelled') AND outcome IS NULL AND payload IS NULL)
+        ),
+        CONSTRAINT tasks_lease_only_while_active CHECK (
+            lease_owner IS NULL OR status IN ('working', 'input_required')
+        ),
+        CONSTRAINT tasks_lease_complete CHECK (
+            (lease_owner IS NULL) = (lease_expires_at IS NULL) AND (lease_owner IS NULL) = (lease_key IS NULL)
+        )
+    );
+    -- Runners claim from here: only unclaimed working rows, oldest first.
+    CREATE INDEX tasks_claimable ON tasks (created_at) WHERE status = 'working' AND lease_owner IS NULL;
+    -- The reaper scans leases that may have lapsed.
+    CREATE INDEX tasks_leased ON tasks (lease_expires_at) WHERE lease_owner IS NOT NULL;
+    -- tasks/list keyset pagination, newest first.
+    CREATE INDEX tasks_owner_recent ON tasks (tenant_id, subject, created_at DESC, task_id DESC);
+    -- Active-task caps per requestor.
+    CREATE INDEX tasks_active_owner ON tasks (tenant_id, subject)
+        WHERE status IN ('working', 'input_required');
+    -- The sweeper deletes by expiry.
+    CREATE INDEX tasks_expiry ON tasks (expires_at);
+    -- The tasks_active gauge counts input_required tasks here (the active total comes from the
+    -- counters): a count over every active task's row grew with the tasks running.
+    CREATE INDEX tasks_input_required ON tasks (tenant_id) WHERE status = 'input_required';
+
+    GRANT SELECT, INSERT, UPDATE, DELETE ON tasks TO mcp_tasks_app, mcp_tasks_runner;
+    ALTER TABLE tasks ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE tasks FORCE ROW LEVEL SECURITY;
+    CREATE POLICY tasks_tenant_isolation ON tasks TO mcp_tasks_app
+        USING (tenant_id = current_setting('app.tenant_id', true))
+        WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+    CREATE POLICY tasks_runner_all_tenants ON tasks TO mcp_tasks_runner
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
+    -- Active (working or input_required) tasks per requestor, kept by the triggers below, so the caps
+    -- read counters instead of counting a tenant's active tasks on every create. The tenant's total
+    -- is the sum over its requestors with active tasks; the sweeper drops zero rows. An active task
+    -- whose TTL ran out counts until the sweeper deletes it (one sweep interval).
+    CREATE TABLE active_tasks (
+        tenant_id text   NOT NULL,
+        subject   text   NOT NULL,
+        active    bigint NOT NULL,
+        -- No CHECK (active >= 0): the delete trigger applies decrements as INSERT ... ON CONFLICT DO
+        -- UPDATE with a negative value, and a CHECK is evaluated on the proposed row first.
+        CONSTRAINT active_tasks_pkey PRIMARY KEY (tenant_id, subject)
+    );
+
+    -- Every writer locks counter rows before the tenant's audit head, and a statement that changes
+    -- several requestors' tasks locks their counters in (tenant, subject) order, so counters never
+    -- close a deadlock cycle. Inserts and status changes come one task per statement (the reaper
+    -- sorts its batch): a row trigger, which fires only when status is set. The sweeper deletes in
+    -- batches: a statement trigger sums the batch and applies it in order.
+    CREATE FUNCTION tasks_count_active() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        was_active boolean := false;
+        is_active boolean := NEW.status IN ('working', 'input_required');
+    BEGIN
+        IF TG_OP = 'UPDATE' THEN
+            was_active := OLD.status IN ('working', 'input_required');
+        END IF;
+        IF is_active AND NOT was_active THEN
+            INSERT INTO active_tasks (tenant_id, subject, active) VALUES (NEW.tenant_id, NEW.subject, 1)
+                ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + 1;
+        ELSIF was_active AND NOT is_active THEN
+            UPDATE active_tasks SET active = active - 1 WHERE tenant_id = OLD.tenant_id AND subject = OLD.subject;
+        END IF;
+        RETURN NULL;
+    END
+    $$;
+    -- Counters are locked in code point order everywhere (the service sorts in Python, which
+    -- compares code points): the database's collation could order "Bob" and "alice" otherwise.
+    CREATE FUNCTION tasks_count_deleted() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO active_tasks (tenant_id, subject, active)
+        SELECT tenant_id, subject, -count(*) FROM old_rows WHERE status IN ('working', 'input_required')
+        GROUP BY tenant_id, subject ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
+        ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+        RETURN NULL;
+    END
+    $$;
+    CREATE TRIGGER tasks_count_active AFTER INSERT OR UPDATE OF status ON tasks
+        FOR EACH ROW EXECUTE FUNCTION tasks_count_active();
+    CREATE TRIGGER tasks_count_deleted AFTER DELETE ON tasks REFERENCING OLD TABLE AS old_rows
+        FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_deleted();
+
+    GRANT SELECT, INSERT, UPDATE, DELETE ON active_tasks TO mcp_tasks_app, mcp_tasks_runner;
+    ALTER TABLE active_tasks ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE active_tasks FORCE ROW LEVEL SECURITY;
+    CREATE POLICY active_tasks_tenant_isolation ON active_tasks TO mcp_tasks_app
+        USING (tenant_id = current_setting('app.tenant_id', true))
+        WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+    CREATE POLICY active_tasks_runner_all_tenants ON active_tasks TO mcp_tasks_runner
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
+    -- Requests from a task to its client (elicitation) and the client's answers.
+    CREATE TABLE task_messages (
+        tenant_id    text        NOT NULL,
+        task_id      text        NOT NULL,
+        seq          integer     NOT NULL,
+        rpc_id       text        NOT NULL,
+        method       text        NOT NULL,
+        params       jsonb       NOT NULL,
+        delivered_to text,
+        delivered_at timestamptz,
+        answer       jsonb,
+        answered_at  timestamptz,
+        created_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+        CONSTRAINT task_messages_pkey PRIMARY KEY (tenant_id, task_id, seq),
+        CONSTRAINT task_messages_task_fkey FOREIGN KEY (tenant_id, task_id)
+            REFERENCES tasks (tenant_id, task_id) ON DELETE CASCADE,
+        CONSTRAINT task_messages_rpc_id_unique UNIQUE (tenant_id, rpc_id),
+        CONSTRAINT task_messages_answer_complete CHECK ((answer IS NULL) = (answered_at IS NULL))
+    );
+
+    GRANT SELECT, INSERT, UPDATE, DELETE ON task_messages TO mcp_tasks_app, mcp_tasks_runner;
+    ALTER TABLE task_messages ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE task_messages FORCE ROW LEVEL SECURITY;
+    CREATE POLICY task_messages_tenant_isolation ON task_messages TO mcp_tasks_app
+        USING (tenant_id = current_setting('app.tenant_id', true))
+        WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+    CREATE POLICY task_messages_runner_all_tenants ON task_messages TO mcp_tasks_runner
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
+
+    -- ================================================================================== sessions ==
+    -- MCP sessions (2025-11-25). A session is bound to the principal that opened it.
+    CREATE TABLE sessions (
+        tenant_id           text        NOT NULL,
+        session_id          text        NOT NULL,
+        subject             text        NOT NULL,
+        protocol_version    text        NOT NULL,
+        client_capabilities jsonb       NOT NULL DEFAULT '{}',
+        client_info         jsonb,
+        log_level           text,
+        created_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+        last_seen_at        timestamptz NOT NULL DEFAULT clock_timestamp(),
+        CONSTRAINT sessions_pkey PRIMARY KEY (tenant_id, session_id),
+        CONSTRAINT sessions_log_level_known CHECK (log_level IN
+            ('debug', 'info', 'notice', 'warning', 'error', 'critical', 'alert', 'emergency'))
+    );
+    CREATE INDEX sessions_idle ON sessions (last_seen_at);
+
+    GRANT SELECT, INSERT, UPDATE, DELETE ON sessions TO mcp_tasks_app, mcp_tasks_runner;
+    ALTER TABLE sessions ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE sessions FORCE ROW LEVEL SECURITY;
+    CREATE POLICY sessions_tenant_isolation ON sessions TO mcp_tasks_app
+        USING (tenant_id = current_setting('app.tenant_id', true))
+        WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+    CREATE POLICY sessions_runner_all_tenants ON sessions TO mcp_tasks_runner
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
+
+    -- ============================================================================== service keys ==
+    -- Server-wide secrets shared by all replicas (e.g. the tasks/list cursor key); not per tenant.
+    CREATE TABLE service_keys (
+        name       text        NOT NULL,
+        secret     bytea       NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+        CONSTRAINT service_keys_pkey PRIMARY KEY (name),
+        CONSTRAINT service_keys_secret_long CHECK (octet_length(secret) >= 32)
+    );
+
+    GRANT SELECT, INSERT ON service_keys TO mcp_tasks_app, mcp_tasks_runner;
+
+
+    -- ===================================================================================== audit ==
+    -- Audit events: append-only, one SHA-256 hash chain per tenant. Each row's hash is
+    -- sha256(prev_hash || canonical(row)), where canonical(row) is the jsonb text of the row's fields
+    -- (jsonb text output is deterministic: sorted keys, fixed formatting; times are rendered in UTC).
+    -- audit_heads holds each tenant's last seq and hash; appending locks that row, so a tenant's
+    -- events are numbered without gaps even with many replicas. The service's roles may only INSERT
+    -- and SELECT events; a trigger refuses UPDATE, DELETE and TRUNCATE for everyone.
+    CREATE TABLE audit_events (
+        tenant_id      text        NOT NULL,
+        seq            bigint      NOT NULL,
+        at             timestamptz NOT NULL DEFAULT clock_timestamp(),
+        action         text        NOT NULL,
+        outcome        text        NOT NULL,
+        subject        text        NOT NULL DEFAULT '',
+        client_id      text        NOT NULL DEFAULT '',
+        issuer         text        NOT NULL DEFAULT '',
+        task_id        text,
+        request_id     text,
+        client_address text,
+        detail         jsonb,
+        prev_hash      bytea       NOT NULL,
+        hash           bytea       NOT NULL,
+        CONSTRAINT audit_events_pkey PRIMARY KEY (tenant_id, seq),
+        CONSTRAINT audit_events_action_known CHECK (action IN
+            ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny')),
+        CONSTRAINT audit_events_seq_positive CHECK (seq > 0),
+        CONSTRAINT audit_events_hash_size CHECK (octet_length(hash) = 32 AND octet_length(prev_hash) = 32)
+    );
+    CREATE INDEX audit_events_time ON audit_events (tenant_id, at);
+
+    CREATE TABLE audit_heads (
+        tenant_id text   NOT NULL,
+        seq       bigint NOT NULL,
+        hash      bytea  NOT NULL,
+        CONSTRAINT audit_heads_pkey PRIMARY KEY (tenant_id)
+    );
+
+    -- The canonical text of an event, hashed into the chain; also used by `mcp-tasks audit verify`.
+    -- PL/pgSQL, not SQL: a SQL function called from PL/pgSQL is parsed and planned again in every
+    -- transaction. Existing chains depend on its output: it must never change.
+    CREATE FUNCTION audit_canonical(e audit_events) RETURNS text
+    LANGUAGE plpgsql IMMUTABLE AS $$
+    BEGIN
+        RETURN jsonb_build_object(
+            'tenant_id', e.tenant_id, 'seq', e.seq,
+            'at', to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+            'action', e.action, 'outcome', e.outcome, 'subject', e.subject, 'client_id', e.client_id,
+            'issuer', e.issuer, 'task_id', e.task_id, 'request_id', e.request_id,
+            'client_address', e.client_address, 'detail', e.detail
+        )::text;
+    END
+    $$;
+
+    -- Append one event to its tenant's chain (one round trip, in the caller's transaction). The head
+    -- is read first and created only for a tenant's first event.
+    CREATE FUNCTION audit_append(
+        p_tenant text, p_action text, p_outcome text, p_subject text, p_client_id text, p_issuer text,
+        p_task_id text, p_request_id text, p_client_address text, p_detail jsonb
+    ) RETURNS bigint
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        head audit_heads;
+        e audit_events;
+    BEGIN
+        SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
+        IF NOT FOUND THEN  -- the tenant's first event
+            INSERT INTO audit_heads (tenant_id, seq, hash) VALUES (p_tenant, 0, decode(repeat('00', 32), 'hex'))
+                ON CONFLICT (tenant_id) DO NOTHING;
+            SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
+        END IF;
+        e.tenant_id := p_tenant; e.seq := head.seq + 1; e.at := clock_timestamp();
+        e.action := p_action; e.outcome := p_outcome;
+        e.subject := coalesce(p_subject, ''); e.client_id := coalesce(p_client_id, '');
+        e.issuer := coalesce(p_issuer, ''); e.task_id := p_task_id; e.request_id := p_request_id;
+        e.client_address := p_client_address; e.detail := p_detail; e.prev_hash := head.hash;
+        e.hash := sha256(head.hash || convert_to(audit_canonical(e), 'UTF8'));
+        INSERT INTO audit_events VALUES (e.*);
+        UPDATE audit_heads SET seq = e.seq, hash = e.hash WHERE tenant_id = p_tenant;
+        RETURN e.seq;
+    END
+    $$;
+
+    CREATE FUNCTION audit_events_append_only() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'audit_events is append-only: % is not allowed', TG_OP
+            USING ERRCODE = 'insufficient_privilege';
+    END
+    $$;
+    CREATE TRIGGER audit_events_no_update_delete BEFORE UPDATE OR DELETE ON audit_events
+        FOR EACH ROW EXECUTE FUNCTION audit_events_append_only();
+    CREATE TRIGGER audit_events_no_truncate BEFORE TRUNCATE ON audit_events
+        FOR EACH STATEMENT EXECUTE FUNCTION audit_events_append_only();
+
+    GRANT SELECT, INSERT ON audit_events TO mcp_tasks_app, mcp_tasks_runner;
+    GRANT SELECT, INSERT, UPDATE ON audit_heads TO mcp_tasks_app, mcp_tasks_runner;
+    GRANT EXECUTE ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
+        audit_canonical(audit_events) TO mcp_tasks_app, mcp_tasks_runner;
+
+    ALTER TABLE audit_events ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE audit_events FORCE ROW LEVEL SECURITY;
+    CREATE POLICY audit_events_tenant_isolation ON audit_events TO mcp_tasks_app
+        USING (tenant_id = current_setting('app.tenant_id', true))
+        WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+    CREATE POLICY audit_events_runner_all_tenants ON audit_events TO mcp_tasks_runner
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+    ALTER TABLE audit_heads ENABLE ROW LEVEL SECURITY;
+    ALTER TABLE audit_heads FORCE ROW LEVEL SECURITY;
+    CREATE POLICY audit_heads_tenant_isolation ON audit_heads TO mcp_tasks_app
+        USING (tenant_id = current_setting('app.tenant_id', true))
+        WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+    CREATE POLICY audit_heads_runner_all_tenants ON audit_heads TO mcp_tasks_runner
+        USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
+
+    -- =================================================================== hot paths: single items ==
+    -- Each function does in one round trip what a transaction did in up to seven (BEGIN and the
+    -- tenant setting, lock, count, insert, audit, notify, COMMIT). Called outside a transaction, the
+    -- statement is its own transaction: the tenant setting (set_config(..., true)), the create lock
+    -- and the audit head lock last until it commits. The functions are SECURITY INVOKER: they run as
+    -- the calling role, under the same row-level security policies as plain statements, and each sets
+    -- the tenant it was given before it touches a table. In PL/pgSQL every statement takes a fresh
+    -- snapshot, so the counts read after the create lock include every create committed before it.
+
+    -- tasks/create: the caps, checked under the tenant's create lock, then the row, its audit event
+    -- and the runners' wake-up. No row back means a cap refused it (nothing was written). With a
+    -- lease owner the task is created already leased to that runner (the creating process has a free
+    -- slot), so no claim and no wake-up are needed.
+    CREATE FUNCTION task_create(
+        p_tenant text, p_task_id text, p_subject text, p_issuer text, p_client_id text, p_session_id text,
+        p_surface text, p_tool text, p_arguments jsonb, p_client_capabilities jsonb, p_progress_token jsonb,
+        p_ttl_ms bigint, p_poll_interval_ms integer, p_max_per_requestor bigint, p_max_per_tenant bigint,
+        p_request_id text, p_client_address text, p_detail jsonb,
+        p_lease_owner text, p_lease_key bigint, p_lease_ms bigint
+    ) RETURNS SETOF tasks
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        mine bigint;
+        total bigint;
+        created tasks;
+    BEGIN
+        PERFORM set_config('app.tenant_id', p_tenant, true);
+        PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || p_tenant, 0));
+        SELECT coalesce(sum(active) FILTER (WHERE subject = p_subject), 0), coalesce(sum(active), 0)
+            INTO mine, total
+        FROM active_tasks WHERE tenant_id = p_tenant AND active > 0;
+        IF mine >= p_max_per_requestor OR total >= p_max_per_tenant THEN
+            RETURN;
+        END IF;
+        INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, arguments,
+                           client_capabilities, progress_token, ttl_ms, poll_interval_ms, expires_at,
+                           lease_owner, lease_key, lease_expires_at, attempts, started_at)
+        VALUES (p_tenant, p_task_id, p_subject, p_issuer, p_client_id, p_session_id, p_surface, p_tool,
+                p_arguments, p_client_capabilities, p_progress_token, p_ttl_ms, p_poll_interval_ms,
+                clock_timestamp() + p_ttl_ms * interval '1 millisecond',
+                p_lease_owner, p_lease_key, clock_timestamp() + p_lease_ms * interval '1 millisecond',
+                CASE WHEN p_lease_owner IS NULL THEN 0 ELSE 1 END,
+                CASE WHEN p_lease_owner IS NULL THEN NULL ELSE clock_timestamp() END)
+        RETURNING * INTO created;
+        PERFORM audit_append(p_tenant, 'create', 'working', p_subject, p_client_id, p_issuer, p_task_id,
+                             p_request_id, p_client_address, p_detail);
+        IF p_lease_owner IS NULL THEN
+            PERFORM pg_notify('mcp_tasks', json_build_object('k', 'created', 't', p_tenant, 'id', p_task_id)::text);
+        END IF;
+        RETURN NEXT created;
+    END
+    $$;
+
+    -- tasks/get: one owner's unexpired task.
+    CREATE FUNCTION task_get(p_tenant text, p_task_id text, p_subject text) RETURNS SETOF tasks
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM set_config('app.tenant_id', p_tenant, true);
+        RETURN QUERY SELECT * FROM tasks
+            WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject
+              AND expires_at > clock_timestamp();
+    END
+    $$;
+
+    -- tasks/result: the task, and when it is terminal the audit event saying its result was handed out.
+    CREATE FUNCTION task_retrieve(
+        p_tenant text, p_task_id text, p_subject text, p_client_id text, p_issuer text,
+        p_request_id text, p_client_address text
+    ) RETURNS SETOF tasks
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        found_task tasks;
+    BEGIN
+        PERFORM set_config('app.tenant_id', p_tenant, true);
+        SELECT * INTO found_task FROM tasks
+            WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject
+              AND expires_at > clock_timestamp();
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        IF found_task.status IN ('completed', 'failed', 'cancelled') THEN
+            PERFORM audit_append(p_tenant, 'retrieve', found_task.status::text, p_subject, p_client_id, p_issuer,
+                                 p_task_id, p_request_id, p_client_address, NULL);
+        END IF;
+        RETURN NEXT found_task;
+    END
+    $$;
+
+    -- A runner records the outcome (only while it holds the lease and the task is active), appends
+    -- the completion to the audit chain, and wakes whoever waits on the task. It runs as the runner
+    -- role, whose policy spans tenants.
+    CREATE FUNCTION task_finish(
+        p_tenant text, p_task_id text, p_owner text, p_status task_status, p_outcome text, p_payload jsonb,
+        p_status_message text, p_detail jsonb
+    ) RETURNS SETOF tasks
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        done tasks;
+    BEGIN
+        UPDATE tasks
+        SET status = p_status, outcome = p_outcome, payload = p_payload, status_message = p_status_message,
+            last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+            lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+        WHERE tenant_id = p_tenant AND task_id = p_task_id AND lease_owner = p_owner
+          AND status IN ('working', 'input_required')
+        RETURNING * INTO done;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        PERFORM audit_append(p_tenant, 'complete', done.status::text, done.subject, done.client_id, done.issuer,
+                             p_task_id, NULL, NULL, p_detail);
+        PERFORM pg_notify('mcp_tasks', json_build_object(
+            'k', 'status', 't', p_tenant, 'id', p_task_id, 's', done.session_id)::text);
+        RETURN NEXT done;
+    END
+    $$;
+
+    REVOKE ALL ON FUNCTION
+        task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer, bigint,
+                    bigint, text, text, jsonb, text, bigint, bigint),
+        task_get(text, text, text),
+        task_retrieve(text, text, text, text, text, text, text),
+        task_finish(text, text, text, task_status, text, jsonb, text, jsonb)
+    FROM PUBLIC;
+    GRANT EXECUTE ON FUNCTION
+        task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer, bigint,
+                    bigint, text, text, jsonb, text, bigint, bigint),
+        task_get(text, text, text),
+        task_retrieve(text, text, text, text, text, text, text)
+    TO mcp_tasks_app;
+    GRANT EXECUTE ON FUNCTION task_finish(text, text, text, task_status, text, jsonb, text, jsonb) TO mcp_tasks_runner;
+
+
+    -- ================================================================= hot paths: group commit ==
+    -- task_batch does what task_create, task_get and task_retrieve do, for a whole batch of requests
+    -- from many tenants and requestors, and task_finish_batch what task_finish does for many runner
+    -- outcomes (see service/store/batch.py): under load, a round trip, a statement and a durable
+    -- commit are shared by many requests, and the listening replicas are woken once per commit.
+    --
+    -- Locks are taken in the order every other writer takes them, so batches deadlock neither with
+    -- each other nor with single statements: the tenants' create locks (sorted), then the tasks' rows,
+    -- then their requestors' counters in (tenant, subject, task) order (the caller sorts the batch; a
+    -- finish batch locks all its rows before it changes any), then the tenants' audit heads, in tenant
+    -- order. Every such order compares code points (COLLATE "C", as Python sorts), whatever the
+    -- database's collation. Each item sets its own tenant before it touches a table, so row-level
+    -- security applies per item exactly as it does to the single-item functions.
+    --
+    -- The results come back one row per item, in the order of the items; a row of NULLs means "no
+    -- task": a cap refused the create, or the task is unknown, expired or someone else's.
+
+    -- One request of a batch: k is 'create', 'retrieve' or 'get'; a create uses every field.
+    CREATE TYPE task_batch_item AS (
+        k text, tenant_id text, task_id text, subject text, issuer text, client_id text, session_id text,
+        surface text, tool text, arguments jsonb, client_capabilities jsonb, progress_token jsonb,
+        ttl_ms bigint, poll_interval_ms integer, max_per_requestor bigint, max_per_tenant bigint,
+        request_id text, client_address text, detail jsonb,
+        lease_owner text, lease_key bigint, lease_ms bigint
+    );
+
+    CREATE FUNCTION task_batch(p_items jsonb) RETURNS SETOF tasks
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        items task_batch_item[];
+        it task_batch_item;
+        found_tasks tasks[];
+        t tasks;
+        lock_tenant text;
+        mine bigint;
+        total bigint;
+        n integer;
+    BEGIN
+        SELECT array_agg(jsonb_populate_record(NULL::task_batch_item, e) ORDER BY o) INTO items
+        FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
+        n := coalesce(array_length(items, 1), 0);
+        -- The create locks of every tenant that creates, in tenant order, held until commit.
+        FOR lock_tenant IN
+            SELECT DISTINCT u.tenant_id COLLATE "C" FROM unnest(items) u WHERE u.k = 'create' ORDER BY 1
+        LOOP
+            PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || lock_tenant, 0));
+        END LOOP;
+        -- The rows, in the caller's (tenant, subject, task) order: the counter triggers lock in that order.
+        FOR i IN 1 .. n LOOP
+            it := items[i];
+            t := NULL;
+            PERFORM set_config('app.tenant_id', it.tenant_id, true);
+            IF it.k = 'create' THEN
+                SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
+                    INTO mine, total
+                FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+                IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
+                    INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
+                                       arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
+                                       expires_at, lease_owner, lease_key, lease_expires_at, attempts, started_at)
+                    VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.surface,
+                            it.tool, it.arguments, it.client_capabilities, it.progress_token, it.ttl_ms,
+                            it.poll_interval_ms, clock_timestamp() + it.ttl_ms * interval '1 millisecond',
+                            it.lease_owner, it.lease_key, clock_timestamp() + it.lease_ms * interval '1 millisecond',
+                            CASE WHEN it.lease_owner IS NULL THEN 0 ELSE 1 END,
+                            CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END)
+                    RETURNING * INTO t;
+                END IF;
+            ELSIF it.k IN ('retrieve', 'get') THEN
+                SELECT * INTO t FROM tasks
+                WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND subject = it.subject
+                  AND expires_at > clock_timestamp();
+            ELSE
+                RAISE EXCEPTION 'unknown batch item kind %', it.k USING ERRCODE = 'invalid_parameter_value';
+            END IF;
+            found_tasks[i] := t;
+        END LOOP;
+        -- Then the audit events, tenant by tenant: audit heads after counters, as every writer.
+        FOR i IN 1 .. n LOOP
+            it := items[i];
+            t := found_tasks[i];
+            CONTINUE WHEN t.task_id IS NULL;
+            IF it.k = 'create' THEN
+                PERFORM set_config('app.tenant_id', it.tenant_id, true);
+                PERFORM audit_append(it.tenant_id, 'create', 'working', it.subject, it.client_id, it.issuer,
+                                     it.task_id, it.request_id, it.client_address, it.detail);
+                IF it.lease_owner IS NULL THEN
+                    PERFORM pg_notify('mcp_tasks',
+                                      json_build_object('k', 'created', 't', it.tenant_id, 'id', it.task_id)::text);
+                END IF;
+            ELSIF it.k = 'retrieve' AND t.status IN ('completed', 'failed', 'cancelled') THEN
+                PERFORM set_config('app.tenant_id', it.tenant_id, true);
+                PERFORM audit_append(it.tenant_id, 'retrieve', t.status::text, it.subject, it.client_id, it.issuer,
+                                     it.task_id, it.request_id, it.client_address, NULL);
+            END IF;
+        END LOOP;
+        FOR i IN 1 .. n LOOP
+            RETURN NEXT found_tasks[i];
+        END LOOP;
+    END
+    $$;
+
+    -- One runner outcome of a batch.
+    CREATE TYPE task_finish_item AS (
+        tenant_id text, task_id text, owner text, status task_status, outcome text, payload jsonb,
+        status_message text, detail jsonb
+    );
+
+    CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        items task_finish_item[];
+        it task_finish_item;
+        done_tasks tasks[];
+        done tasks;
+        n integer;
+    BEGIN
+        SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
+        FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
+        n := coalesce(array_length(items, 1), 0);
+        -- Every row first, in the caller's (tenant, subject, task) order, before any counter: an
+        -- UPDATE fires the counter trigger at once, and a cancel locks its row before that
+        -- requestor's counter. One primary-key lookup each (a join would scan the table).
+        FOR i IN 1 .. n LOOP
+            PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
+            FOR NO KEY UPDATE;
+        END LOOP;
+        FOR i IN 1 .. n LOOP
+            it := items[i];
+            done := NULL;
+            UPDATE tasks
+            SET status = it.status, outcome = it.outcome, payload = it.payload, status_message = it.status_message,
+                last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+                lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+            WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
+              AND status IN ('working', 'input_required')
+            RETURNING * INTO done;
+            done_tasks[i] := done;
+        END LOOP;
+        FOR i IN 1 .. n LOOP
+            done := done_tasks[i];
+            CONTINUE WHEN done.task_id IS NULL;
+            PERFORM audit_append(done.tenant_id, 'complete', done.status::text, done.subject, done.client_id,
+                                 done.issuer, done.task_id, NULL, NULL, items[i].detail);
+            PERFORM pg_notify('mcp_tasks', json_build_object(
+                'k', 'status', 't', done.tenant_id, 'id', done.task_id, 's', done.session_id)::text);
+        END LOOP;
+        FOR i IN 1 .. n LOOP
+            RETURN NEXT done_tasks[i];
+        END LOOP;
+    END
+    $$;
+
+    REVOKE ALL ON FUNCTION task_batch(jsonb), task_finish_batch(jsonb) FROM PUBLIC;
+    GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
+    GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
+    GRANT USAGE ON TYPE task_batch_item TO mcp_tasks_app;
+    GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
+
+    -- The migration tool's own table: the service reads it at start-up to check the schema is current.
+    GRANT SELECT ON alembic_version TO mcp_tasks_app, mcp_tasks_runner;
+    """)
+
+
+def downgrade() -> None:
+    run_script("""
+    DROP FUNCTION task_finish_batch(jsonb);
+    DROP FUNCTION task_batch(jsonb);
+    DROP TYPE task_finish_item;
+    DROP TYPE task_batch_item;
+    DROP FUNCTION task_finish(text, text, text, task_status, text, jsonb, text, jsonb);
+    DROP FUNCTION task_retrieve(text, text, text, text, text, text, text);
+    DROP FUNCTION task_get(text, text, text);
+    DROP FUNCTION task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer,
+                              bigint, bigint, text, text, jsonb, text, bigint, bigint);
+
+    DROP TRIGGER audit_events_no_truncate ON audit_events;
+    DROP TRIGGER audit_events_no_update_delete ON audit_events;
+    DROP FUNCTION audit_events_append_only();
+    DROP FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb);
+    DROP FUNCTION audit_canonical(audit_events);
+    DROP TABLE audit_heads;
+    DROP TABLE audit_events;
+
+    DROP TABLE service_keys;
+    DROP TABLE sessions;
+
+    DROP TABLE task_messages;
+    DROP TRIGGER tasks_count_deleted ON tasks;
+    DROP TRIGGER tasks_count_active ON tasks;
+    DROP FUNCTION tasks_count_deleted();
+    DROP FUNCTION tasks_count_active();
+    DROP TABLE active_tasks;
+    DROP TABLE tasks;
+    DROP TYPE task_status;
+
+    -- The roles stay (other databases of the cluster may use them); their grants here go.
+    REVOKE ALL ON alembic_version FROM mcp_tasks_app, mcp_tasks_runner;
+    REVOKE USAGE ON SCHEMA public FROM mcp_tasks_app, mcp_tasks_runner;
+    """)
