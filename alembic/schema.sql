@@ -36,6 +36,11 @@ GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner;
 -- ===================================================================================== tasks ==
 CREATE TYPE task_status AS ENUM ('working', 'input_required', 'completed', 'failed', 'cancelled');
 
+-- "Active" (working or input_required) is decided here and only here.
+CREATE FUNCTION task_status_active(s task_status) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN s IN ('working', 'input_required');
+
 -- One row per task. Every key starts with tenant_id so the table can be distributed by it.
 CREATE TABLE tasks (
     tenant_id           text        NOT NULL,
@@ -67,16 +72,18 @@ CREATE TABLE tasks (
     CONSTRAINT tasks_pkey PRIMARY KEY (tenant_id, task_id),
     CONSTRAINT tasks_surface_known CHECK (surface IN ('2025-11-25', '2026-07-28')),
     CONSTRAINT tasks_ttl_positive CHECK (ttl_ms > 0),
+    CONSTRAINT tasks_lease_complete CHECK (
+        (lease_owner IS NULL) = (lease_expires_at IS NULL) AND (lease_owner IS NULL) = (lease_key IS NULL)
+    ),
+    -- One stored outcome, rendered per wire: a tool error is a completed call (its result says
+    -- so), and only a call that failed is failed.
     CONSTRAINT tasks_outcome_matches_status CHECK (
-           (status = 'completed' AND outcome = 'result' AND payload IS NOT NULL)
-        OR (status = 'failed' AND outcome IN ('tool_error', 'rpc_error') AND payload IS NOT NULL)
+           (status = 'completed' AND outcome IN ('result', 'tool_error') AND payload IS NOT NULL)
+        OR (status = 'failed' AND outcome = 'failure' AND payload IS NOT NULL)
         OR (status IN ('working', 'input_required', 'cancelled') AND outcome IS NULL AND payload IS NULL)
     ),
     CONSTRAINT tasks_lease_only_while_active CHECK (
-        lease_owner IS NULL OR status IN ('working', 'input_required')
-    ),
-    CONSTRAINT tasks_lease_complete CHECK (
-        (lease_owner IS NULL) = (lease_expires_at IS NULL) AND (lease_owner IS NULL) = (lease_key IS NULL)
+        lease_owner IS NULL OR task_status_active(status)
     )
 );
 -- Runners claim from here: only unclaimed working rows, oldest first.
@@ -86,8 +93,7 @@ CREATE INDEX tasks_leased ON tasks (lease_expires_at) WHERE lease_owner IS NOT N
 -- tasks/list keyset pagination, newest first.
 CREATE INDEX tasks_owner_recent ON tasks (tenant_id, subject, created_at DESC, task_id DESC);
 -- Active-task caps per requestor.
-CREATE INDEX tasks_active_owner ON tasks (tenant_id, subject)
-    WHERE status IN ('working', 'input_required');
+CREATE INDEX tasks_active_owner ON tasks (tenant_id, subject) WHERE task_status_active(status);
 -- The sweeper deletes by expiry.
 CREATE INDEX tasks_expiry ON tasks (expires_at);
 -- The tasks_active gauge counts input_required tasks here (the active total comes from the
@@ -125,10 +131,10 @@ CREATE FUNCTION tasks_count_active() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     was_active boolean := false;
-    is_active boolean := NEW.status IN ('working', 'input_required');
+    is_active boolean := task_status_active(NEW.status);
 BEGIN
     IF TG_OP = 'UPDATE' THEN
-        was_active := OLD.status IN ('working', 'input_required');
+        was_active := task_status_active(OLD.status);
     END IF;
     IF is_active AND NOT was_active THEN
         INSERT INTO active_tasks (tenant_id, subject, active) VALUES (NEW.tenant_id, NEW.subject, 1)
@@ -145,7 +151,7 @@ CREATE FUNCTION tasks_count_deleted() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO active_tasks (tenant_id, subject, active)
-    SELECT tenant_id, subject, -count(*) FROM old_rows WHERE status IN ('working', 'input_required')
+    SELECT tenant_id, subject, -count(*) FROM old_rows WHERE task_status_active(status)
     GROUP BY tenant_id, subject ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
     ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
     RETURN NULL;
@@ -165,13 +171,15 @@ CREATE POLICY active_tasks_tenant_isolation ON active_tasks TO mcp_tasks_app
 CREATE POLICY active_tasks_runner_all_tenants ON active_tasks TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
 
--- Requests from a task to its client (elicitation) and the client's answers.
+-- Questions a task asks its client and the client's answers, wire-neutral: a key (unique for the
+-- task's life and the tenant), the kind of question and its own fields; the answer is
+-- {"result": ...} or {"error": ...}.
 CREATE TABLE task_messages (
     tenant_id    text        NOT NULL,
     task_id      text        NOT NULL,
     seq          integer     NOT NULL,
-    rpc_id       text        NOT NULL,
-    method       text        NOT NULL,
+    input_key    text        NOT NULL,
+    kind         text        NOT NULL,
     params       jsonb       NOT NULL,
     delivered_to text,
     delivered_at timestamptz,
@@ -181,8 +189,9 @@ CREATE TABLE task_messages (
     CONSTRAINT task_messages_pkey PRIMARY KEY (tenant_id, task_id, seq),
     CONSTRAINT task_messages_task_fkey FOREIGN KEY (tenant_id, task_id)
         REFERENCES tasks (tenant_id, task_id) ON DELETE CASCADE,
-    CONSTRAINT task_messages_rpc_id_unique UNIQUE (tenant_id, rpc_id),
-    CONSTRAINT task_messages_answer_complete CHECK ((answer IS NULL) = (answered_at IS NULL))
+    CONSTRAINT task_messages_input_key_unique UNIQUE (tenant_id, input_key),
+    CONSTRAINT task_messages_answer_complete CHECK ((answer IS NULL) = (answered_at IS NULL)),
+    CONSTRAINT task_messages_kind_known CHECK (kind IN ('elicitation', 'sampling', 'roots'))
 );
 
 GRANT SELECT, INSERT, UPDATE, DELETE ON task_messages TO mcp_tasks_app, mcp_tasks_runner;
@@ -223,6 +232,25 @@ CREATE POLICY sessions_runner_all_tenants ON sessions TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
 
 
+-- ============================================================================ event payloads ==
+-- Events too large for NOTIFY travel by reference (service/store/events.py); kept a minute.
+CREATE TABLE event_payloads (
+    tenant_id  text        NOT NULL,
+    id         bigint      GENERATED ALWAYS AS IDENTITY,
+    payload    jsonb       NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT event_payloads_pkey PRIMARY KEY (tenant_id, id)
+);
+CREATE INDEX event_payloads_age ON event_payloads (created_at);
+GRANT SELECT, INSERT, DELETE ON event_payloads TO mcp_tasks_app, mcp_tasks_runner;
+ALTER TABLE event_payloads ENABLE ROW LEVEL SECURITY;
+ALTER TABLE event_payloads FORCE ROW LEVEL SECURITY;
+CREATE POLICY event_payloads_tenant_isolation ON event_payloads TO mcp_tasks_app
+    USING (tenant_id = current_setting('app.tenant_id', true))
+    WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
+CREATE POLICY event_payloads_runner_all_tenants ON event_payloads TO mcp_tasks_runner
+    USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
 -- ============================================================================== service keys ==
 -- Server-wide secrets shared by all replicas (e.g. the tasks/list cursor key); not per tenant.
 CREATE TABLE service_keys (
@@ -260,7 +288,7 @@ CREATE TABLE audit_events (
     hash           bytea       NOT NULL,
     CONSTRAINT audit_events_pkey PRIMARY KEY (tenant_id, seq),
     CONSTRAINT audit_events_action_known CHECK (action IN
-        ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny')),
+        ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny', 'requeue')),
     CONSTRAINT audit_events_seq_positive CHECK (seq > 0),
     CONSTRAINT audit_events_hash_size CHECK (octet_length(hash) = 32 AND octet_length(prev_hash) = 32)
 );
@@ -351,144 +379,12 @@ CREATE POLICY audit_heads_runner_all_tenants ON audit_heads TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
 
 
--- =================================================================== hot paths: single items ==
--- Each function does in one round trip what a transaction did in up to seven (BEGIN and the
--- tenant setting, lock, count, insert, audit, notify, COMMIT). Called outside a transaction, the
--- statement is its own transaction: the tenant setting (set_config(..., true)), the create lock
--- and the audit head lock last until it commits. The functions are SECURITY INVOKER: they run as
--- the calling role, under the same row-level security policies as plain statements, and each sets
--- the tenant it was given before it touches a table. In PL/pgSQL every statement takes a fresh
--- snapshot, so the counts read after the create lock include every create committed before it.
-
--- tasks/create: the caps, checked under the tenant's create lock, then the row, its audit event
--- and the runners' wake-up. No row back means a cap refused it (nothing was written). With a
--- lease owner the task is created already leased to that runner (the creating process has a free
--- slot), so no claim and no wake-up are needed.
-CREATE FUNCTION task_create(
-    p_tenant text, p_task_id text, p_subject text, p_issuer text, p_client_id text, p_session_id text,
-    p_surface text, p_tool text, p_arguments jsonb, p_client_capabilities jsonb, p_progress_token jsonb,
-    p_ttl_ms bigint, p_poll_interval_ms integer, p_max_per_requestor bigint, p_max_per_tenant bigint,
-    p_request_id text, p_client_address text, p_detail jsonb,
-    p_lease_owner text, p_lease_key bigint, p_lease_ms bigint
-) RETURNS SETOF tasks
-LANGUAGE plpgsql AS $$
-DECLARE
-    mine bigint;
-    total bigint;
-    created tasks;
-BEGIN
-    PERFORM set_config('app.tenant_id', p_tenant, true);
-    PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || p_tenant, 0));
-    SELECT coalesce(sum(active) FILTER (WHERE subject = p_subject), 0), coalesce(sum(active), 0)
-        INTO mine, total
-    FROM active_tasks WHERE tenant_id = p_tenant AND active > 0;
-    IF mine >= p_max_per_requestor OR total >= p_max_per_tenant THEN
-        RETURN;
-    END IF;
-    INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, arguments,
-                       client_capabilities, progress_token, ttl_ms, poll_interval_ms, expires_at,
-                       lease_owner, lease_key, lease_expires_at, attempts, started_at)
-    VALUES (p_tenant, p_task_id, p_subject, p_issuer, p_client_id, p_session_id, p_surface, p_tool,
-            p_arguments, p_client_capabilities, p_progress_token, p_ttl_ms, p_poll_interval_ms,
-            clock_timestamp() + p_ttl_ms * interval '1 millisecond',
-            p_lease_owner, p_lease_key, clock_timestamp() + p_lease_ms * interval '1 millisecond',
-            CASE WHEN p_lease_owner IS NULL THEN 0 ELSE 1 END,
-            CASE WHEN p_lease_owner IS NULL THEN NULL ELSE clock_timestamp() END)
-    RETURNING * INTO created;
-    PERFORM audit_append(p_tenant, 'create', 'working', p_subject, p_client_id, p_issuer, p_task_id,
-                         p_request_id, p_client_address, p_detail);
-    IF p_lease_owner IS NULL THEN
-        PERFORM pg_notify('mcp_tasks', json_build_object('k', 'created', 't', p_tenant, 'id', p_task_id)::text);
-    END IF;
-    RETURN NEXT created;
-END
-$$;
-
--- tasks/get: one owner's unexpired task.
-CREATE FUNCTION task_get(p_tenant text, p_task_id text, p_subject text) RETURNS SETOF tasks
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM set_config('app.tenant_id', p_tenant, true);
-    RETURN QUERY SELECT * FROM tasks
-        WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject
-          AND expires_at > clock_timestamp();
-END
-$$;
-
--- tasks/result: the task, and when it is terminal the audit event saying its result was handed out.
-CREATE FUNCTION task_retrieve(
-    p_tenant text, p_task_id text, p_subject text, p_client_id text, p_issuer text,
-    p_request_id text, p_client_address text
-) RETURNS SETOF tasks
-LANGUAGE plpgsql AS $$
-DECLARE
-    found_task tasks;
-BEGIN
-    PERFORM set_config('app.tenant_id', p_tenant, true);
-    SELECT * INTO found_task FROM tasks
-        WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject
-          AND expires_at > clock_timestamp();
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    IF found_task.status IN ('completed', 'failed', 'cancelled') THEN
-        PERFORM audit_append(p_tenant, 'retrieve', found_task.status::text, p_subject, p_client_id, p_issuer,
-                             p_task_id, p_request_id, p_client_address, NULL);
-    END IF;
-    RETURN NEXT found_task;
-END
-$$;
-
--- A runner records the outcome (only while it holds the lease and the task is active), appends
--- the completion to the audit chain, and wakes whoever waits on the task. It runs as the runner
--- role, whose policy spans tenants.
-CREATE FUNCTION task_finish(
-    p_tenant text, p_task_id text, p_owner text, p_status task_status, p_outcome text, p_payload jsonb,
-    p_status_message text, p_detail jsonb
-) RETURNS SETOF tasks
-LANGUAGE plpgsql AS $$
-DECLARE
-    done tasks;
-BEGIN
-    UPDATE tasks
-    SET status = p_status, outcome = p_outcome, payload = p_payload, status_message = p_status_message,
-        last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-        lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-    WHERE tenant_id = p_tenant AND task_id = p_task_id AND lease_owner = p_owner
-      AND status IN ('working', 'input_required')
-    RETURNING * INTO done;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    PERFORM audit_append(p_tenant, 'complete', done.status::text, done.subject, done.client_id, done.issuer,
-                         p_task_id, NULL, NULL, p_detail);
-    PERFORM pg_notify('mcp_tasks', json_build_object(
-        'k', 'status', 't', p_tenant, 'id', p_task_id, 's', done.session_id)::text);
-    RETURN NEXT done;
-END
-$$;
-
-REVOKE ALL ON FUNCTION
-    task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer, bigint,
-                bigint, text, text, jsonb, text, bigint, bigint),
-    task_get(text, text, text),
-    task_retrieve(text, text, text, text, text, text, text),
-    task_finish(text, text, text, task_status, text, jsonb, text, jsonb)
-FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION
-    task_create(text, text, text, text, text, text, text, text, jsonb, jsonb, jsonb, bigint, integer, bigint,
-                bigint, text, text, jsonb, text, bigint, bigint),
-    task_get(text, text, text),
-    task_retrieve(text, text, text, text, text, text, text)
-TO mcp_tasks_app;
-GRANT EXECUTE ON FUNCTION task_finish(text, text, text, task_status, text, jsonb, text, jsonb) TO mcp_tasks_runner;
-
-
 -- ================================================================= hot paths: group commit ==
--- task_batch does what task_create, task_get and task_retrieve do, for a whole batch of requests
--- from many tenants and requestors, and task_finish_batch what task_finish does for many runner
+-- task_batch creates, gets and retrieves (auditing a terminal task's hand-out) for a whole batch
+-- of requests from many tenants and requestors, and task_finish_batch records many runner
 -- outcomes (see service/store/batch.py): under load, a round trip, a statement and a durable
--- commit are shared by many requests, and the listening replicas are woken once per commit.
+-- commit are shared by many requests, and the listening replicas are woken once per commit. A
+-- single request is a batch of one: there is one implementation per operation.
 --
 -- Locks are taken in the order every other writer takes them, so batches deadlock neither with
 -- each other nor with single statements: the tenants' create locks (sorted), then the tasks' rows,
@@ -496,7 +392,7 @@ GRANT EXECUTE ON FUNCTION task_finish(text, text, text, task_status, text, jsonb
 -- finish batch locks all its rows before it changes any), then the tenants' audit heads, in tenant
 -- order. Every such order compares code points (COLLATE "C", as Python sorts), whatever the
 -- database's collation. Each item sets its own tenant before it touches a table, so row-level
--- security applies per item exactly as it does to the single-item functions.
+-- security applies per item exactly as it would to a statement of its own.
 --
 -- The results come back one row per item, in the order of the items; a row of NULLs means "no
 -- task": a cap refused the create, or the task is unknown, expired or someone else's.
@@ -571,10 +467,10 @@ BEGIN
             PERFORM audit_append(it.tenant_id, 'create', 'working', it.subject, it.client_id, it.issuer,
                                  it.task_id, it.request_id, it.client_address, it.detail);
             IF it.lease_owner IS NULL THEN
-                PERFORM pg_notify('mcp_tasks',
-                                  json_build_object('k', 'created', 't', it.tenant_id, 'id', it.task_id)::text);
+                PERFORM pg_notify('mcp_tasks', json_build_object(
+                    'v', 1, 'k', 'created', 'tenant_id', it.tenant_id, 'task_id', it.task_id)::text);
             END IF;
-        ELSIF it.k = 'retrieve' AND t.status IN ('completed', 'failed', 'cancelled') THEN
+        ELSIF it.k = 'retrieve' AND NOT task_status_active(t.status) THEN
             PERFORM set_config('app.tenant_id', it.tenant_id, true);
             PERFORM audit_append(it.tenant_id, 'retrieve', t.status::text, it.subject, it.client_id, it.issuer,
                                  it.task_id, it.request_id, it.client_address, NULL);
@@ -619,7 +515,7 @@ BEGIN
             last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
             lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
         WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
-          AND status IN ('working', 'input_required')
+          AND task_status_active(status)
         RETURNING * INTO done;
         done_tasks[i] := done;
     END LOOP;
@@ -628,8 +524,8 @@ BEGIN
         CONTINUE WHEN done.task_id IS NULL;
         PERFORM audit_append(done.tenant_id, 'complete', done.status::text, done.subject, done.client_id,
                              done.issuer, done.task_id, NULL, NULL, items[i].detail);
-        PERFORM pg_notify('mcp_tasks', json_build_object(
-            'k', 'status', 't', done.tenant_id, 'id', done.task_id, 's', done.session_id)::text);
+        PERFORM pg_notify('mcp_tasks', json_build_object('v', 1, 'k', 'status', 'tenant_id', done.tenant_id,
+                                                         'task_id', done.task_id, 'session_id', done.session_id)::text);
     END LOOP;
     FOR i IN 1 .. n LOOP
         RETURN NEXT done_tasks[i];
@@ -642,3 +538,82 @@ GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
 GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
 GRANT USAGE ON TYPE task_batch_item TO mcp_tasks_app;
 GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
+
+-- ================================================================ hot paths: hand-back ==
+-- A runner gave a task back (it stopped, or its lease was lost and the reaper found it): run it
+-- again if its tool may re-run and attempts remain, else fail it. The one hand-back path, for
+-- the reaper and a stopping runner alike; rows locked first in the caller's order, as finishes.
+CREATE TYPE task_release_item AS (
+    tenant_id text, task_id text, owner text, rerunnable boolean, max_attempts integer,
+    requeue_message text, failure jsonb
+);
+
+CREATE FUNCTION task_release_batch(p_items jsonb) RETURNS SETOF tasks
+LANGUAGE plpgsql AS $$
+DECLARE
+    items task_release_item[];
+    it task_release_item;
+    moved tasks[];
+    requeued boolean[];
+    t tasks;
+    n integer;
+BEGIN
+    SELECT array_agg(jsonb_populate_record(NULL::task_release_item, e) ORDER BY o) INTO items
+    FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
+    n := coalesce(array_length(items, 1), 0);
+    FOR i IN 1 .. n LOOP
+        PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
+        FOR NO KEY UPDATE;
+    END LOOP;
+    FOR i IN 1 .. n LOOP
+        it := items[i];
+        t := NULL;
+        requeued[i] := false;
+        UPDATE tasks
+        SET status = 'working', status_message = format('%s (attempt %s)', it.requeue_message, attempts + 1),
+            last_updated_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+        WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
+          AND task_status_active(status) AND it.rerunnable AND attempts < it.max_attempts
+        RETURNING * INTO t;
+        IF t.task_id IS NOT NULL THEN
+            requeued[i] := true;
+            -- Its questions were asked by the run that stopped: they can no longer be answered.
+            DELETE FROM task_messages WHERE tenant_id = it.tenant_id AND task_id = it.task_id
+                AND answered_at IS NULL;
+        ELSE
+            UPDATE tasks
+            SET status = 'failed', outcome = 'failure', payload = it.failure,
+                status_message = it.failure ->> 'message',
+                last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+                lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+            WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
+              AND task_status_active(status)
+            RETURNING * INTO t;
+        END IF;
+        moved[i] := t;
+    END LOOP;
+    FOR i IN 1 .. n LOOP
+        t := moved[i];
+        CONTINUE WHEN t.task_id IS NULL;
+        IF requeued[i] THEN
+            PERFORM audit_append(t.tenant_id, 'requeue', 'working', t.subject, t.client_id, t.issuer, t.task_id,
+                                 NULL, NULL, jsonb_build_object('attempt', t.attempts + 1, 'owner', items[i].owner));
+            PERFORM pg_notify('mcp_tasks', json_build_object(
+                'v', 1, 'k', 'created', 'tenant_id', t.tenant_id, 'task_id', t.task_id)::text);
+        ELSE
+            PERFORM audit_append(t.tenant_id, 'complete', 'failed', t.subject, t.client_id, t.issuer, t.task_id,
+                                 NULL, NULL, jsonb_build_object('kind', 'failure',
+                                                                'reason', items[i].failure ->> 'reason'));
+        END IF;
+        PERFORM pg_notify('mcp_tasks', json_build_object('v', 1, 'k', 'status', 'tenant_id', t.tenant_id,
+                                                         'task_id', t.task_id, 'session_id', t.session_id)::text);
+    END LOOP;
+    FOR i IN 1 .. n LOOP
+        RETURN NEXT moved[i];
+    END LOOP;
+END
+$$;
+
+REVOKE ALL ON FUNCTION task_release_batch(jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION task_release_batch(jsonb) TO mcp_tasks_runner;
+GRANT USAGE ON TYPE task_release_item TO mcp_tasks_runner;

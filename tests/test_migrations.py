@@ -76,24 +76,24 @@ def downgrade() -> None:
 
 
 async def test_a_migration_that_fails_half_way_leaves_the_previous_revision(database_url: str, tmp_path: Path) -> None:
-    """Revision 0002 applies; 0003 creates a table, then fails: 0003 is rolled back whole, 0002 stays."""
+    """A revision after head applies; the next creates a table, then fails: it is rolled back whole, the first stays."""
     scripts = tmp_path / "alembic"
     shutil.copytree(migrate.script_location(), scripts, ignore=shutil.ignore_patterns("__pycache__"))
     head = migrate.head_revision()
-    (scripts / "versions" / "0002_ok.py").write_text(_REVISION.format(rev="0002", down=head, then="SELECT 1"))
-    (scripts / "versions" / "0003_fails.py").write_text(_REVISION.format(rev="0003", down="0002", then="SELECT 1/0"))
+    (scripts / "versions" / "9998_ok.py").write_text(_REVISION.format(rev="9998", down=head, then="SELECT 1"))
+    (scripts / "versions" / "9999_fails.py").write_text(_REVISION.format(rev="9999", down="9998", then="SELECT 1/0"))
     cfg = Config()
     cfg.set_main_option("script_location", str(scripts))
     cfg.set_main_option("sqlalchemy.url", database_url)
     with pytest.raises(Exception, match="division by zero"):
         await asyncio.to_thread(command.upgrade, cfg, "head")
-    assert await migrate.current_revision(database_url) == "0002"
+    assert await migrate.current_revision(database_url) == "9998"
     conn = await asyncpg.connect(database_url)
     try:
         tables = {
             r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE tablename LIKE 'probe%'")
         }
-        assert tables == {"probe_0002"}
+        assert tables == {"probe_9998"}
     finally:
         await conn.close()
 

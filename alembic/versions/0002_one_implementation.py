@@ -1,7 +1,7 @@
 """One implementation per stored operation, wire-neutral outcomes and questions, events by reference.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0002
+Revises: 0001
 
 - ``task_status_active(status)`` is the one definition of "active"; triggers, constraints, the
   partial index and every query use it.
@@ -17,12 +17,11 @@ Revises: 0005
 - ``event_payloads``: events too large for NOTIFY are sent by reference (read under RLS).
 """
 
-from alembic import op  # noqa: F401
 
-from service.store.migrations.sqlscript import run_script
+from service.store.sqlscript import run_script
 
-revision = "0006"
-down_revision = "0005"
+revision = "0002"
+down_revision = "0001"
 branch_labels = None
 depends_on = None
 
