@@ -59,3 +59,11 @@ async def log_then_crash(ctx: ToolContext) -> str:
 async def leaky(ctx: ToolContext) -> str:
     """Raises an exception whose message holds a secret."""
     raise RuntimeError("dsn=postgresql://admin:hunter2@db/prod")
+
+
+@pack.tool(task_support="optional")
+async def ask_two(ctx: ToolContext) -> str:
+    """Asks two questions at once (both pending together) and reports both answers."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    answers = await asyncio.gather(ctx.elicit("first?", schema), ctx.elicit("second?", schema))
+    return " ".join(f"{a.action}:{(a.content or {}).get('n')}" for a in answers)

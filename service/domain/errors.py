@@ -3,8 +3,8 @@
 DomainError
 ├── TaskNotFound            unknown, expired, purged, or another principal's task
 ├── TaskAlreadyTerminal     cancel of a completed/failed/cancelled task
-├── TaskWasCancelled        tasks/result of a cancelled task
-├── InvalidCursor           tasks/list cursor that is malformed, forged or another principal's
+├── TaskWasCancelled        the result of a cancelled task
+├── InvalidCursor           list cursor that is malformed, forged or another principal's
 ├── InvalidArguments        tool arguments or request parameters that do not validate
 ├── UnknownTool
 ├── TaskSupportMismatch     task-augmented call to a forbidden tool, plain call to a required one

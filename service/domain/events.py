@@ -60,7 +60,7 @@ TaskEvent = StatusChanged | Progress | LogEntry | InputRequested | InputVoided |
 
 
 def log_wanted(level: str, minimum: str | None) -> bool:
-    """Whether a log entry at ``level`` passes a session's ``logging/setLevel`` minimum."""
+    """Whether a log entry at ``level`` passes a session's chosen minimum level."""
     if level not in LOG_LEVELS:
         return False
     return minimum is None or minimum not in LOG_LEVELS or LOG_LEVELS.index(level) >= LOG_LEVELS.index(minimum)

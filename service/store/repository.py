@@ -315,13 +315,14 @@ class RunnerStore:
     async def ask(self, task: Task, owner: str, question: PendingInput) -> bool:
         """Store a question and go input_required, while the lease is ours (False: it is not)."""
         async with self.db.transaction() as conn:
-            moved = await conn.fetchval(
-                Q["ask_input"], task.tenant_id, task.task_id, owner, question.key, question.kind.value,
-                question.params,
-            )  # fmt: skip
-            if moved:
-                await notify(conn, TaskChanged(task.tenant_id, task.task_id, task.session_id))
-        return bool(moved)
+            moved = await conn.fetchval(Q["ask_input"], task.tenant_id, task.task_id, owner)
+            if moved is None:
+                return False
+            await conn.execute(
+                Q["insert_question"], task.tenant_id, task.task_id, question.key, question.kind.value, question.params
+            )
+            await notify(conn, TaskChanged(task.tenant_id, task.task_id, task.session_id))
+        return True
 
     async def response(self, tenant_id: str, task_id: str, key: str) -> InputResponse | None:
         async with self.db.connection() as conn:

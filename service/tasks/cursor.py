@@ -1,4 +1,4 @@
-"""Opaque, tamper-proof tasks/list cursors, bound to the principal that received them (T-LIST-4)."""
+"""Opaque, tamper-proof list cursors, bound to the principal that received them (T-LIST-4)."""
 
 from __future__ import annotations
 
@@ -39,4 +39,4 @@ class CursorCodec:
                 raise ValueError("bad body")
             return datetime.fromtimestamp(micros / 1_000_000, tz=UTC), task_id
         except (ValueError, TypeError, orjson.JSONDecodeError):
-            raise InvalidCursor("invalid cursor: pass back a nextCursor from tasks/list unchanged") from None
+            raise InvalidCursor("invalid cursor: pass back the cursor a listing returned, unchanged") from None

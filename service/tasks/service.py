@@ -247,10 +247,10 @@ class TaskService:
         return await self.store.answer(caller, task_id, responses) is not None
 
     async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[TaskEvent]:
-        """Everything a 2025-11-25 tasks/result stream carries, ending with Finished.
+        """Everything a blocking result stream (2025-11-25) carries, ending with Finished.
 
         Questions are claimed for this stream alone (no broadcast, H-MULTI-2) and released if the
-        stream goes away unanswered, so the next tasks/result gets them.
+        stream goes away unanswered, so the next result stream gets them.
         """
         tenant = caller.principal.tenant_id
         stream_id = secrets.token_urlsafe(12)

@@ -1,4 +1,4 @@
-"""MCP sessions (2025-11-25): opened by initialize, bound to the principal, ended by DELETE."""
+"""Client sessions (2025-11-25): opened on the client's first request, bound to the principal, ended on request."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from service.store.repository import SessionStore
 
 TOUCH_EVERY_S = 60.0
 # Every request names its session, so each replica keeps the sessions it has seen for a few
-# seconds: a plain call then needs no database work. A change (DELETE, logging/setLevel) is
+# seconds: a plain call then needs no database work. A change (the end, a new log level) is
 # announced to every replica at commit; the expiry bounds staleness should that event be lost.
 CACHE_SECONDS = 5.0
 CACHE_MAX = 50_000

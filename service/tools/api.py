@@ -37,7 +37,7 @@ class ToolError(Exception):
 
 class ToolFailure(Exception):
     """Raised by a tool to end its call as failed, without a result: a protocol error on the wire
-    (replayed by tasks/result; ``failed`` with ``error`` on the extension). The service picks the
+    (replayed as the result on 2025-11-25; ``failed`` with ``error`` on the extension). The service picks the
     error code unless ``code`` names one."""
 
     def __init__(self, message: str, *, code: int | None = None, data: Any = None) -> None:

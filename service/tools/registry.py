@@ -214,7 +214,7 @@ class Registry:
     def get(self, name: str) -> ToolSpec:
         spec = self.tools.get(name)
         if spec is None:
-            raise UnknownTool(f"unknown tool {name!r}; tools/list shows the available tools")
+            raise UnknownTool(f"unknown tool {name!r}; list the tools to see the available ones")
         return spec
 
 

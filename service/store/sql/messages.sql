@@ -1,16 +1,15 @@
 -- name: ask_input
--- A running task asks its client a question and goes input_required, only while the runner holds
--- its lease (no row back: cancelled, expired or taken over). seq orders a task's questions.
-WITH moved AS (
-    UPDATE tasks SET status = 'input_required', status_message = 'waiting for input',
-                     last_updated_at = clock_timestamp()
-    WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_active(status)
-    RETURNING tenant_id, task_id
-)
+-- A running task is about to ask its client: input_required, only while the runner holds its lease
+-- (no row back: cancelled, expired or taken over). The row lock orders concurrent questions.
+UPDATE tasks SET status = 'input_required', status_message = 'waiting for input', last_updated_at = clock_timestamp()
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_active(status)
+RETURNING task_id;
+
+-- name: insert_question
+-- The question, numbered after the task's others (ask_input's row lock is held: no two get one seq).
 INSERT INTO task_messages (tenant_id, task_id, seq, input_key, kind, params)
-SELECT m.tenant_id, m.task_id,
-       (SELECT coalesce(max(seq), 0) + 1 FROM task_messages WHERE tenant_id = $1 AND task_id = $2), $4, $5, $6
-FROM moved m
+SELECT $1, $2, coalesce(max(seq), 0) + 1, $3, $4, $5
+FROM task_messages WHERE tenant_id = $1 AND task_id = $2
 RETURNING seq;
 
 -- name: pending_inputs
