@@ -33,7 +33,7 @@ async def wait_status(s: RpcSession, task_id: str, status: str) -> dict[str, Any
 def test_every_event_round_trips_through_its_versioned_payload() -> None:
     event = PlainAnswer("acme", "alice", "in-1", {"result": {"action": "accept"}})
     body = orjson.loads(encode(event))
-    assert body["v"] == 1 and body["k"] == "plain_answer"
+    assert (body["v"], body["k"]) == (1, "plain_answer")
     assert decode(body) == event
     assert decode({**body, "v": 2}) is None  # a newer replica's event is ignored, not misread
     assert decode({"v": 1, "k": "no-such-kind"}) is None
