@@ -20,9 +20,11 @@ from service.auth.resource import PRM_PATH, protected_resource_metadata
 from service.config import Settings
 from service.core import Core, open_core
 from service.guard.ratelimit import RateLimiter
+from service.mcp.http import send_json
+from service.mcp.modern import ModernSurface
 from service.mcp.plain import Inflight
 from service.mcp.surface import Surface
-from service.mcp.transport import McpEndpoint, send_json
+from service.mcp.transport import McpEndpoint
 from service.observability import metrics
 from service.store import migrate
 from service.tasks.audit import AuditLog
@@ -69,7 +71,8 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
             core.tasks, core.sessions, core.registry, inflight, limiter, audit, poll_s=settings.poll_interval_ms / 1000
         )
         app.state.core = core
-        app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface, limiter, audit)
+        modern = ModernSurface(settings, core.tasks, surface, limiter, audit)
+        app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface, limiter, audit, modern)
         try:
             yield
         finally:

@@ -67,3 +67,18 @@ async def ask_two(ctx: ToolContext) -> str:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
     answers = await asyncio.gather(ctx.elicit("first?", schema), ctx.elicit("second?", schema))
     return " ".join(f"{a.action}:{(a.content or {}).get('n')}" for a in answers)
+
+
+@pack.tool(task_support="optional")
+async def slow_confirm(ctx: ToolContext, seconds: float = 0.5) -> str:
+    """Works a while (long enough to become a task), then asks the client to confirm."""
+    await asyncio.sleep(seconds)
+    answer = await ctx.elicit("Go on?", {"type": "object", "properties": {"ok": {"type": "boolean"}}})
+    return f"{answer.action}:{(answer.content or {}).get('ok')}"
+
+
+@pack.tool(task_support="required", rerunnable=True)
+async def slow_fail(ctx: ToolContext, seconds: float = 0.3) -> ToolResult:
+    """Runs only as a task, then ends with a tool error (isError: true)."""
+    await asyncio.sleep(seconds)
+    return ToolResult([text("it broke")], is_error=True)

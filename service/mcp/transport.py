@@ -22,9 +22,12 @@ from service.domain.errors import DomainError, InvalidArguments
 from service.domain.inputs import InputResponse
 from service.domain.principal import Caller, Principal
 from service.guard.ratelimit import RateLimited, RateLimiter
+from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
+from service.mcp.http import HttpError, send_json
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
+from service.mcp.modern import ModernSurface
 from service.mcp.sse import send_sse
 from service.mcp.surface import SUPPORTED_VERSIONS, Call, Streamed, Surface
 from service.observability import logging as logctx
@@ -41,25 +44,16 @@ JSON: Final = "application/json"
 EVENT_STREAM: Final = "text/event-stream"
 
 
-class HttpError(Exception):
-    """An HTTP-level refusal, answered with a JSON-RPC error body without id (H-POST-3)."""
+class _RpcRefusal(Exception):
+    """A request refused outside a JSON-RPC handler, but with its id (2026-07-28 envelope errors)."""
 
-    def __init__(self, status: int, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, request_id: Any, code: int, message: str, data: Any = None) -> None:
         super().__init__(message)
         self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers or {}
-
-
-async def send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-    payload = b"" if body is None else jsonrpc.dumps(body)
-    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    if body is not None:
-        raw.append((b"content-type", b"application/json"))
-    raw.append((b"content-length", str(len(payload)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
+        self.request_id = request_id
+        self.error: dict[str, Any] = {"code": code, "message": message}
+        if data is not None:
+            self.error["data"] = data
 
 
 def _throttled(limited: RateLimited, extra: dict[str, str] | None = None) -> HttpError:
@@ -125,6 +119,7 @@ class McpEndpoint:
         surface: Surface,
         limiter: RateLimiter,
         audit: AuditLog,
+        modern: ModernSurface,
     ) -> None:
         self.settings = settings
         self.auth = authenticator
@@ -133,6 +128,7 @@ class McpEndpoint:
         self.sessions = sessions
         self.tasks = tasks
         self.surface = surface
+        self.modern = modern
         public = urlsplit(settings.effective_public_url)
         self._public_host = (public.hostname or "").lower()
         self._public_origin = f"{public.scheme}://{public.netloc}".lower()
@@ -203,12 +199,17 @@ class McpEndpoint:
                 raise _throttled(limited)
             if method == "POST":
                 await self._post(scope, receive, send, headers, caller)
+            elif headers.get(VERSION_HEADER) == ext.MODERN and not headers.get(SESSION_HEADER):
+                # X-HTTP-9: 2026-07-28 has no GET stream and no sessions to end.
+                raise HttpError(405, INVALID_REQUEST, f"{method} is not used on 2026-07-28", {"Allow": "POST"})
             elif method == "GET":
                 await self._get(receive, send, headers, caller)
             elif method == "DELETE":
                 await self._delete(send, headers, caller.principal)
             else:
                 raise HttpError(405, INVALID_REQUEST, f"method {method} not allowed", {"Allow": "GET, POST, DELETE"})
+        except _RpcRefusal as exc:
+            await send_json(send, exc.status, jsonrpc.error_message(exc.request_id, exc.error))
         except AuthFailure as exc:
             body = jsonrpc.error_message(None, {"code": INVALID_REQUEST, "message": exc.description})
             await send_json(send, exc.status, body, exc.headers)
@@ -253,6 +254,28 @@ class McpEndpoint:
         ):
             return
         raise HttpError(403, INVALID_REQUEST, f"Origin {origin!r} is not allowed; set MCP_TASKS_ALLOWED_ORIGINS")
+
+    def _era(self, headers: Headers, message: dict[str, Any]) -> str:
+        """§14.1: which surface serves this request, decided from it alone."""
+        if message.get("method") == "initialize":
+            return "2025-11-25"
+        value = headers.get(VERSION_HEADER)
+        if value == ext.MODERN:
+            return ext.MODERN
+        request_id = message.get("id") if jsonrpc.valid_id(message.get("id")) else None
+        if value is None:
+            params = message.get("params")
+            meta = params.get("_meta") if isinstance(params, dict) else None
+            if isinstance(meta, dict) and ext.META_VERSION in meta:
+                raise _RpcRefusal(400, request_id, ext.HEADER_MISMATCH,
+                                  "Header mismatch: 2026-07-28 requests carry MCP-Protocol-Version")  # fmt: skip
+            return "2025-11-25"  # a session's request from a client that sends no header (as before)
+        if value in SUPPORTED_VERSIONS:
+            return "2025-11-25"
+        supported = [ext.MODERN, *SUPPORTED_VERSIONS]
+        raise _RpcRefusal(400, request_id, ext.UNSUPPORTED_VERSION,
+                          f"Unsupported protocol version {value!r}; supported: {', '.join(supported)}",
+                          {"supported": supported, "requested": value})  # fmt: skip
 
     def _check_version_header(self, headers: Headers) -> None:
         """H-VER-3: an unsupported MCP-Protocol-Version is 400. A supported value that differs from
@@ -327,6 +350,9 @@ class McpEndpoint:
                 400, INVALID_REQUEST, 'Invalid Request: expected a JSON-RPC 2.0 object with "jsonrpc": "2.0"'
             )
 
+        if self._era(headers, message) == ext.MODERN:
+            await self.modern.handle(receive, send, headers, caller, message)
+            return
         if "method" in message:
             method = message["method"]
             if not isinstance(method, str):

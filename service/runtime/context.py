@@ -1,4 +1,9 @@
-"""TaskRunContext: the tool context of a call running as a task (events published, questions stored)."""
+"""How a call running as a task talks to its client: events published, questions stored.
+
+``TaskSink`` is the task side of a tool context: the runner's context (``TaskRunContext``) uses it
+from the start, and a call that began inside its request (``service.tasks.calls``) switches to it
+when it becomes a task.
+"""
 
 from __future__ import annotations
 
@@ -13,20 +18,17 @@ from service.store.repository import RunnerStore
 from service.tools.context import ToolContextBase
 
 
-class TaskRunContext(ToolContextBase):
-    """Bound to one claimed task and the runner that holds its lease."""
+class TaskSink:
+    """Bound to one task and the runner that holds its lease."""
 
     def __init__(self, task: Task, *, owner: str, store: RunnerStore, hub: EventHub, poll_s: float) -> None:
-        super().__init__(
-            task_id=task.task_id, progress_token=task.progress_token, client_capabilities=task.client_capabilities
-        )
         self._task = task
         self._owner = owner
         self._store = store
         self._hub = hub
         self._poll_s = poll_s
 
-    async def _emit(self, event: TaskEvent) -> None:
+    async def emit(self, event: TaskEvent) -> None:
         t = self._task
         if isinstance(event, Progress):
             out: TaskProgress | TaskLog = TaskProgress(
@@ -34,12 +36,12 @@ class TaskRunContext(ToolContextBase):
             )
         elif isinstance(event, LogEntry):
             out = TaskLog(t.tenant_id, t.task_id, t.session_id, event.level, event.data, event.logger)
-        else:  # pragma: no cover - the base emits nothing else
+        else:  # pragma: no cover - tool contexts emit nothing else
             return
         with contextlib.suppress(Exception):  # progress and logs are best effort (P-2)
             await self._hub.publish(out)
 
-    async def _ask(self, question: PendingInput) -> InputResponse:
+    async def ask(self, question: PendingInput) -> InputResponse:
         """Store the question (input_required), wait for its answer; the answer makes it working again."""
         t = self._task
         async with self._hub.subscribe(("task", t.tenant_id, t.task_id)) as events:
@@ -51,3 +53,19 @@ class TaskRunContext(ToolContextBase):
                     return response
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(events.get(), timeout=self._poll_s)
+
+
+class TaskRunContext(ToolContextBase):
+    """The context of a task a runner claimed: everything goes through its TaskSink."""
+
+    def __init__(self, task: Task, sink: TaskSink) -> None:
+        super().__init__(
+            task_id=task.task_id, progress_token=task.progress_token, client_capabilities=task.client_capabilities
+        )
+        self._sink = sink
+
+    async def _emit(self, event: TaskEvent) -> None:
+        await self._sink.emit(event)
+
+    async def _ask(self, question: PendingInput) -> InputResponse:
+        return await self._sink.ask(question)

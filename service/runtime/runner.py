@@ -9,14 +9,14 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
 from service.domain.errors import Unavailable
 from service.domain.task import FailureReason, Outcome, Task
 from service.observability import metrics
-from service.runtime.context import TaskRunContext
+from service.runtime.context import TaskRunContext, TaskSink
 from service.runtime.handback import hand_back
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -69,13 +69,31 @@ class Runner:
     def busy(self) -> int:
         return len(self._running)
 
-    def reserve(self) -> Lease | None:
+    def reserve(self, *, running: bool = False) -> Lease | None:
         """A free slot for a task this process is about to create: the lease to create it under,
-        or None. The creator must call ``adopt`` either way."""
-        if self._stopping or not self.liveness.held or self.busy + self._reserved >= self.concurrency:
+        or None. The creator must call ``adopt`` (or ``adopt_running``) either way. ``running``: the
+        call already runs here (it began inside its request), so it takes a slot even when none is
+        free rather than stop."""
+        if self._stopping or not self.liveness.held:
+            return None
+        if not running and self.busy + self._reserved >= self.concurrency:
             return None
         self._reserved += 1
         return Lease(self.owner, self.liveness.key, self.lease_ms)
+
+    def _sink(self, task: Task) -> TaskSink:
+        return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
+
+    def adopt_running(self, task: Task, job: asyncio.Task[Outcome], attach: Callable[[str, TaskSink], None]) -> None:
+        """A call that began inside its request became ``task`` (created under a reserved lease):
+        from now on its events and questions go through the task, and its outcome is recorded
+        like any other run's."""
+        self._reserved -= 1
+        attach(task.task_id, self._sink(task))
+        metrics.task_start_delay.labels(task.tool).observe(0.0)
+        key = (task.tenant_id, task.task_id)
+        self._running[key] = asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}")
+        metrics.runner_slots_in_use.set(self.busy)
 
     def adopt(self, task: Task | None) -> None:
         """Run a task created under a reserved lease (None: a cap refused it, nothing was written)."""
@@ -205,12 +223,17 @@ class Runner:
                 if job is not None and key not in held:  # cancelled, expired, or the lease was taken
                     job.cancel()
 
-    async def _execute(self, task: Task) -> None:
+    async def _execute(self, task: Task, job: asyncio.Task[Outcome] | None = None) -> None:
+        """Run the task's tool (or await ``job``, the call already running) and record its outcome."""
         key = (task.tenant_id, task.task_id)
-        ctx = TaskRunContext(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
         started = time.perf_counter()
         try:
-            outcome = await run_tool(self.registry, task.tool, task.arguments, ctx)
+            if job is None:
+                outcome = await run_tool(
+                    self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task))
+                )
+            else:
+                outcome = await job  # cancelling us cancels it
             metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ from service.domain.errors import (
     TaskAlreadyTerminal,
     TaskNotFound,
     TaskSupportMismatch,
+    Unavailable,
 )
 from service.domain.events import (
     Finished,
@@ -32,13 +34,15 @@ from service.domain.events import (
 )
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller, Principal
-from service.domain.task import Surface, Task, TaskStatus, clamp_ttl, new_task_id
+from service.domain.task import Outcome, Surface, Task, TaskStatus, clamp_ttl, new_task_id
 from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import Database
-from service.store.events import Event, EventHub, Resync, TaskChanged, TaskLog, TaskProgress
+from service.store.events import Event, EventHub, Resync, TaskChanged, TaskDeleted, TaskLog, TaskProgress
 from service.store.repository import TaskStore
+from service.tasks.calls import CallEnd, InlineCallContext, run_round
 from service.tasks.cursor import CursorCodec
+from service.tools.execute import run_tool
 from service.tools.registry import Registry, ToolSpec
 
 PAGE_SIZE = 50
@@ -59,11 +63,30 @@ class TaskPolicy:
 
 
 class LocalRunner(Protocol):
-    def reserve(self) -> rq.Lease | None: ...
+    def reserve(self, *, running: bool = False) -> rq.Lease | None: ...
 
     def adopt(self, task: Task | None) -> None: ...
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
+
+    def adopt_running(self, task: Task, job: asyncio.Task[Outcome], attach: Callable[[str, Any], None]) -> None: ...
+
+
+class CallMode(enum.Enum):
+    """How a call may end (XD-5): inside its request only, as a task if it runs long, or as a task."""
+
+    SYNC = "sync"
+    OPTIONAL = "optional"
+    REQUIRED = "required"
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """One of: the call's outcome; questions the client must answer (retry with them); the task it became."""
+
+    outcome: Outcome | None = None
+    questions: tuple[PendingInput, ...] = ()
+    task: Task | None = None
 
 
 def notice_of(event: Event) -> TaskEvent | None:
@@ -148,6 +171,89 @@ class TaskService:
             if lease is not None:
                 self._settle_lease(request.tenant_id, request.task_id, created)
         if task is None:
+            raise await self._refuse_capacity(caller, tool)
+        return task
+
+    async def call(
+        self,
+        caller: Caller,
+        *,
+        tool: str,
+        arguments: dict[str, Any],
+        mode: CallMode,
+        responses: dict[str, InputResponse],
+        progress_token: str | int | None,
+        client_capabilities: dict[str, Any],
+        grace_s: float,
+    ) -> CallResult:
+        """Run a call inside its request (2026-07-28): it ends there, asks for input (the client
+        retries with the answers), or becomes a task (OPTIONAL after ``grace_s``; REQUIRED always).
+        The task row is committed before this returns it (X-CREATE-3)."""
+        spec, valid = self.check_call(tool, arguments, as_task=mode is not CallMode.SYNC, negotiate=False)
+        runner = self.runner
+        if mode is not CallMode.SYNC and runner is None:
+            # No runner here to adopt a running call: the task is queued for one at once.
+            return CallResult(task=await self._create_for_call(caller, spec.name, valid, client_capabilities, None))
+        ctx = InlineCallContext(
+            responses=responses, progress_token=progress_token, client_capabilities=client_capabilities
+        )
+        job = asyncio.create_task(run_tool(self.registry, spec.name, valid, ctx), name=f"call-{spec.name}")
+        try:
+            round_ = await run_round(job, ctx, grace_s=None if mode is CallMode.SYNC else grace_s)
+        except BaseException:
+            job.cancel()  # the request went away (X-HTTP-7: closing the stream cancels it)
+            raise
+        if round_.end is CallEnd.NEEDS_INPUT:
+            return CallResult(questions=round_.questions)
+        if round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED:
+            return CallResult(outcome=round_.outcome)
+        assert runner is not None
+        lease = runner.reserve(running=True)
+        if lease is None:  # shutting down: nothing is created, the client retries elsewhere
+            job.cancel()
+            raise Unavailable("the service is shutting down; retry")
+        try:
+            task = await self._create_for_call(caller, spec.name, valid, client_capabilities, lease)
+        except BaseException:
+            job.cancel()
+            raise
+        runner.adopt_running(task, job, ctx.attach)
+        return CallResult(task=task)
+
+    async def _create_for_call(
+        self,
+        caller: Caller,
+        tool: str,
+        arguments: dict[str, Any],
+        client_capabilities: dict[str, Any],
+        lease: rq.Lease | None,
+    ) -> Task:
+        p = self.policy
+        request = rq.create(
+            caller,
+            new_task_id(),
+            tool=tool,
+            arguments=arguments,
+            surface=Surface.EXTENSION.value,
+            session_id=None,
+            client_capabilities=client_capabilities,
+            progress_token=None,  # no progress for tasks on the extension (X-NOTIF-8)
+            ttl_ms=p.default_ttl_ms,  # the server chooses (X-TTL-8)
+            poll_interval_ms=p.poll_interval_ms,
+            max_per_requestor=p.max_active_per_requestor,
+            max_per_tenant=p.max_active_per_tenant,
+            lease=lease,
+        )
+        try:
+            task = await asyncio.shield(self._writes.enqueue(request))
+        except BaseException:
+            if lease is not None and self.runner is not None:
+                # Its outcome is unknown: the runner looks the task up and runs it if it exists.
+                self.runner.adopt_unknown(request.tenant_id, request.task_id)
+            raise
+        if task is None:
+            if lease is not None and self.runner is not None:
+                self.runner.adopt(None)  # a cap refused it: nothing was written, the slot is free
             raise await self._refuse_capacity(caller, tool)
         return task
 
@@ -303,24 +409,20 @@ class TaskService:
                 with contextlib.suppress(Exception):
                     await self.store.release_deliveries(tenant, stream_id)
 
-    async def watch(self, caller: Caller, task_ids: list[str], *, poll_s: float) -> AsyncIterator[Task]:
-        """The current state of each of the caller's tasks, then each change, until cancelled.
-        Ids that are not the caller's live tasks are skipped (XD-14). Changes on any replica arrive
-        through the store's events; a poll every ``poll_s`` covers a lost event."""
+    async def watch(self, caller: Caller, tasks: list[Task], *, poll_s: float) -> AsyncIterator[Task]:
+        """Each change of the caller's ``tasks`` (as read now), until every one has ended. Changes
+        made on any replica arrive through the store's events; a poll every ``poll_s`` covers an
+        event lost on the way (XD-14)."""
         tenant = caller.principal.tenant_id
-        topics = [("task", tenant, task_id) for task_id in task_ids]
-        async with self.hub.subscribe(*topics) as events:
-            seen: dict[str, tuple[Any, ...]] = {}
-            for task_id in task_ids:
-                task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
-                if task is not None:
-                    seen[task_id] = (task.status, task.last_updated_at)
-                    yield task
+        seen: dict[str, tuple[Any, ...]] = {
+            t.task_id: (t.status, t.last_updated_at) for t in tasks if not t.status.is_terminal
+        }
+        async with self.hub.subscribe(*(("task", tenant, task_id) for task_id in seen)) as events:
             while seen:
                 changed: set[str] = set()
                 try:
                     event = await asyncio.wait_for(events.get(), timeout=poll_s)
-                    if isinstance(event, TaskChanged) and event.task_id in seen:
+                    if isinstance(event, TaskChanged | TaskDeleted) and event.task_id in seen:
                         changed.add(event.task_id)
                     elif isinstance(event, Resync):
                         changed = set(seen)
@@ -328,7 +430,7 @@ class TaskService:
                     changed = set(seen)
                 for task_id in sorted(changed):
                     task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
-                    if task is None:
+                    if task is None:  # expired and deleted: nothing more to say
                         del seen[task_id]
                         continue
                     state = (task.status, task.last_updated_at)

@@ -100,6 +100,10 @@ class ToolContextBase(abc.ABC):
             raise _client_refused(response, "sampling request")
         return response.result
 
+    def _next_key(self) -> str:
+        """The key of the next question: random, so unique for a task's whole life (X-INPUT-4)."""
+        return new_input_key()
+
     async def _question(self, kind: InputKind, params: dict[str, Any]) -> InputResponse:
         require_capability(self._caps, kind)
-        return await self._ask(PendingInput(new_input_key(), kind, params))
+        return await self._ask(PendingInput(self._next_key(), kind, params))

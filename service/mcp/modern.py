@@ -1,0 +1,422 @@
+"""The 2026-07-28 surface: stateless requests, per-request `_meta`, and the Tasks extension.
+
+Every request carries its protocol version and client capabilities in ``params._meta`` and names its
+method (and, for ``tasks/*``, its task) in headers; nothing is remembered between requests, so any
+replica serves any request. Tasks are the same rows as on 2025-11-25, rendered here by the
+extension's rules (docs/decisions.md lists the XD-* choices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from starlette.datastructures import Headers
+from starlette.types import Receive, Send
+
+from service.config import Settings
+from service.domain.errors import CapacityExceeded, DomainError, TaskAlreadyTerminal, TaskNotFound
+from service.domain.inputs import InputResponse
+from service.domain.principal import Caller
+from service.domain.task import OutcomeKind, Surface
+from service.guard.ratelimit import RateLimiter
+from service.mcp import ext_wire as ext
+from service.mcp import jsonrpc
+from service.mcp.errors import to_rpc
+from service.mcp.http import HttpError, send_json
+from service.mcp.jsonrpc import INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
+from service.mcp.sse import send_sse
+from service.mcp.surface import Surface as LegacySurface
+from service.mcp.wire import error_object
+from service.observability import logging as logctx
+from service.observability import metrics
+from service.tasks.audit import AuditLog
+from service.tasks.service import CallMode, TaskService
+
+METHOD_HEADER: Final = "mcp-method"
+NAME_HEADER: Final = "mcp-name"
+TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+LOOKUPS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+
+
+def _fail(code: int, message: str, data: Any = None, *, status: int = 200) -> RpcFailure:
+    return RpcFailure(code, message, data, http_status=status)
+
+
+def _header_value(raw: str | None) -> str | None:
+    """X-HTTP-2: ``=?base64?<b64>?=`` is Base64 of the UTF-8 value."""
+    if raw is None or not (raw.startswith("=?base64?") and raw.endswith("?=")):
+        return raw
+    try:
+        return base64.b64decode(raw[9:-2], validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise _fail(ext.HEADER_MISMATCH, "Mcp-Name is not valid =?base64?...?= text", status=400) from None
+
+
+def _object(params: dict[str, Any], name: str, *, required: bool = False) -> dict[str, Any] | None:
+    value = params.get(name)
+    if value is None:
+        if required:
+            raise _fail(INVALID_PARAMS, f"missing params.{name}")
+        return None
+    if not isinstance(value, dict):
+        raise _fail(INVALID_PARAMS, f"params.{name} must be an object")
+    return value
+
+
+def _string(params: dict[str, Any], name: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str):
+        raise _fail(INVALID_PARAMS, f"params.{name} must be a string" if name in params else f"missing params.{name}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ModernCall:
+    caller: Caller
+    request_id: RequestId
+    method: str
+    params: dict[str, Any]
+    capabilities: dict[str, Any]
+    headers: Headers
+
+    @property
+    def declaring(self) -> bool:
+        """The request declares the Tasks extension (X-NEG-4, X-NEG-8: a legacy ``tasks`` key does not)."""
+        extensions = self.capabilities.get("extensions")
+        return isinstance(extensions, dict) and isinstance(extensions.get(ext.EXTENSION), dict)
+
+    def require_declaring(self) -> None:
+        if not self.declaring:
+            raise _fail(
+                ext.MISSING_CAPABILITY,
+                f"{self.method} needs the {ext.EXTENSION} extension: declare it in "
+                f"_meta[{ext.META_CAPABILITIES!r}].extensions",
+                {"requiredCapabilities": ext.REQUIRED_CAPABILITIES},
+                status=400,
+            )
+
+
+class ModernSurface:
+    def __init__(
+        self,
+        settings: Settings,
+        tasks: TaskService,
+        legacy: LegacySurface,
+        limiter: RateLimiter,
+        audit: AuditLog,
+    ) -> None:
+        self.settings = settings
+        self.tasks = tasks
+        self.legacy = legacy
+        self.registry = legacy.registry
+        self.limiter = limiter
+        self.audit = audit
+        self.grace_s = settings.task_grace_ms / 1000
+        self.poll_s = settings.poll_interval_ms / 1000
+        self.keepalive_s = settings.sse_keepalive_ms / 1000
+        self.subscriptions: dict[tuple[str, str, str], int] = {}
+        self._methods = {
+            "server/discover": self.discover,
+            "tools/list": self.tools_list,
+            "tools/call": self.tools_call,
+            "tasks/get": self.tasks_get,
+            "tasks/update": self.tasks_update,
+            "tasks/cancel": self.tasks_cancel,
+            "resources/list": self._core,
+            "resources/templates/list": self._core,
+            "resources/read": self._core,
+            "prompts/list": self._core,
+            "prompts/get": self._core,
+            "completion/complete": self._core,
+        }
+
+    # --- the envelope --------------------------------------------------------------------------
+
+    async def handle(
+        self, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
+    ) -> None:
+        if "method" not in message:
+            raise HttpError(400, INVALID_REQUEST, "2026-07-28 clients send no responses (X-HTTP-8)")
+        method = message["method"]
+        if not isinstance(method, str):
+            raise HttpError(400, INVALID_REQUEST, "Invalid Request: method must be a string")
+        if "id" not in message:
+            await send_json(send, 202, None)  # notifications: accepted, nothing to do (X-CANCEL-6)
+            return
+        request_id = message["id"]
+        if not jsonrpc.valid_id(request_id):
+            raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
+        label = metrics.method(method)
+        logctx.method.set(label)
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            call = self._envelope(caller, request_id, method, message.get("params"), headers)
+            if method == "subscriptions/listen":
+                outcome = "ok"
+                await self.listen(receive, send, call)
+                return
+            handler = self._methods.get(method)
+            if handler is None:
+                # X-HTTP-5: tasks/result, tasks/list, ping... do not exist here.
+                raise _fail(METHOD_NOT_FOUND, f"Method not found: {method}", status=404)
+            reply = await self._dispatch(handler, call, receive)
+            outcome = "ok"
+        except RpcFailure as failure:
+            await send_json(
+                send, failure.http_status, jsonrpc.error_message(request_id, failure.error_object()), failure.headers
+            )
+            return
+        finally:
+            metrics.requests.labels(label, outcome).inc()
+            metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
+        await send_json(send, 200, jsonrpc.result_message(request_id, reply))
+
+    def _envelope(
+        self, caller: Caller, request_id: RequestId, method: str, params: Any, headers: Headers
+    ) -> ModernCall:
+        """§1, §10, §14.1: the headers match the body; `_meta` names this version and the capabilities."""
+        if headers.get(METHOD_HEADER) != method:
+            raise _fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Method must equal the request's method", status=400)
+        if not isinstance(params, dict):
+            raise _fail(INVALID_PARAMS, "params must be an object with _meta (2026-07-28)", status=400)
+        meta = params.get("_meta")
+        if not isinstance(meta, dict):
+            raise _fail(INVALID_PARAMS, "params._meta is required on 2026-07-28 (protocolVersion, clientCapabilities)",
+                        status=400)  # fmt: skip
+        version = meta.get(ext.META_VERSION)
+        if version is None:
+            raise _fail(INVALID_PARAMS, f"missing _meta[{ext.META_VERSION!r}]", status=400)
+        if version != ext.MODERN:
+            raise _fail(ext.HEADER_MISMATCH, "Header mismatch: MCP-Protocol-Version differs from _meta's protocolVersion",
+                        status=400)  # fmt: skip
+        capabilities = meta.get(ext.META_CAPABILITIES)
+        if not isinstance(capabilities, dict):
+            raise _fail(INVALID_PARAMS, f"_meta[{ext.META_CAPABILITIES!r}] must be an object", status=400)
+        extensions = capabilities.get("extensions")
+        if extensions is not None and not isinstance(extensions, dict):
+            raise _fail(INVALID_PARAMS, "clientCapabilities.extensions must be an object", status=400)
+        if (
+            isinstance(extensions, dict)
+            and ext.EXTENSION in extensions
+            and not isinstance(extensions[ext.EXTENSION], dict)
+        ):
+            raise _fail(INVALID_PARAMS, f"clientCapabilities.extensions[{ext.EXTENSION!r}] must be an object (XD-23)",
+                        status=400)  # fmt: skip
+        call = ModernCall(caller, request_id, method, params, capabilities, headers)
+        if method in TASK_METHODS:
+            task_id = params.get("taskId")
+            name = _header_value(headers.get(NAME_HEADER))
+            if name is None or name != task_id:
+                raise _fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Name must equal params.taskId", status=400)
+            call.require_declaring()  # X-GET-9: before the lookup
+        elif method == "tools/call":
+            name = _header_value(headers.get(NAME_HEADER))
+            if name is not None and name != params.get("name"):
+                raise _fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Name must equal params.name", status=400)
+        return call
+
+    async def _dispatch(self, handler: Any, call: ModernCall, receive: Receive) -> dict[str, Any]:
+        lookup = call.method in LOOKUPS
+        if lookup and (limited := await self.limiter.lookups_blocked(call.caller.principal)):
+            await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
+            metrics.rate_limited.labels(limited.scope).inc()
+            raise RpcFailure(RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s}, http_status=429,
+                             headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
+        try:
+            result: dict[str, Any] = await handler(call, receive)
+            return result
+        except TaskNotFound as exc:
+            if lookup:
+                await self.limiter.lookup_missed(call.caller.principal)
+            raise to_rpc(exc) from None
+        except CapacityExceeded as exc:
+            metrics.cap_refusals.labels(str(exc.details.get("scope", ""))).inc()
+            raise to_rpc(exc) from None
+        except DomainError as exc:
+            raise to_rpc(exc) from None
+
+    # --- methods -------------------------------------------------------------------------------
+
+    async def discover(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
+        """X-NEG-1/2/3, XD-19, XD-24."""
+        capabilities: dict[str, Any] = {"tools": {"listChanged": False}, "extensions": {ext.EXTENSION: {}}}
+        if self.registry.resources:
+            capabilities["resources"] = {"subscribe": False, "listChanged": False}
+        if self.registry.prompts:
+            capabilities["prompts"] = {"listChanged": False}
+            capabilities["completions"] = {}
+        return ext.complete(
+            {
+                "supportedVersions": [ext.MODERN, "2025-11-25"],
+                "capabilities": capabilities,
+                "ttlMs": 300_000,
+                "cacheScope": "private",
+                "instructions": "Long-running tools may answer with a task: poll tasks/get, answer input with "
+                "tasks/update, or subscribe with subscriptions/listen.",
+            }
+        )
+
+    async def tools_list(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
+        return ext.complete({"tools": [t.to_wire(with_execution=False) for t in self.registry.tools.values()]})
+
+    async def _core(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
+        """Resources, prompts and completion: the same handlers as 2025-11-25, in 2026-07-28 form."""
+        from service.mcp.surface import Call
+
+        params = {k: v for k, v in call.params.items() if k != "_meta"}
+        reply = await self.legacy.dispatch(call.method, Call(call.caller, None, call.request_id, params))
+        assert isinstance(reply, dict)
+        return ext.complete(reply)
+
+    async def tools_call(self, call: ModernCall, receive: Receive) -> dict[str, Any]:
+        """X-CREATE-*, XD-5: a tool's task policy and the request's declaration pick how it may end."""
+        name = _string(call.params, "name")
+        arguments = _object(call.params, "arguments") or {}
+        raw_responses = _object(call.params, "inputResponses") or {}
+        responses: dict[str, InputResponse] = {}
+        for key, value in raw_responses.items():
+            if not isinstance(value, dict):
+                raise _fail(INVALID_PARAMS, f"params.inputResponses[{key!r}] must be an object")
+            responses[key] = InputResponse(result=value)
+        spec = self.tasks.registry.get(name)
+        if spec.task_support == "required":
+            if not call.declaring:
+                raise _fail(
+                    ext.MISSING_CAPABILITY,
+                    f"tool {name!r} runs only as a task: declare the {ext.EXTENSION} extension",
+                    {"requiredCapabilities": ext.REQUIRED_CAPABILITIES},
+                    status=400,
+                )  # X-NEG-7
+            mode = CallMode.REQUIRED
+        elif spec.task_support == "optional" and call.declaring:
+            mode = CallMode.OPTIONAL
+        else:
+            mode = CallMode.SYNC  # X-NEG-5: never a task for a request that does not declare it
+        meta = call.params["_meta"]
+        token = meta.get("progressToken")
+        running = asyncio.ensure_future(
+            self.tasks.call(
+                call.caller,
+                tool=name,
+                arguments=arguments,
+                mode=mode,
+                responses=responses,
+                progress_token=token if jsonrpc.valid_id(token) else None,
+                client_capabilities=call.capabilities,
+                grace_s=self.grace_s,
+            )
+        )
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not running.done():  # X-HTTP-7: the client closed the request, which cancels it
+            running.cancel()
+            with contextlib.suppress(BaseException):
+                await running
+            raise asyncio.CancelledError
+        result = running.result()
+        if result.task is not None:
+            return ext.created(result.task)
+        if result.questions:
+            return {"resultType": "input_required", "inputRequests": ext.input_requests(result.questions),
+                    "_meta": ext.server_meta()}  # fmt: skip
+        assert result.outcome is not None
+        if result.outcome.kind is OutcomeKind.FAILURE:
+            error = error_object(result.outcome)
+            raise _fail(error["code"], error["message"], error.get("data"))
+        return {
+            **ext.call_result(result.outcome.payload),
+            "_meta": {**ext.server_meta(), **(result.outcome.payload.get("_meta") or {})},
+        }
+
+    async def tasks_get(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
+        task = await self.tasks.get(call.caller, _string(call.params, "taskId"), surface=Surface.EXTENSION)
+        pending = await self.tasks.pending_inputs(call.caller, task)
+        return ext.complete(ext.detailed(task, pending))
+
+    async def tasks_update(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
+        """X-UPDATE-*, XD-8/9/10: answers by key, all or nothing; unknown keys ignored; ack."""
+        task_id = _string(call.params, "taskId")
+        raw = _object(call.params, "inputResponses", required=True) or {}
+        responses: dict[str, InputResponse] = {}
+        for key, value in raw.items():
+            if not isinstance(value, dict):
+                raise _fail(INVALID_PARAMS, f"params.inputResponses[{key!r}] must be an object")
+            responses[key] = InputResponse(result=value)
+        await self.tasks.get(call.caller, task_id, surface=Surface.EXTENSION)  # -32602 for unknown or foreign
+        if responses:
+            await self.tasks.answer(call.caller, task_id, responses)
+        return ext.complete({})
+
+    async def tasks_cancel(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
+        """X-CANCEL-*, XD-7: cancelled before the ack; an ended task's cancel is acknowledged too."""
+        with contextlib.suppress(TaskAlreadyTerminal):
+            await self.tasks.cancel(call.caller, _string(call.params, "taskId"), surface=Surface.EXTENSION)
+        return ext.complete({})
+
+    # --- subscriptions -------------------------------------------------------------------------
+
+    async def listen(self, receive: Receive, send: Send, call: ModernCall) -> None:
+        """X-NOTIF-*, XD-14: the ack names only the caller's live tasks; then a snapshot of each,
+        then one notification per change, from whichever replica made it."""
+        notifications = _object(call.params, "notifications", required=True) or {}
+        task_ids = notifications.get("taskIds")
+        if task_ids is not None:
+            if not isinstance(task_ids, list) or not all(isinstance(t, str) for t in task_ids):
+                raise _fail(INVALID_PARAMS, "params.notifications.taskIds must be a list of strings")
+            call.require_declaring()  # X-NOTIF-3
+            limit = self.settings.max_subscription_task_ids
+            if len(task_ids) > limit:
+                raise _fail(INVALID_PARAMS, f"at most {limit} taskIds per subscription; split them over several")
+        principal = call.caller.principal
+        key = (principal.tenant_id, principal.subject, principal.issuer)
+        if self.subscriptions.get(key, 0) >= self.settings.max_subscriptions_per_principal:
+            raise _fail(
+                INVALID_PARAMS,
+                f"too many open subscriptions for this principal (at most "
+                f"{self.settings.max_subscriptions_per_principal} per replica); close one and retry",
+            )
+        self.subscriptions[key] = self.subscriptions.get(key, 0) + 1
+        try:
+            live = []
+            for task_id in dict.fromkeys(task_ids or []):
+                with contextlib.suppress(TaskNotFound):
+                    live.append(await self.tasks.get(call.caller, task_id, surface=Surface.EXTENSION))
+            meta = {ext.META_SUBSCRIPTION: call.request_id}
+
+            async def messages() -> AsyncIterator[dict[str, Any]]:
+                ack: dict[str, Any] = {"notifications": {"taskIds": [t.task_id for t in live]} if task_ids is not None else {},
+                                       "_meta": meta}  # fmt: skip
+                yield jsonrpc.notification("notifications/subscriptions/acknowledged", ack)
+                for task in live:
+                    yield await self._task_notification(call, task, meta)
+                async for task in self.tasks.watch(call.caller, live, poll_s=self.poll_s):
+                    yield await self._task_notification(call, task, meta)
+                await asyncio.Event().wait()  # every task ended: the stream stays open until the client closes it
+
+            await send_sse(send, receive, messages(), keepalive_s=self.keepalive_s)
+        finally:
+            self.subscriptions[key] -= 1
+            if self.subscriptions[key] <= 0:
+                del self.subscriptions[key]
+
+    async def _task_notification(self, call: ModernCall, task: Any, meta: dict[str, Any]) -> dict[str, Any]:
+        pending = await self.tasks.pending_inputs(call.caller, task)
+        return jsonrpc.notification("notifications/tasks", {**ext.detailed(task, pending), "_meta": meta})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,117 @@
+"""A call that starts inside its request and may become a task (the 2026-07-28 way, XD-5).
+
+The tool runs at once. While it runs inside the request its questions are answered from the
+answers the request brought (multi-round-trip requests: the client retries the call with
+``inputResponses``), keyed by the order in which the run asks them; a question with no answer ends
+the round, and the client retries with it answered (the tool runs again from the start). Once the
+call has run longer than its grace, or once a call that must be a task gets past its answered
+questions, it becomes a task: its row is committed, the runner adopts the running job, and from
+then on its events and questions go through the task (new, random keys: X-CREATE-5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from service.domain.events import TaskEvent
+from service.domain.inputs import InputResponse, PendingInput, check_response
+from service.domain.task import FailureReason, Outcome
+from service.tools.context import ToolContextBase
+from service.tools.execute import refused
+
+
+class Sink(Protocol):
+    async def emit(self, event: TaskEvent) -> None: ...
+
+    async def ask(self, question: PendingInput) -> InputResponse: ...
+
+
+class InlineCallContext(ToolContextBase):
+    """The context of a call running inside its request, until it becomes a task."""
+
+    def __init__(
+        self,
+        *,
+        responses: dict[str, InputResponse],
+        progress_token: str | int | None,
+        client_capabilities: dict[str, Any],
+    ) -> None:
+        super().__init__(task_id=None, progress_token=progress_token, client_capabilities=client_capabilities)
+        self._responses = responses
+        self._asked = 0
+        self._sink: Sink | None = None
+        # Questions of this round with no answer in the request: the round ends with them.
+        self.unanswered: list[PendingInput] = []
+        self.asked_unanswered = asyncio.Event()
+        # Set once the run got past every answered question (it is computing, or asking anew).
+        self.used_answers = 0
+
+    def attach(self, task_id: str, sink: Sink) -> None:
+        """The call became a task: events and questions go through it from now on."""
+        self._task_id = task_id
+        self._sink = sink
+
+    def _next_key(self) -> str:
+        if self._sink is not None:
+            return super()._next_key()
+        self._asked += 1
+        return f"q{self._asked}"  # the same question gets the same key when the run is retried
+
+    async def _emit(self, event: TaskEvent) -> None:
+        if self._sink is not None:
+            await self._sink.emit(event)
+        # Inside the request nothing is streamed: the call is answered with application/json (XD-17, XD-18).
+
+    async def _ask(self, question: PendingInput) -> InputResponse:
+        if self._sink is not None:
+            return await self._sink.ask(question)
+        response = self._responses.get(question.key)
+        if response is not None:
+            try:
+                check_response(question.kind, response)
+            except Exception as exc:
+                raise refused(FailureReason.INVALID_INPUT, f"inputResponses[{question.key!r}]: {exc}") from None
+            self.used_answers += 1
+            return response
+        self.unanswered.append(question)
+        self.asked_unanswered.set()
+        await asyncio.Event().wait()  # the round ends here; the request cancels the run
+        raise AssertionError("unreachable")
+
+
+class CallEnd(enum.Enum):
+    DONE = "done"
+    NEEDS_INPUT = "needs_input"
+    RUNNING = "running"
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    end: CallEnd
+    outcome: Outcome | None = None
+    questions: tuple[PendingInput, ...] = ()
+
+
+async def run_round(job: asyncio.Task[Outcome], ctx: InlineCallContext, *, grace_s: float | None) -> RoundResult:
+    """Wait for the call's first end: done, a question without an answer (the job is cancelled),
+    or still running after ``grace_s`` (None: no grace; wait for the other two)."""
+    asking = asyncio.ensure_future(ctx.asked_unanswered.wait())
+    try:
+        await asyncio.wait({job, asking}, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        asking.cancel()
+    if ctx.unanswered:
+        # Questions asked together (asyncio.gather) reach us one loop turn apart: collect them all.
+        for _ in range(5):
+            await asyncio.sleep(0)
+        job.cancel()
+        with contextlib.suppress(BaseException):
+            await job
+        return RoundResult(CallEnd.NEEDS_INPUT, questions=tuple(ctx.unanswered))
+    if job.done():
+        return RoundResult(CallEnd.DONE, outcome=job.result())
+    return RoundResult(CallEnd.RUNNING)

@@ -1,0 +1,261 @@
+"""The 2026-07-28 Tasks extension on the same endpoint and the same tasks (X-*, XD-*)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import RunningServer, make_settings, serve
+from tests.ext import EXT, ModernClient
+from tests.rpc import RpcSession
+from tests.test_durability import mcp_tasks
+
+
+@pytest.fixture
+async def server(database_url: str) -> AsyncIterator[RunningServer]:
+    async with serve(make_settings(database_url, task_grace_ms=200)) as running:
+        yield running
+
+
+@pytest.fixture
+def m(http: httpx.AsyncClient, server: RunningServer) -> ModernClient:
+    return ModernClient(http, server.url)
+
+
+async def settle(m: ModernClient, task_id: str, *statuses: str) -> dict[str, Any]:
+    async with asyncio.timeout(20):
+        while True:
+            task = await m.result("tasks/get", {"taskId": task_id})
+            if task["status"] in statuses:
+                return task
+            await asyncio.sleep(0.05)
+
+
+async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m: ModernClient) -> None:
+    result = await m.result("server/discover")
+    assert result["resultType"] == "complete"
+    assert result["supportedVersions"] == ["2026-07-28", "2025-11-25"]
+    assert result["capabilities"]["extensions"] == {EXT: {}}
+    assert "tasks" not in result["capabilities"]
+    assert result["cacheScope"] == "private"
+    assert isinstance(result["ttlMs"], int)
+    assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "mcp-task-service"
+
+
+async def test_a_fast_optional_tool_answers_synchronously_X_CREATE_7(m: ModernClient) -> None:
+    result = await m.result("tools/call", {"name": "echo", "arguments": {"text": "hi"}})
+    assert result["resultType"] == "complete"
+    assert result["content"] == [{"type": "text", "text": "hi"}]
+
+
+async def test_a_slow_tool_becomes_a_task_committed_before_the_answer_X_CREATE_1_3(m: ModernClient) -> None:
+    created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.6}})
+    assert created["resultType"] == "task"
+    assert "task" not in created
+    assert created["status"] == "working"
+    assert isinstance(created["ttlMs"], int)
+    assert isinstance(created["pollIntervalMs"], int)
+    assert "ttl" not in created
+    assert "pollInterval" not in created
+    task_id = created["taskId"]
+    got = await m.result("tasks/get", {"taskId": task_id})  # at once: it is committed (X-CREATE-3)
+    assert got["resultType"] == "complete"
+    assert got["status"] in ("working", "completed")
+    done = await settle(m, task_id, "completed")
+    assert done["result"]["content"] == [{"type": "text", "text": "slept 0.6s"}]
+    assert done["result"]["resultType"] == "complete"  # XD-13
+
+
+async def test_a_non_declaring_request_never_gets_a_task_X_NEG_5_7(
+    http: httpx.AsyncClient, server: RunningServer
+) -> None:
+    plain = ModernClient(http, server.url, capabilities={"tasks": {}})  # a legacy key does not declare (X-NEG-8)
+    result = await plain.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.3}})
+    assert result["resultType"] == "complete"
+    error = await plain.error("tools/call", {"name": "batch", "arguments": {}}, status=400)
+    assert error["code"] == -32021
+    assert error["data"] == {"requiredCapabilities": {"extensions": {EXT: {}}}}
+    for method in ("tasks/get", "tasks/update", "tasks/cancel"):
+        error = await plain.error(method, {"taskId": "x", "inputResponses": {}}, status=400)
+        assert error["code"] == -32021  # X-GET-9: checked before the lookup
+
+
+async def test_legacy_task_param_is_ignored_X_NEG_9(m: ModernClient) -> None:
+    result = await m.result("tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": {"ttl": 1000}})
+    assert result["resultType"] == "complete"
+
+
+async def test_headers_must_match_the_body_X_HTTP_1_2_4(m: ModernClient) -> None:
+    created = await m.result("tools/call", {"name": "slow_fail", "arguments": {}})
+    task_id = created["taskId"]
+    headers = m.headers("tasks/get")  # no Mcp-Name
+    assert (await m.error("tasks/get", {"taskId": task_id}, headers=headers, status=400))["code"] == -32020
+    wrong = m.headers("tasks/get", "someone-else")
+    assert (await m.error("tasks/get", {"taskId": task_id}, headers=wrong, status=400))["code"] == -32020
+    import base64
+
+    encoded = "=?base64?" + base64.b64encode(task_id.encode()).decode() + "?="
+    r = await m.post("tasks/get", {"taskId": task_id}, headers=m.headers("tasks/get", encoded))
+    assert r.status_code == 200
+    bad_method = m.headers("tasks/cancel", task_id)
+    assert (await m.error("tasks/get", {"taskId": task_id}, headers=bad_method, status=400))["code"] == -32020
+    no_version = {k: v for k, v in m.headers("tasks/get", task_id).items() if k != "MCP-Protocol-Version"}
+    r = await m.post("tasks/get", {"taskId": task_id}, headers=no_version)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, -32020)
+
+
+async def test_an_unknown_version_lists_both_X_NEG_11(m: ModernClient) -> None:
+    r = await m.post("tools/list", headers={**m.headers("tools/list"), "MCP-Protocol-Version": "2026-06-30"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["code"] == -32022
+    assert error["data"]["supported"][:2] == ["2026-07-28", "2025-11-25"]
+    assert error["data"]["requested"] == "2026-06-30"
+
+
+async def test_removed_methods_are_404_X_HTTP_5(m: ModernClient) -> None:
+    for method in ("tasks/result", "tasks/list", "ping"):
+        error = await m.error(method, {"taskId": "x"}, status=404, name="x")
+        assert error["code"] == -32601
+
+
+async def test_unknown_and_malformed_requests_get_their_errors_X_ERR(m: ModernClient) -> None:
+    assert (await m.error("tasks/get", {"taskId": "no-such-task"}))["code"] == -32602
+    assert (await m.error("tasks/cancel", {"taskId": "no-such-task"}))["code"] == -32602
+    no_meta = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    r = await m.post("tools/list", body=no_meta)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, -32602)
+    bad_caps = m.body("tools/list")
+    bad_caps["params"]["_meta"]["io.modelcontextprotocol/clientCapabilities"] = {"extensions": {EXT: True}}
+    r = await m.post("tools/list", body=bad_caps)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, -32602)  # XD-23
+
+
+async def test_a_tool_error_is_completed_here_and_failed_on_2025_11_25_X_STATE_4(
+    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+) -> None:
+    """One stored outcome, two renderings; and a legacy-created task read through the modern wire (XD-3)."""
+    s = RpcSession(http, server.url)
+    await s.initialize()
+    legacy_id = (await s.call_tool_as_task("fail", {"message": "broken"}))["task"]["taskId"]
+    async with asyncio.timeout(10):
+        while (await s.result("tasks/get", {"taskId": legacy_id}))["status"] != "failed":
+            await asyncio.sleep(0.05)
+    modern_view = await m.result("tasks/get", {"taskId": legacy_id})
+    assert modern_view["status"] == "completed"
+    assert modern_view["result"]["isError"] is True
+    created = await m.result("tools/call", {"name": "slow_fail", "arguments": {}})
+    done = await settle(m, created["taskId"], "completed")
+    assert done["result"]["isError"] is True
+    # XD-3: a 2025-11-25 session never sees a task created through the extension.
+    assert (await s.error("tasks/get", {"taskId": created["taskId"]}))["code"] == -32602
+
+
+async def test_a_legacy_task_can_be_cancelled_through_the_modern_wire_XD_3(
+    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+) -> None:
+    s = RpcSession(http, server.url)
+    await s.initialize()
+    legacy_id = (await s.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"]
+    assert (await m.result("tasks/cancel", {"taskId": legacy_id})) == {
+        "resultType": "complete",
+        "_meta": {"io.modelcontextprotocol/serverInfo": (await m.result("server/discover"))["_meta"][
+            "io.modelcontextprotocol/serverInfo"]},
+    }  # fmt: skip
+    assert (await s.result("tasks/get", {"taskId": legacy_id}))["status"] == "cancelled"
+    again = await m.result("tasks/cancel", {"taskId": legacy_id})  # X-CANCEL-5: terminal → ack
+    assert again["resultType"] == "complete"
+
+
+async def test_input_before_a_task_goes_round_trip_then_inside_a_task_by_key_X_CREATE_5_X_UPDATE(
+    m: ModernClient,
+) -> None:
+    """MRTR first: the synchronous round asks (InputRequiredResult), the retry answers it. Then a
+    tool that asks after it became a task: inputRequests on tasks/get, answered by tasks/update."""
+    first = await m.result("tools/call", {"name": "confirm", "arguments": {"prompt": "ok?"}})
+    assert first["resultType"] == "input_required"
+    [(key, request)] = first["inputRequests"].items()
+    assert request["method"] == "elicitation/create"
+    assert request["params"]["message"] == "ok?"
+    retry = {"name": "confirm", "arguments": {"prompt": "ok?"},
+             "inputResponses": {key: {"action": "accept", "content": {"ok": True}}}}  # fmt: skip
+    answered = await m.result("tools/call", retry)
+    assert answered["resultType"] == "complete"
+    assert answered["content"][0]["text"] == "answer: ok=True"
+
+    created = await m.result("tools/call", {"name": "slow_confirm", "arguments": {"seconds": 0.4}})
+    assert created["resultType"] == "task"
+    waiting = await settle(m, created["taskId"], "input_required")
+    [(task_key, task_request)] = waiting["inputRequests"].items()
+    assert task_key != key  # separate namespaces (X-CREATE-5)
+    assert task_request["params"]["message"] == "Go on?"
+    bad = {"taskId": created["taskId"], "inputResponses": {task_key: {"action": "perhaps"}}}
+    assert (await m.error("tasks/update", bad))["code"] == -32602  # XD-9: nothing applied
+    update = {"taskId": created["taskId"], "inputResponses": {"never-issued": {"action": "accept"},
+                                                              task_key: {"action": "accept", "content": {"ok": True}}}}  # fmt: skip
+    assert (await m.result("tasks/update", update))["resultType"] == "complete"
+    after = await m.result("tasks/get", {"taskId": created["taskId"]})
+    assert "inputRequests" not in after  # XD-10: answered keys are gone at once
+    done = await settle(m, created["taskId"], "completed")
+    assert done["result"]["content"][0]["text"] == "accept:True"
+
+
+async def test_a_subscription_gets_the_snapshot_and_each_change_of_own_tasks_only_XD_14(
+    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+) -> None:
+    created = await m.result("tools/call", {"name": "slow_confirm", "arguments": {"seconds": 0.3}})
+    task_id = created["taskId"]
+    seen: list[dict[str, Any]] = []
+    async with asyncio.timeout(20):
+        async for msg in m.listen([task_id, "not-mine-or-unknown"]):
+            seen.append(msg)
+            if msg["method"] == "notifications/tasks" and msg["params"]["status"] == "input_required":
+                key = next(iter(msg["params"]["inputRequests"]))
+                await m.result("tasks/update", {"taskId": task_id, "inputResponses": {key: {"action": "decline"}}})
+            if msg["method"] == "notifications/tasks" and msg["params"]["status"] == "completed":
+                break
+    ack = seen[0]
+    assert ack["method"] == "notifications/subscriptions/acknowledged"
+    assert ack["params"]["notifications"] == {"taskIds": [task_id]}
+    sub_ids = {msg["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] for msg in seen}
+    assert len(sub_ids) == 1
+    statuses = [msg["params"]["status"] for msg in seen[1:]]
+    assert statuses[0] == "working"  # the snapshot right after the ack
+    assert "input_required" in statuses
+    assert seen[-1]["params"]["result"]["content"][0]["text"] == "decline:None"
+    assert all(msg["method"] != "notifications/progress" for msg in seen)  # X-NOTIF-8
+
+
+@pytest.mark.slow
+async def test_a_subscription_on_one_process_sees_a_task_run_by_another(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """The task is created where no runner runs and executed by a worker process: every status
+    change reaches the subscription through PostgreSQL."""
+    settings = make_settings(database_url, runner_concurrency=0, task_grace_ms=100)
+    async with serve(settings) as front, mcp_tasks("worker", database_url) as (_worker, _url):
+        m = ModernClient(http, front.url)
+        created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.5}})
+        assert created["resultType"] == "task"
+        statuses: list[str] = []
+        async with asyncio.timeout(30):
+            async for msg in m.listen([created["taskId"]]):
+                if msg["method"] == "notifications/tasks":
+                    statuses.append(msg["params"]["status"])
+                    if msg["params"]["status"] == "completed":
+                        assert msg["params"]["result"]["content"][0]["text"] == "slept 0.5s"
+                        break
+        assert statuses[-1] == "completed"
+
+
+async def test_a_listen_with_too_many_ids_or_bad_ids_is_refused(m: ModernClient) -> None:
+    body = m.body("subscriptions/listen", {"notifications": {"taskIds": [f"t{i}" for i in range(10_000)]}})
+    r = await m.post("subscriptions/listen", body=body)
+    assert (r.status_code, r.json()["error"]["code"]) == (200, -32602)
+    body = m.body("subscriptions/listen", {"notifications": {"taskIds": [1, 2]}})
+    r = await m.post("subscriptions/listen", body=body)
+    assert r.json()["error"]["code"] == -32602
