@@ -108,10 +108,91 @@ def _parse_arg(raw: str) -> tuple[str, Any]:
         return key, value
 
 
+async def _ask(request: dict[str, Any]) -> dict[str, Any]:
+    """One input request (elicitation) answered at the terminal: yes or no."""
+    params = request.get("params", {})
+    prompt = f"{params.get('message', 'input?')} [y/N] "
+    try:
+        answer = (await asyncio.to_thread(input, prompt)).strip().lower()
+    except EOFError:  # no terminal to ask: decline rather than guess
+        return {"action": "decline"}
+    return {"action": "accept", "content": {"ok": answer in ("y", "yes")}}
+
+
+async def _call_modern(args: argparse.Namespace, arguments: dict[str, Any]) -> int:
+    """2026-07-28: the call may answer at once, ask for input first, or become a task, which we
+    follow through subscriptions/listen (or by polling tasks/get when the server will not)."""
+    from service.client import McpClientError, ModernClient
+
+    async with ModernClient(args.url, token=args.token) as client:
+        try:
+            params: dict[str, Any] = {"name": args.tool, "arguments": arguments}
+            result = await client.request("tools/call", params)
+            while result.get("resultType") == "input_required":
+                answers = {key: await _ask(req) for key, req in result.get("inputRequests", {}).items()}
+                result = await client.request("tools/call", {**params, "inputResponses": answers})
+            if result.get("resultType") != "task":
+                print(json.dumps({k: v for k, v in result.items() if k not in ("resultType", "_meta")}, indent=2))
+                return 1 if result.get("isError") else 0
+            task_id = result["taskId"]
+            print(f"task {task_id} {result['status']}", file=sys.stderr)
+            task = await _follow_modern(client, task_id, int(result.get("pollIntervalMs", 1000)))
+        except McpClientError as exc:
+            print(f"error {exc}", file=sys.stderr)
+            return 1
+    status = task["status"]
+    if status == "completed":
+        out = {k: v for k, v in task["result"].items() if k != "resultType"}
+        print(json.dumps(out, indent=2))
+        return 1 if out.get("isError") else 0
+    if status == "failed":
+        print(f"error {task['error'].get('code')}: {task['error'].get('message')}", file=sys.stderr)
+        return 1
+    print(f"task {status}", file=sys.stderr)
+    return 1
+
+
+async def _follow_modern(client: Any, task_id: str, poll_ms: int) -> dict[str, Any]:
+    """The task's final state, answering its questions on the way."""
+    from service.client import McpClientError
+
+    answered: set[str] = set()
+    last_status = None
+
+    async def on_state(task: dict[str, Any]) -> bool:
+        nonlocal last_status
+        if task["status"] != last_status or task.get("statusMessage"):
+            message = f" {task['statusMessage']}" if task.get("statusMessage") else ""
+            print(f"  status {task['status']}{message}", file=sys.stderr)
+            last_status = task["status"]
+        pending = {k: v for k, v in task.get("inputRequests", {}).items() if k not in answered}
+        if pending:
+            answers = {key: await _ask(req) for key, req in pending.items()}
+            answered.update(answers)
+            await client.request("tasks/update", {"taskId": task_id, "inputResponses": answers})
+        return task["status"] in ("completed", "failed", "cancelled")
+
+    try:
+        async for message in client.listen([task_id]):
+            if message.get("method") == "notifications/tasks":
+                task = message["params"]
+                if await on_state(task):
+                    return dict(task)
+    except McpClientError:
+        pass  # no subscriptions here: poll
+    while True:
+        task = dict(await client.request("tasks/get", {"taskId": task_id}))
+        if await on_state(task):
+            return task
+        await asyncio.sleep(poll_ms / 1000)
+
+
 async def _call_main(args: argparse.Namespace) -> int:
     from service.client import McpClient, McpClientError
 
     arguments = dict(_parse_arg(a) for a in args.arg)
+    if args.wire == "2026-07-28":
+        return await _call_modern(args, arguments)
     async with McpClient(args.url, token=args.token) as client:
         try:
             await client.initialize()
@@ -139,9 +220,7 @@ async def _call_main(args: argparse.Namespace) -> int:
             elif method == "notifications/tasks/status":
                 print(f"  status {message['params']['status']}", file=sys.stderr)
             elif method == "elicitation/create":
-                prompt = f"{message['params'].get('message', 'input?')} [y/N] "
-                answer = (await asyncio.to_thread(input, prompt)).strip().lower()
-                await client.respond(message["id"], {"action": "accept", "content": {"ok": answer in ("y", "yes")}})
+                await client.respond(message["id"], await _ask(message))
             elif "id" in message and "method" not in message:
                 final = message
         if "error" in final:
@@ -238,7 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     call.add_argument("--arg", action="append", default=[], help="key=value (value parsed as JSON if it can be)")
     call.add_argument("--url", default="http://127.0.0.1:8000/mcp")
     call.add_argument("--token", default=None)
-    call.add_argument("--ttl", type=int, default=600_000)
+    call.add_argument(
+        "--ttl", type=int, default=600_000, help="requested TTL (2025-11-25 only; the server chooses on 2026-07-28)"
+    )
+    call.add_argument(
+        "--wire",
+        choices=["2026-07-28", "2025-11-25"],
+        default="2026-07-28",
+        help="protocol revision to speak (default: 2026-07-28 with the Tasks extension)",
+    )
     args = parser.parse_args(argv)
     if args.command in ("serve", "worker"):
         settings = _settings()

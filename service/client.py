@@ -110,3 +110,63 @@ async def sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
                     yield orjson.loads(payload)
         elif line.startswith("data:"):
             data.append(line[5:].lstrip(" "))
+
+
+MODERN_VERSION = "2026-07-28"
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+
+
+class ModernClient:
+    """A 2026-07-28 client: no session; every request carries its ``_meta`` and routing headers."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+                   "MCP-Protocol-Version": MODERN_VERSION}  # fmt: skip
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.url = url
+        self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, read=None))
+        self.capabilities: dict[str, Any] = {"elicitation": {"form": {}}, "extensions": {TASKS_EXTENSION: {}}}
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> ModernClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+
+    def _body(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        meta = {"io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+                "io.modelcontextprotocol/clientCapabilities": self.capabilities,
+                "io.modelcontextprotocol/clientInfo": {"name": "mcp-tasks-cli", "version": "1"}}  # fmt: skip
+        return {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": {**params, "_meta": meta}}
+
+    def _headers(self, method: str, params: dict[str, Any]) -> dict[str, str]:
+        h = {"Mcp-Method": method}
+        name = params.get("taskId") if method.startswith("tasks/") else params.get("name")
+        if isinstance(name, str):
+            h["Mcp-Name"] = name
+        return h
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        r = await self.http.post(self.url, content=orjson.dumps(self._body(method, params)),
+                                 headers=self._headers(method, params))  # fmt: skip
+        try:
+            message = orjson.loads(await r.aread())
+        except orjson.JSONDecodeError:
+            raise McpClientError({"code": r.status_code, "message": r.text}) from None
+        if "error" in message:
+            raise McpClientError(message["error"])
+        result: dict[str, Any] = message.get("result", {})
+        return result
+
+    async def listen(self, task_ids: list[str]) -> AsyncIterator[dict[str, Any]]:
+        """The subscription's messages (ack first); McpClientError if the server refuses it."""
+        params = {"notifications": {"taskIds": task_ids}}
+        async with self.http.stream("POST", self.url, content=orjson.dumps(self._body("subscriptions/listen", params)),
+                                    headers=self._headers("subscriptions/listen", params)) as r:  # fmt: skip
+            if not r.headers.get("content-type", "").startswith("text/event-stream"):
+                message = orjson.loads(await r.aread())
+                raise McpClientError(message.get("error") or {"code": r.status_code, "message": "refused"})
+            async for message in sse_messages(r):
+                yield message

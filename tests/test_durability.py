@@ -180,17 +180,28 @@ async def test_sigterm_hands_running_tasks_back_at_once(database_url: str, http:
 
 async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database_url: str) -> None:
     async with mcp_tasks("serve", database_url) as (_proc, url):
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "service", "call", "count", "--arg", "n=2", "--arg", "interval_ms=10", "--url", url],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
+
+        def call(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "service", "call", *argv, "--url", url],
+                cwd=ROOT, capture_output=True, text=True, timeout=60, input=stdin,
+            )  # fmt: skip
+
+        legacy = await asyncio.to_thread(
+            call, "count", "--arg", "n=2", "--arg", "interval_ms=10", "--wire", "2025-11-25"
         )
-    assert done.returncode == 0, done.stderr
-    assert '"text": "counted to 2"' in done.stdout
-    assert "progress 2/2" in done.stderr
+        # 2026-07-28 (the default): long enough to become a task, followed through subscriptions/listen.
+        modern = await asyncio.to_thread(call, "sleep", "--arg", "seconds=1.5")
+        # A question asked inside the request (a multi-round-trip call), answered at the prompt.
+        asked = await asyncio.to_thread(call, "confirm", "--arg", "prompt=Ship it?", stdin="y\n")
+    assert legacy.returncode == 0, legacy.stderr
+    assert '"text": "counted to 2"' in legacy.stdout
+    assert "progress 2/2" in legacy.stderr
+    assert modern.returncode == 0, modern.stderr
+    assert '"text": "slept 1.5s"' in modern.stdout
+    assert "status completed" in modern.stderr
+    assert asked.returncode == 0, asked.stderr
+    assert '"text": "answer: ok=True"' in asked.stdout
 
 
 async def test_sigterm_stops_the_embedded_database_too() -> None:
