@@ -259,3 +259,24 @@ async def test_a_listen_with_too_many_ids_or_bad_ids_is_refused(m: ModernClient)
     body = m.body("subscriptions/listen", {"notifications": {"taskIds": [1, 2]}})
     r = await m.post("subscriptions/listen", body=body)
     assert r.json()["error"]["code"] == -32602
+
+
+async def test_questions_need_the_creating_requests_capabilities_XD_4(http: httpx.AsyncClient, server: RunningServer) -> None:
+    no_elicitation = ModernClient(http, server.url, capabilities={"extensions": {EXT: {}}})
+    result = await no_elicitation.result("tools/call", {"name": "confirm", "arguments": {}})
+    assert result["resultType"] == "complete"
+    assert result["isError"] is True  # the tool was told the client cannot answer; nothing was asked
+
+
+async def test_a_failed_call_is_its_json_rpc_error_without_details_XD_27(m: ModernClient) -> None:
+    error = await m.error("tools/call", {"name": "crash", "arguments": {"message": "boom"}})
+    assert error == {"code": -32603, "message": "boom"}
+    error = await m.error("tools/call", {"name": "leaky", "arguments": {}})
+    assert error["code"] == -32603
+    assert "reference" in error["message"]
+    assert "hunter2" not in str(error)
+
+
+async def test_the_ttl_is_the_servers_default_XD_11(m: ModernClient, server: RunningServer) -> None:
+    created = await m.result("tools/call", {"name": "slow_fail", "arguments": {}})
+    assert created["ttlMs"] == server.settings.effective_default_ttl_ms
