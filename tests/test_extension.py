@@ -261,7 +261,9 @@ async def test_a_listen_with_too_many_ids_or_bad_ids_is_refused(m: ModernClient)
     assert r.json()["error"]["code"] == -32602
 
 
-async def test_questions_need_the_creating_requests_capabilities_XD_4(http: httpx.AsyncClient, server: RunningServer) -> None:
+async def test_questions_need_the_creating_requests_capabilities_XD_4(
+    http: httpx.AsyncClient, server: RunningServer
+) -> None:
     no_elicitation = ModernClient(http, server.url, capabilities={"extensions": {EXT: {}}})
     result = await no_elicitation.result("tools/call", {"name": "confirm", "arguments": {}})
     assert result["resultType"] == "complete"
