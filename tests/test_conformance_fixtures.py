@@ -52,7 +52,9 @@ def no_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     async def sleep(seconds: float) -> None:
         return None
 
-    monkeypatch.setattr(conformance, "asyncio", SimpleNamespace(sleep=sleep, gather=asyncio.gather))
+    monkeypatch.setattr(
+        conformance, "asyncio", SimpleNamespace(sleep=sleep, gather=asyncio.gather, ensure_future=asyncio.ensure_future)
+    )
 
 
 def spec(name: str) -> Spec:
@@ -116,6 +118,12 @@ async def test_missing_capability_names_sampling() -> None:
     with pytest.raises(RpcError) as refused:
         await run("test_missing_capability", FakeContext(declared=()))
     assert refused.value.data == {"requiredCapabilities": {"sampling": {}}}
+
+
+async def test_questions_asked_together_are_withdrawn_when_one_fails() -> None:
+    ctx = FakeContext(declared=("sampling",))
+    with pytest.raises(InputNotSupported):
+        await run("test_input_required_result_multiple_inputs", ctx)
 
 
 async def test_capabilities_fixture_asks_only_what_was_declared() -> None:

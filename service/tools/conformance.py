@@ -12,12 +12,14 @@ import base64
 import io
 import json
 import wave
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from service.tools.api import ElicitAnswer, InputNotSupported, RpcError, ToolContext, ToolError, ToolFailure, text
 from service.tools.registry import ToolPack
 
 pack = ToolPack("conformance")
+T = TypeVar("T")
 
 # A 1x1 red PNG.
 PNG_1X1 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
@@ -331,6 +333,18 @@ async def _roots(ctx: ToolContext, key: str) -> list[dict[str, Any]]:
     return [r for r in roots if isinstance(r, dict)] if isinstance(roots, list) else []
 
 
+async def _together(*asks: Awaitable[T]) -> list[T]:
+    """Ask at once (asyncio.gather); if one fails, withdraw the others before re-raising."""
+    tasks = [asyncio.ensure_future(ask) for ask in asks]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def _content(answer: ElicitAnswer) -> dict[str, Any]:
     return (answer.content or {}) if answer.action == "accept" else {}
 
@@ -382,7 +396,7 @@ async def confirm_delete(ctx: ToolContext, filename: str) -> str:
 async def multi_input(ctx: ToolContext) -> str:
     """Asks two questions at once; completes when both are answered."""
     await asyncio.sleep(ASK_AFTER_S)
-    name, proceed = await asyncio.gather(
+    name, proceed = await _together(
         _elicit(ctx, "name", "Your name?", _form(name="string")),
         _elicit(ctx, "confirm", "Proceed?", _form(confirm="boolean")),
     )
@@ -455,11 +469,12 @@ async def test_input_required_result_request_state(ctx: ToolContext) -> str:
 @pack.tool(task_support="forbidden")
 async def test_input_required_result_multiple_inputs(ctx: ToolContext) -> str:
     """Asks three kinds of question at once: a name, a model greeting and the client's roots."""
-    answer, greeting, roots = await asyncio.gather(
+    asked: list[Any] = await _together(
         _elicit(ctx, "user_name", "What is your name?", _form(name="string")),
         _sample(ctx, "greeting", "Generate a greeting", 50),
         _roots(ctx, "client_roots"),
     )
+    answer, greeting, roots = asked
     return f"name={_content(answer).get('name')!r} greeting={greeting!r} roots={len(roots)}"
 
 
