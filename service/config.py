@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     tools: str = "service.tools.demo"
 
     # 2026-07-28: how long a call that may become a task runs inside its request first (XD-5).
-    task_grace_ms: int = Field(default=1_000, ge=0, le=60_000)
+    task_grace_ms: int = Field(default=500, ge=0, le=60_000)
     max_subscription_task_ids: int = Field(default=256, ge=1, le=10_000)
     max_subscriptions_per_principal: int = Field(default=16, ge=1, le=10_000)
     max_body_bytes: int = Field(default=1_048_576, ge=1_024)

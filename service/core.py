@@ -17,6 +17,7 @@ from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import open_embedded
 from service.store.events import EventHub
 from service.tasks.cursor import CursorCodec
+from service.tasks.request_state import RequestStateCodec
 from service.tasks.service import TaskPolicy, TaskService
 from service.tasks.sessions import SessionService
 from service.tasks.signals import Signals
@@ -97,7 +98,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         max_active_per_tenant=settings.max_active_tasks_per_tenant,
     )
     poll_s = settings.poll_interval_ms / 1000
-    tasks = TaskService(db, hub, registry, policy, CursorCodec(cursor_key))
+    state_key = await repo.service_key(db, "mrtr-request-state")
+    tasks = TaskService(db, hub, registry, policy, CursorCodec(cursor_key), RequestStateCodec(state_key))
     runner = None
     if run_tasks and settings.runner_concurrency > 0:
         runner = Runner(

@@ -22,6 +22,7 @@ class FakeContext:
         self.answer = answer or {}
         self.declared = declared
         self.asked: list[tuple[str, Any]] = []
+        self.keys: list[str | None] = []
         self.logs: list[Any] = []
 
     @property
@@ -31,20 +32,27 @@ class FakeContext:
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
         return None
 
-    async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer:
+    async def elicit(self, message: str, requested_schema: dict[str, Any], *, key: str | None = None) -> ElicitAnswer:
         if "elicitation" not in self.declared:
             raise InputNotSupported("no elicitation")
         self.asked.append(("elicitation", message))
+        self.keys.append(key)
         return ElicitAnswer("accept", dict(self.answer))
 
     async def log(self, level: str, data: Any, logger: str | None = None) -> None:
         self.logs.append(data)
 
-    async def sample(self, params: dict[str, Any]) -> dict[str, Any]:
+    async def sample(self, params: dict[str, Any], *, key: str | None = None) -> dict[str, Any]:
         if "sampling" not in self.declared:
             raise InputNotSupported("no sampling")
         self.asked.append(("sampling", params["messages"][0]["content"]["text"]))
+        self.keys.append(key)
         return {"role": "assistant", "content": {"type": "text", "text": "Paris"}, "model": "m"}
+
+    async def list_roots(self, *, key: str | None = None) -> list[dict[str, Any]]:
+        self.asked.append(("roots", None))
+        self.keys.append(key)
+        return [{"uri": "file:///test/root", "name": "Test Root"}]
 
 
 @pytest.fixture(autouse=True)

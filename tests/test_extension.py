@@ -7,8 +7,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
+from service.client import sse_messages
 from tests.conftest import RunningServer, make_settings, serve
 from tests.ext import EXT, ModernClient
 from tests.rpc import RpcSession
@@ -282,3 +284,87 @@ async def test_a_failed_call_is_its_json_rpc_error_without_details_XD_27(m: Mode
 async def test_the_ttl_is_the_servers_default_XD_11(m: ModernClient, server: RunningServer) -> None:
     created = await m.result("tools/call", {"name": "slow_fail", "arguments": {}})
     assert created["ttlMs"] == server.settings.effective_default_ttl_ms
+
+
+@pytest.fixture
+async def conformance_server(database_url: str) -> AsyncIterator[RunningServer]:
+    settings = make_settings(database_url, task_grace_ms=200, tools="service.tools.conformance,service.tools.demo")
+    async with serve(settings) as running:
+        yield running
+
+
+async def test_multi_round_input_carries_the_answers_in_a_sealed_request_state_X_SEC_10(
+    http: httpx.AsyncClient, conformance_server: RunningServer
+) -> None:
+    """Each round's requestState holds the answers so far (the server keeps nothing between rounds);
+    a later round sends only its new answer; a tampered state is refused."""
+    m = ModernClient(http, conformance_server.url, capabilities={"elicitation": {}})
+    params: dict[str, Any] = {"name": "test_input_required_result_multi_round", "arguments": {}}
+    first = await m.result("tools/call", params)
+    assert first["resultType"] == "input_required"
+    assert list(first["inputRequests"]) == ["step1"]  # the tool names its keys
+    second = await m.result("tools/call", {**params, "requestState": first["requestState"],
+                                           "inputResponses": {"step1": {"action": "accept", "content": {"name": "Alice"}}}})  # fmt: skip
+    assert list(second["inputRequests"]) == ["step2"]
+    assert second["requestState"] != first["requestState"]
+    third = await m.result("tools/call", {**params, "requestState": second["requestState"],
+                                          "inputResponses": {"step2": {"action": "accept", "content": {"color": "blue"}}}})  # fmt: skip
+    assert third["resultType"] == "complete"
+    assert "Alice" in third["content"][0]["text"]
+    assert "blue" in third["content"][0]["text"]
+    tampered = {**params, "requestState": second["requestState"] + "x",
+                "inputResponses": {"step2": {"action": "accept", "content": {"color": "red"}}}}  # fmt: skip
+    assert (await m.error("tools/call", tampered))["code"] == -32602
+    other_tool = {
+        "name": "test_input_required_result_elicitation",
+        "arguments": {},
+        "requestState": first["requestState"],
+    }
+    assert (await m.error("tools/call", other_tool))["code"] == -32602  # bound to its tool and arguments
+
+
+async def test_progress_of_a_call_inside_its_request_streams_before_the_answer_XD_18(
+    http: httpx.AsyncClient, conformance_server: RunningServer
+) -> None:
+    m = ModernClient(http, conformance_server.url, capabilities={})
+    body = m.body("tools/call", {"name": "test_tool_with_progress", "arguments": {}}, progressToken="p-1")
+    messages: list[dict[str, Any]] = []
+    async with http.stream("POST", m.url, content=orjson.dumps(body),
+                           headers=m.headers("tools/call", "test_tool_with_progress")) as r:  # fmt: skip
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for msg in sse_messages(r):
+            messages.append(msg)
+    progress = [msg["params"] for msg in messages if msg.get("method") == "notifications/progress"]
+    assert len(progress) >= 3
+    assert {p["progressToken"] for p in progress} == {"p-1"}
+    assert [p["progress"] for p in progress] == sorted(p["progress"] for p in progress)
+    assert messages[-1]["result"]["resultType"] == "complete"
+
+
+async def test_a_tool_refusing_for_a_missing_capability_is_http_400(
+    http: httpx.AsyncClient, conformance_server: RunningServer
+) -> None:
+    m = ModernClient(http, conformance_server.url, capabilities={})
+    error = await m.error("tools/call", {"name": "test_missing_capability", "arguments": {}}, status=400)
+    assert error["code"] == -32021
+    assert error["data"] == {"requiredCapabilities": {"sampling": {}}}
+
+
+async def test_initialize_and_other_removed_methods_are_404_on_2026_07_28(m: ModernClient) -> None:
+    for method in ("initialize", "logging/setLevel", "resources/subscribe"):
+        error = await m.error(method, {}, status=404, name="x")
+        assert error["code"] == -32601
+
+
+async def test_parameters_marked_as_headers_must_be_mirrored_X_HTTP_12(
+    http: httpx.AsyncClient, conformance_server: RunningServer
+) -> None:
+    m = ModernClient(http, conformance_server.url, capabilities={})
+    params = {"name": "test_custom_headers", "arguments": {"region": "Hello"}}
+    ok = m.headers("tools/call", "test_custom_headers", **{"Mcp-Param-Region": "=?base64?SGVsbG8=?="})
+    assert (await m.post("tools/call", params, headers=ok)).status_code == 200
+    for bad in ("=?base64?SGVsbG8?=", "Other"):
+        h = m.headers("tools/call", "test_custom_headers", **{"Mcp-Param-Region": bad})
+        assert (await m.error("tools/call", params, headers=h, status=400))["code"] == -32020
+    missing = m.headers("tools/call", "test_custom_headers")
+    assert (await m.error("tools/call", params, headers=missing, status=400))["code"] == -32020

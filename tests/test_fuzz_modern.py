@@ -61,7 +61,7 @@ def test_random_modern_requests_get_clear_errors_never_500(threaded_server: str)
                            "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
                                      "io.modelcontextprotocol/clientCapabilities": DECLARING}}}  # fmt: skip
         kept = http.post(url, content=orjson.dumps(body), headers={**base, "MCP-Protocol-Version": MODERN,
-                                                                   "Mcp-Method": "tools/call"})  # fmt: skip
+                                                                   "Mcp-Method": "tools/call", "Mcp-Name": "echo"})  # fmt: skip
         assert kept.json()["result"]["content"][0]["text"] == "keep me"
 
         @settings(max_examples=300, deadline=None,

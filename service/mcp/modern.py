@@ -13,7 +13,7 @@ import base64
 import binascii
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -22,6 +22,7 @@ from starlette.types import Receive, Send
 
 from service.config import Settings
 from service.domain.errors import CapacityExceeded, DomainError, TaskAlreadyTerminal, TaskNotFound
+from service.domain.events import LOG_LEVELS, LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse
 from service.domain.principal import Caller
 from service.domain.task import OutcomeKind, Surface
@@ -33,16 +34,23 @@ from service.mcp.http import HttpError, send_json
 from service.mcp.jsonrpc import INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
 from service.mcp.sse import send_sse
 from service.mcp.surface import Surface as LegacySurface
-from service.mcp.wire import error_object
+from service.mcp.wire import error_object, event_message
 from service.observability import logging as logctx
 from service.observability import metrics
 from service.tasks.audit import AuditLog
-from service.tasks.service import CallMode, TaskService
+from service.tasks.service import CallMode, CallResult, TaskService
 
 METHOD_HEADER: Final = "mcp-method"
+RESOURCE_NOT_FOUND: Final = -32002
 NAME_HEADER: Final = "mcp-name"
 TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 LOOKUPS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
+# Methods whose Mcp-Name names a parameter: (the parameter, whether the header is required).
+NAMED: Final = {"tools/call": ("name", True), "prompts/get": ("name", False), "resources/read": ("uri", False)}
+# Cache hints of list and read results (2026-07-28 caching): the registry is fixed per process.
+CACHE_HINT: Final = {"ttlMs": 60_000, "cacheScope": "private"}
+# The 2026-07-28 codes answered with HTTP 400 (§11), whoever raises them (a tool may, too).
+HTTP_400_CODES: Final = frozenset({ext.HEADER_MISMATCH, ext.MISSING_CAPABILITY, ext.UNSUPPORTED_VERSION})
 
 
 def _fail(code: int, message: str, data: Any = None, *, status: int = 200) -> RpcFailure:
@@ -158,17 +166,20 @@ class ModernSurface:
         started = time.perf_counter()
         outcome = "error"
         try:
-            call = self._envelope(caller, request_id, method, message.get("params"), headers)
-            if method == "subscriptions/listen":
-                outcome = "ok"
-                await self.listen(receive, send, call)
-                return
             handler = self._methods.get(method)
-            if handler is None:
-                # X-HTTP-5: tasks/result, tasks/list, ping... do not exist here.
+            if handler is None and method != "subscriptions/listen":
+                # X-HTTP-5: tasks/result, tasks/list, initialize, ping... do not exist here; said first.
                 raise _fail(METHOD_NOT_FOUND, f"Method not found: {method}", status=404)
+            call = self._envelope(caller, request_id, method, message.get("params"), headers)
+            if handler is None:
+                await self.listen(receive, send, call)
+                outcome = "ok"
+                return
             reply = await self._dispatch(handler, call, receive)
             outcome = "ok"
+            if isinstance(reply, Streamed):
+                await send_sse(send, receive, reply.messages, keepalive_s=self.keepalive_s)
+                return
         except RpcFailure as failure:
             await send_json(
                 send, failure.http_status, jsonrpc.error_message(request_id, failure.error_object()), failure.headers
@@ -217,13 +228,14 @@ class ModernSurface:
             if name is None or name != task_id:
                 raise _fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Name must equal params.taskId", status=400)
             call.require_declaring()  # X-GET-9: before the lookup
-        elif method == "tools/call":
+        elif method in NAMED:
+            field, required = NAMED[method]
             name = _header_value(headers.get(NAME_HEADER))
-            if name is not None and name != params.get("name"):
-                raise _fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Name must equal params.name", status=400)
+            if (name is None and required) or (name is not None and name.strip() != params.get(field)):
+                raise _fail(ext.HEADER_MISMATCH, f"Header mismatch: Mcp-Name must equal params.{field}", status=400)
         return call
 
-    async def _dispatch(self, handler: Any, call: ModernCall, receive: Receive) -> dict[str, Any]:
+    async def _dispatch(self, handler: Any, call: ModernCall, receive: Receive) -> dict[str, Any] | Streamed:
         lookup = call.method in LOOKUPS
         if lookup and (limited := await self.limiter.lookups_blocked(call.caller.principal)):
             await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
@@ -231,7 +243,7 @@ class ModernSurface:
             raise RpcFailure(RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s}, http_status=429,
                              headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
         try:
-            result: dict[str, Any] = await handler(call, receive)
+            result: dict[str, Any] | Streamed = await handler(call, receive)
             return result
         except TaskNotFound as exc:
             if lookup:
@@ -265,28 +277,39 @@ class ModernSurface:
         )
 
     async def tools_list(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
-        return ext.complete({"tools": [t.to_wire(with_execution=False) for t in self.registry.tools.values()]})
+        tools = [t.to_wire(with_execution=False) for t in self.registry.tools.values()]
+        return ext.complete({"tools": tools, **CACHE_HINT})
 
     async def _core(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
         """Resources, prompts and completion: the same handlers as 2025-11-25, in 2026-07-28 form."""
         from service.mcp.surface import Call
 
         params = {k: v for k, v in call.params.items() if k != "_meta"}
-        reply = await self.legacy.dispatch(call.method, Call(call.caller, None, call.request_id, params))
+        try:
+            reply = await self.legacy.dispatch(call.method, Call(call.caller, None, call.request_id, params))
+        except RpcFailure as failure:
+            if failure.code == RESOURCE_NOT_FOUND:  # 2026-07-28 says -32602 (SEP-2164), with the uri
+                raise _fail(INVALID_PARAMS, failure.message, failure.data) from None
+            raise
         assert isinstance(reply, dict)
+        if call.method in ("resources/list", "resources/templates/list", "resources/read", "prompts/list"):
+            reply = {**reply, **CACHE_HINT}
         return ext.complete(reply)
 
-    async def tools_call(self, call: ModernCall, receive: Receive) -> dict[str, Any]:
+    async def tools_call(self, call: ModernCall, receive: Receive) -> dict[str, Any] | Streamed:
         """X-CREATE-*, XD-5: a tool's task policy and the request's declaration pick how it may end."""
         name = _string(call.params, "name")
         arguments = _object(call.params, "arguments") or {}
-        raw_responses = _object(call.params, "inputResponses") or {}
-        responses: dict[str, InputResponse] = {}
-        for key, value in raw_responses.items():
-            if not isinstance(value, dict):
-                raise _fail(INVALID_PARAMS, f"params.inputResponses[{key!r}] must be an object")
-            responses[key] = InputResponse(result=value)
         spec = self.tasks.registry.get(name)
+        self._check_param_headers(call, spec.input_schema, arguments)
+        responses = _responses(call.params.get("inputResponses"))
+        state = call.params.get("requestState")
+        if state is not None:
+            if not isinstance(state, str):
+                raise _fail(INVALID_PARAMS, "params.requestState must be a string")
+            earlier = self.tasks.request_states.open(call.caller.principal, name, arguments, state)
+            responses = {**{k: InputResponse.from_stored(v) for k, v in earlier.items() if isinstance(v, dict)},
+                         **responses}  # fmt: skip
         if spec.task_support == "required":
             if not call.declaring:
                 raise _fail(
@@ -301,7 +324,10 @@ class ModernSurface:
         else:
             mode = CallMode.SYNC  # X-NEG-5: never a task for a request that does not declare it
         meta = call.params["_meta"]
-        token = meta.get("progressToken")
+        token = meta.get("progressToken") if jsonrpc.valid_id(meta.get("progressToken")) else None
+        log_level = meta.get(ext.META_LOG_LEVEL) if meta.get(ext.META_LOG_LEVEL) in LOG_LEVELS else None
+        events: asyncio.Queue[TaskEvent] = asyncio.Queue()
+        streaming = token is not None or log_level is not None
         running = asyncio.ensure_future(
             self.tasks.call(
                 call.caller,
@@ -309,11 +335,20 @@ class ModernSurface:
                 arguments=arguments,
                 mode=mode,
                 responses=responses,
-                progress_token=token if jsonrpc.valid_id(token) else None,
+                progress_token=token,
                 client_capabilities=call.capabilities,
                 grace_s=self.grace_s,
+                on_event=events.put_nowait if streaming else None,
             )
         )
+
+        def answer(result: CallResult) -> dict[str, Any]:
+            return self._call_answer(call, name, arguments, responses, result)
+
+        if streaming:
+            # XD-18: progress (and logs, at the level the request asked) of the part inside the
+            # request go on its own SSE stream, then the answer; closing the stream cancels the call.
+            return Streamed(_call_stream(call.request_id, running, events, log_level, answer))
         gone = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -324,20 +359,38 @@ class ModernSurface:
             with contextlib.suppress(BaseException):
                 await running
             raise asyncio.CancelledError
-        result = running.result()
+        return answer(running.result())
+
+    def _call_answer(
+        self, call: ModernCall, name: str, arguments: dict[str, Any], responses: dict[str, InputResponse],
+        result: CallResult,
+    ) -> dict[str, Any]:  # fmt: skip
         if result.task is not None:
             return ext.created(result.task)
         if result.questions:
+            # The answers so far travel with the client (nothing of the round stays here), sealed.
+            stored = {k: r.to_stored() for k, r in responses.items()}
+            state = self.tasks.request_states.seal(call.caller.principal, name, arguments, stored)
             return {"resultType": "input_required", "inputRequests": ext.input_requests(result.questions),
-                    "_meta": ext.server_meta()}  # fmt: skip
+                    "requestState": state, "_meta": ext.server_meta()}  # fmt: skip
         assert result.outcome is not None
         if result.outcome.kind is OutcomeKind.FAILURE:
             error = error_object(result.outcome)
-            raise _fail(error["code"], error["message"], error.get("data"))
-        return {
-            **ext.call_result(result.outcome.payload),
-            "_meta": {**ext.server_meta(), **(result.outcome.payload.get("_meta") or {})},
-        }
+            status = 400 if error["code"] in HTTP_400_CODES else 200
+            raise _fail(error["code"], error["message"], error.get("data"), status=status)
+        payload = result.outcome.payload
+        return {**ext.call_result(payload), "_meta": {**ext.server_meta(), **(payload.get("_meta") or {})}}
+
+    def _check_param_headers(self, call: ModernCall, schema: dict[str, Any], arguments: dict[str, Any]) -> None:
+        """X-HTTP-12: a parameter marked ``x-mcp-header`` is mirrored in ``Mcp-Param-<Name>``."""
+        for prop, prop_schema in (schema.get("properties") or {}).items():
+            header = prop_schema.get("x-mcp-header") if isinstance(prop_schema, dict) else None
+            if not isinstance(header, str) or prop not in arguments:
+                continue
+            value = _header_value(call.headers.get(f"mcp-param-{header.lower()}"))
+            if value is None or value.strip() != str(arguments[prop]):
+                raise _fail(ext.HEADER_MISMATCH, f"Header mismatch: Mcp-Param-{header} must equal params.arguments.{prop}",
+                            status=400)  # fmt: skip
 
     async def tasks_get(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
         task = await self.tasks.get(call.caller, _string(call.params, "taskId"), surface=Surface.EXTENSION)
@@ -347,12 +400,8 @@ class ModernSurface:
     async def tasks_update(self, call: ModernCall, _receive: Receive) -> dict[str, Any]:
         """X-UPDATE-*, XD-8/9/10: answers by key, all or nothing; unknown keys ignored; ack."""
         task_id = _string(call.params, "taskId")
-        raw = _object(call.params, "inputResponses", required=True) or {}
-        responses: dict[str, InputResponse] = {}
-        for key, value in raw.items():
-            if not isinstance(value, dict):
-                raise _fail(INVALID_PARAMS, f"params.inputResponses[{key!r}] must be an object")
-            responses[key] = InputResponse(result=value)
+        _object(call.params, "inputResponses", required=True)
+        responses = _responses(call.params["inputResponses"], lenient=True)
         await self.tasks.get(call.caller, task_id, surface=Surface.EXTENSION)  # -32602 for unknown or foreign
         if responses:
             await self.tasks.answer(call.caller, task_id, responses)
@@ -413,6 +462,74 @@ class ModernSurface:
     async def _task_notification(self, call: ModernCall, task: Any, meta: dict[str, Any]) -> dict[str, Any]:
         pending = await self.tasks.pending_inputs(call.caller, task)
         return jsonrpc.notification("notifications/tasks", {**ext.detailed(task, pending), "_meta": meta})
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """An answer sent as SSE: notifications, then the response."""
+
+    messages: AsyncIterator[dict[str, Any]]
+
+
+def _responses(raw: Any, *, lenient: bool = False) -> dict[str, InputResponse]:
+    """``inputResponses`` as the core's answers. ``lenient``: a value that is not an object is
+    kept as an empty answer, so a key nobody asked is ignored rather than refused (XD-9)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail(INVALID_PARAMS, "params.inputResponses must be an object")
+    out: dict[str, InputResponse] = {}
+    for key, value in raw.items():
+        if not isinstance(value, dict):
+            if not lenient:
+                raise _fail(INVALID_PARAMS, f"params.inputResponses[{key!r}] must be an object")
+            value = {"invalid": value}
+        out[key] = InputResponse(result=value)
+    return out
+
+
+async def _call_stream(
+    request_id: RequestId,
+    running: asyncio.Future[CallResult],
+    events: asyncio.Queue[TaskEvent],
+    log_level: str | None,
+    answer: Callable[[CallResult], dict[str, Any]],
+) -> AsyncIterator[dict[str, Any]]:
+    try:
+        while True:
+            getter: asyncio.Future[TaskEvent] = asyncio.ensure_future(events.get())
+            waiting: set[asyncio.Future[Any]] = {running, getter}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                message = _event_notification(getter.result(), log_level)
+                if message is not None:
+                    yield message
+                continue
+            getter.cancel()
+            break
+        while not events.empty():
+            message = _event_notification(events.get_nowait(), log_level)
+            if message is not None:
+                yield message
+        try:
+            yield jsonrpc.result_message(request_id, answer(running.result()))
+        except RpcFailure as failure:
+            yield jsonrpc.error_message(request_id, failure.error_object())
+        except DomainError as exc:
+            yield jsonrpc.error_message(request_id, to_rpc(exc).error_object())
+    finally:
+        if not running.done():  # the client closed the stream: the call is cancelled (X-HTTP-7)
+            running.cancel()
+            with contextlib.suppress(BaseException):
+                await running
+
+
+def _event_notification(event: TaskEvent, log_level: str | None) -> dict[str, Any] | None:
+    if isinstance(event, LogEntry) and log_level is None:
+        return None  # no logs unless the request asked for them (its _meta logLevel)
+    if isinstance(event, Progress | LogEntry):
+        return event_message(event, None, log_level)
+    return None
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -257,11 +257,11 @@ class McpEndpoint:
 
     def _era(self, headers: Headers, message: dict[str, Any]) -> str:
         """§14.1: which surface serves this request, decided from it alone."""
-        if message.get("method") == "initialize":
-            return "2025-11-25"
         value = headers.get(VERSION_HEADER)
         if value == ext.MODERN:
-            return ext.MODERN
+            return ext.MODERN  # initialize too: it does not exist on 2026-07-28 (404)
+        if message.get("method") == "initialize":
+            return "2025-11-25"
         request_id = message.get("id") if jsonrpc.valid_id(message.get("id")) else None
         if value is None:
             params = message.get("params")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,8 +40,10 @@ class InlineCallContext(ToolContextBase):
         responses: dict[str, InputResponse],
         progress_token: str | int | None,
         client_capabilities: dict[str, Any],
+        on_event: Callable[[TaskEvent], None] | None = None,
     ) -> None:
         super().__init__(task_id=None, progress_token=progress_token, client_capabilities=client_capabilities)
+        self._on_event = on_event
         self._responses = responses
         self._asked = 0
         self._sink: Sink | None = None
@@ -55,16 +58,19 @@ class InlineCallContext(ToolContextBase):
         self._task_id = task_id
         self._sink = sink
 
-    def _next_key(self) -> str:
+    def _next_key(self, wanted: str | None) -> str:
         if self._sink is not None:
-            return super()._next_key()
+            return super()._next_key(wanted)  # a task's keys are the service's: unique for its life
         self._asked += 1
-        return f"q{self._asked}"  # the same question gets the same key when the run is retried
+        # The same question gets the same key when the run is retried: the tool's name for it, or
+        # its place in the run.
+        return wanted or f"q{self._asked}"
 
     async def _emit(self, event: TaskEvent) -> None:
         if self._sink is not None:
             await self._sink.emit(event)
-        # Inside the request nothing is streamed: the call is answered with application/json (XD-17, XD-18).
+        elif self._on_event is not None:  # inside the request: on its own stream (XD-18)
+            self._on_event(event)
 
     async def _ask(self, question: PendingInput) -> InputResponse:
         if self._sink is not None:

@@ -42,6 +42,7 @@ from service.store.events import Event, EventHub, Resync, TaskChanged, TaskDelet
 from service.store.repository import TaskStore
 from service.tasks.calls import CallEnd, InlineCallContext, run_round
 from service.tasks.cursor import CursorCodec
+from service.tasks.request_state import RequestStateCodec
 from service.tools.execute import run_tool
 from service.tools.registry import Registry, ToolSpec
 
@@ -100,9 +101,16 @@ def notice_of(event: Event) -> TaskEvent | None:
 
 class TaskService:
     def __init__(
-        self, db: Database, hub: EventHub, registry: Registry, policy: TaskPolicy, cursors: CursorCodec
+        self,
+        db: Database,
+        hub: EventHub,
+        registry: Registry,
+        policy: TaskPolicy,
+        cursors: CursorCodec,
+        request_states: RequestStateCodec,
     ) -> None:
         self.store = TaskStore(db)
+        self.request_states = request_states
         self.hub = hub
         self.registry = registry
         self.policy = policy
@@ -185,6 +193,7 @@ class TaskService:
         progress_token: str | int | None,
         client_capabilities: dict[str, Any],
         grace_s: float,
+        on_event: Callable[[TaskEvent], None] | None = None,
     ) -> CallResult:
         """Run a call inside its request (2026-07-28): it ends there, asks for input (the client
         retries with the answers), or becomes a task (OPTIONAL after ``grace_s``; REQUIRED always).
@@ -195,7 +204,10 @@ class TaskService:
             # No runner here to adopt a running call: the task is queued for one at once.
             return CallResult(task=await self._create_for_call(caller, spec.name, valid, client_capabilities, None))
         ctx = InlineCallContext(
-            responses=responses, progress_token=progress_token, client_capabilities=client_capabilities
+            responses=responses,
+            progress_token=progress_token,
+            client_capabilities=client_capabilities,
+            on_event=on_event,
         )
         job = asyncio.create_task(run_tool(self.registry, spec.name, valid, ctx), name=f"call-{spec.name}")
         try:

@@ -292,8 +292,7 @@ async def prompt_with_image(args: dict[str, str]) -> list[dict[str, Any]]:
 #
 # Input keys. The scenarios read most keys from inputRequests, but the MRTR scenarios need keys the
 # tool chooses and that stay the same on every round (an answer keyed "user_name" may arrive on the
-# first call, without requestState). Each question below names its key; the helpers are the one place
-# that hands it to the service once ctx.elicit/ctx.sample take one.
+# first call, without requestState). Each question below names its key (ctx.elicit(..., key=...)).
 
 ASK_AFTER_S = 1.0
 """confirm_delete and multi_input ask only after this long, so their first tools/call outlives the
@@ -311,26 +310,19 @@ def _form(**properties: str) -> dict[str, Any]:
 
 
 async def _elicit(ctx: ToolContext, key: str, message: str, schema: dict[str, Any]) -> ElicitAnswer:
-    """Ask one form question under ``key`` (the key is the service's to honour; see the note above)."""
-    del key  # not yet passed on: ctx.elicit has no key argument today
-    return await ctx.elicit(message, schema)
+    """Ask one form question under ``key`` (the retried call answers it by that key)."""
+    return await ctx.elicit(message, schema, key=key)
 
 
 async def _sample(ctx: ToolContext, key: str, question: str, max_tokens: int) -> str:
-    del key
-    result = await ctx.sample({"messages": [{"role": "user", "content": text(question)}], "maxTokens": max_tokens})
-    content = result.get("content")
+    params = {"messages": [{"role": "user", "content": text(question)}], "maxTokens": max_tokens}
+    content = (await ctx.sample(params, key=key)).get("content")
     return str(content.get("text", "")) if isinstance(content, dict) else ""
 
 
 async def _roots(ctx: ToolContext, key: str) -> list[dict[str, Any]]:
-    """The client's roots. ToolContext has no roots question yet; until it does this is a tool error."""
-    del key
-    list_roots = getattr(ctx, "list_roots", None)
-    if list_roots is None:
-        raise ToolError("this service cannot ask the client for its roots yet")
-    roots = await list_roots()
-    return [r for r in roots if isinstance(r, dict)] if isinstance(roots, list) else []
+    """The client's roots."""
+    return await ctx.list_roots(key=key)
 
 
 async def _together(*asks: Awaitable[T]) -> list[T]:

@@ -80,9 +80,9 @@ class ToolContextBase(abc.ABC):
     async def log(self, level: str, data: Any, logger: str | None = None) -> None:
         await self._emit(LogEntry(self._task_id, level, data, logger))
 
-    async def elicit(self, message: str, requested_schema: dict[str, Any]) -> ElicitAnswer:
+    async def elicit(self, message: str, requested_schema: dict[str, Any], *, key: str | None = None) -> ElicitAnswer:
         params = {"mode": "form", "message": message, "requestedSchema": requested_schema}
-        response = await self._question(InputKind.ELICITATION, params)
+        response = await self._question(InputKind.ELICITATION, params, key)
         if response.error is not None:
             raise _client_refused(response, "elicitation")
         result = response.result or {}
@@ -94,16 +94,24 @@ class ToolContextBase(abc.ABC):
         content = result.get("content")
         return ElicitAnswer(action, content if isinstance(content, dict) else None)
 
-    async def sample(self, params: dict[str, Any]) -> dict[str, Any]:
-        response = await self._question(InputKind.SAMPLING, dict(params))
+    async def sample(self, params: dict[str, Any], *, key: str | None = None) -> dict[str, Any]:
+        response = await self._question(InputKind.SAMPLING, dict(params), key)
         if response.error is not None or response.result is None:
             raise _client_refused(response, "sampling request")
         return response.result
 
-    def _next_key(self) -> str:
-        """The key of the next question: random, so unique for a task's whole life (X-INPUT-4)."""
+    async def list_roots(self, *, key: str | None = None) -> list[dict[str, Any]]:
+        response = await self._question(InputKind.ROOTS, {}, key)
+        if response.error is not None or response.result is None:
+            raise _client_refused(response, "roots request")
+        roots = response.result.get("roots")
+        return [r for r in roots if isinstance(r, dict)] if isinstance(roots, list) else []
+
+    def _next_key(self, wanted: str | None) -> str:
+        """The key of the next question: random, so unique for a task's whole life (X-INPUT-4);
+        a context where the tool may name it (``wanted``) overrides this."""
         return new_input_key()
 
-    async def _question(self, kind: InputKind, params: dict[str, Any]) -> InputResponse:
+    async def _question(self, kind: InputKind, params: dict[str, Any], key: str | None) -> InputResponse:
         require_capability(self._caps, kind)
-        return await self._ask(PendingInput(self._next_key(), kind, params))
+        return await self._ask(PendingInput(self._next_key(key), kind, params))
