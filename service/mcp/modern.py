@@ -38,6 +38,7 @@ from service.mcp.wire import error_object, event_message
 from service.observability import logging as logctx
 from service.observability import metrics
 from service.tasks.audit import AuditLog
+from service.tasks.calls import ask_first
 from service.tasks.service import CallMode, CallResult, TaskService
 
 METHOD_HEADER: Final = "mcp-method"
@@ -141,7 +142,7 @@ class ModernSurface:
             "resources/templates/list": self._core,
             "resources/read": self._core,
             "prompts/list": self._core,
-            "prompts/get": self._core,
+            "prompts/get": self.prompts_get,
             "completion/complete": self._core,
         }
 
@@ -302,14 +303,7 @@ class ModernSurface:
         arguments = _object(call.params, "arguments") or {}
         spec = self.tasks.registry.get(name)
         self._check_param_headers(call, spec.input_schema, arguments)
-        responses = _responses(call.params.get("inputResponses"))
-        state = call.params.get("requestState")
-        if state is not None:
-            if not isinstance(state, str):
-                raise _fail(INVALID_PARAMS, "params.requestState must be a string")
-            earlier = self.tasks.request_states.open(call.caller.principal, name, arguments, state)
-            responses = {**{k: InputResponse.from_stored(v) for k, v in earlier.items() if isinstance(v, dict)},
-                         **responses}  # fmt: skip
+        responses = self._with_state(call, name, arguments, _responses(call.params.get("inputResponses")))
         if spec.task_support == "required":
             if not call.declaring:
                 raise _fail(
@@ -380,6 +374,39 @@ class ModernSurface:
             raise _fail(error["code"], error["message"], error.get("data"), status=status)
         payload = result.outcome.payload
         return {**ext.call_result(payload), "_meta": {**ext.server_meta(), **(payload.get("_meta") or {})}}
+
+    async def prompts_get(self, call: ModernCall, receive: Receive) -> dict[str, Any]:
+        """A prompt that may ask the client first answers like a tool call's round (SEP-2322)."""
+        name = _string(call.params, "name")
+        prompt = self.registry.prompts.get(name)
+        if prompt is None or not prompt.asks:
+            return await self._core(call, receive)
+        args = {k: str(v) for k, v in (_object(call.params, "arguments") or {}).items()}
+        responses = self._with_state(call, f"prompt:{name}", args, _responses(call.params.get("inputResponses")))
+        round_ = await ask_first(
+            lambda ctx: prompt.render(args, ctx), responses=responses, client_capabilities=call.capabilities
+        )
+        if round_.questions:
+            stored = {k: r.to_stored() for k, r in responses.items()}
+            state = self.tasks.request_states.seal(call.caller.principal, f"prompt:{name}", args, stored)
+            return {"resultType": "input_required", "inputRequests": ext.input_requests(round_.questions),
+                    "requestState": state, "_meta": ext.server_meta()}  # fmt: skip
+        out: dict[str, Any] = {"messages": round_.outcome}
+        if prompt.description:
+            out["description"] = prompt.description
+        return ext.complete(out)
+
+    def _with_state(
+        self, call: ModernCall, bound_to: str, arguments: dict[str, Any], responses: dict[str, InputResponse]
+    ) -> dict[str, InputResponse]:
+        """The answers of earlier rounds, from a valid requestState, under this round's own."""
+        state = call.params.get("requestState")
+        if state is None:
+            return responses
+        if not isinstance(state, str):
+            raise _fail(INVALID_PARAMS, "params.requestState must be a string")
+        earlier = self.tasks.request_states.open(call.caller.principal, bound_to, arguments, state)
+        return {**{k: InputResponse.from_stored(v) for k, v in earlier.items() if isinstance(v, dict)}, **responses}
 
     def _check_param_headers(self, call: ModernCall, schema: dict[str, Any], arguments: dict[str, Any]) -> None:
         """X-HTTP-12: a parameter marked ``x-mcp-header`` is mirrored in ``Mcp-Param-<Name>``."""

@@ -396,6 +396,8 @@ class Surface:
         missing = [a["name"] for a in prompt.arguments if a.get("required") and a["name"] not in args]
         if missing:
             raise to_rpc(InvalidArguments(f"missing prompt arguments: {', '.join(missing)}"))
+        if prompt.asks:
+            raise RpcFailure(INVALID_PARAMS, f"prompt {name!r} asks the client first: get it over 2026-07-28")
         out: dict[str, Any] = {"messages": await prompt.render({k: str(v) for k, v in args.items()})}
         if prompt.description:
             out["description"] = prompt.description

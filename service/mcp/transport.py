@@ -272,7 +272,7 @@ class McpEndpoint:
             return "2025-11-25"  # a session's request from a client that sends no header (as before)
         if value in SUPPORTED_VERSIONS:
             return "2025-11-25"
-        supported = [ext.MODERN, *SUPPORTED_VERSIONS]
+        supported = [ext.MODERN, "2025-11-25"]  # as server/discover lists them
         raise _RpcRefusal(400, request_id, ext.UNSUPPORTED_VERSION,
                           f"Unsupported protocol version {value!r}; supported: {', '.join(supported)}",
                           {"supported": supported, "requested": value})  # fmt: skip

@@ -14,15 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from service.domain.events import TaskEvent
 from service.domain.inputs import InputResponse, PendingInput, check_response
-from service.domain.task import FailureReason, Outcome
+from service.domain.task import FailureReason
 from service.tools.context import ToolContextBase
 from service.tools.execute import refused
+
+T = TypeVar("T")
 
 
 class Sink(Protocol):
@@ -96,18 +98,19 @@ class CallEnd(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class RoundResult:
+class RoundResult(Generic[T]):
     end: CallEnd
-    outcome: Outcome | None = None
+    outcome: T | None = None
     questions: tuple[PendingInput, ...] = ()
 
 
-async def run_round(job: asyncio.Task[Outcome], ctx: InlineCallContext, *, grace_s: float | None) -> RoundResult:
+async def run_round(job: asyncio.Future[T], ctx: InlineCallContext, *, grace_s: float | None) -> RoundResult[T]:
     """Wait for the call's first end: done, a question without an answer (the job is cancelled),
     or still running after ``grace_s`` (None: no grace; wait for the other two)."""
-    asking = asyncio.ensure_future(ctx.asked_unanswered.wait())
+    asking: asyncio.Future[Any] = asyncio.ensure_future(ctx.asked_unanswered.wait())
+    waiting: set[asyncio.Future[Any]] = {job, asking}
     try:
-        await asyncio.wait({job, asking}, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiting, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         asking.cancel()
     if ctx.unanswered:
@@ -121,3 +124,20 @@ async def run_round(job: asyncio.Task[Outcome], ctx: InlineCallContext, *, grace
     if job.done():
         return RoundResult(CallEnd.DONE, outcome=job.result())
     return RoundResult(CallEnd.RUNNING)
+
+
+async def ask_first(
+    work: Callable[[InlineCallContext], Awaitable[T]],
+    *,
+    responses: dict[str, InputResponse],
+    client_capabilities: dict[str, Any],
+) -> RoundResult[T]:
+    """Run something that is not a tool call (a prompt) that may ask the client first: done, or
+    the questions the retry must answer."""
+    ctx = InlineCallContext(responses=responses, progress_token=None, client_capabilities=client_capabilities)
+    job = asyncio.ensure_future(work(ctx))
+    try:
+        return await run_round(job, ctx, grace_s=None)
+    except BaseException:
+        job.cancel()
+        raise

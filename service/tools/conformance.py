@@ -515,3 +515,14 @@ CUSTOM_HEADERS_SCHEMA: dict[str, Any] = {
 )
 async def test_custom_headers(ctx: ToolContext, **arguments: Any) -> str:
     return f"region={arguments.get('region')!r}"
+
+
+@pack.prompt(
+    "test_input_required_result_prompt",
+    description="A prompt that asks the client for context first (multi-round-trip, SEP-2322)",
+    asks=True,
+)
+async def input_required_prompt(args: dict[str, str], ctx: ToolContext) -> list[dict[str, Any]]:
+    answer = await _elicit(ctx, "user_context", "What context should the prompt use?", _form(context="string"))
+    context = _content(answer).get("context", "")
+    return [{"role": "user", "content": text(f"Prompt with context: {context}")}]

@@ -88,9 +88,11 @@ class ResourceSpec:
 @dataclass(frozen=True, slots=True)
 class PromptSpec:
     name: str
-    render: Callable[[dict[str, str]], Awaitable[list[dict[str, Any]]]]
+    render: Callable[..., Awaitable[list[dict[str, Any]]]]
     description: str | None = None
     arguments: list[dict[str, Any]] = field(default_factory=list)
+    # render(args, ctx): the prompt may ask the client first (2026-07-28 multi-round-trip requests).
+    asks: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "arguments": self.arguments}
@@ -170,10 +172,17 @@ class ToolPack:
         return register
 
     def prompt(
-        self, name: str, *, description: str | None = None, arguments: list[dict[str, Any]] | None = None
-    ) -> Callable[[Callable[[dict[str, str]], Awaitable[list[dict[str, Any]]]]], Any]:
-        def register(fn: Callable[[dict[str, str]], Awaitable[list[dict[str, Any]]]]) -> Any:
-            self.prompts.append(PromptSpec(name, fn, description, arguments or []))
+        self,
+        name: str,
+        *,
+        description: str | None = None,
+        arguments: list[dict[str, Any]] | None = None,
+        asks: bool = False,
+    ) -> Callable[[Callable[..., Awaitable[list[dict[str, Any]]]]], Any]:
+        """``asks``: the function is ``render(args, ctx)`` and may ask the client through ``ctx``."""
+
+        def register(fn: Callable[..., Awaitable[list[dict[str, Any]]]]) -> Any:
+            self.prompts.append(PromptSpec(name, fn, description, arguments or [], asks))
             return fn
 
         return register
