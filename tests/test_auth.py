@@ -8,7 +8,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 import uvicorn
 from joserfc.jwk import ECKey
 
-from tests.conftest import RunningServer, make_settings, serve
+from tests.conftest import RunningServer, listening_socket, make_settings, serve
 from tests.issuer import LocalIssuer, b64, unsigned
 from tests.rpc import ACCEPT_BOTH, RpcSession
 
@@ -36,8 +35,7 @@ INIT = {
 
 @contextlib.asynccontextmanager
 async def run_issuer(issuer: LocalIssuer) -> AsyncIterator[LocalIssuer]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = listening_socket()
     issuer.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(issuer.app(), log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve(sockets=[sock]))

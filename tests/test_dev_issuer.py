@@ -24,6 +24,7 @@ from joserfc.jwk import KeySet
 from service.auth.dev_issuer import DEV_HEADER, create_dev_issuer_app
 from service.auth.dev_issuer_cli import request_token
 from service.auth.dev_keys import DevIssuerConfig, load_or_create_signing_key, mint_access_token
+from tests.conftest import listening_socket
 
 AUDIENCE = "http://127.0.0.1:8000/mcp"
 REDIRECT = "http://127.0.0.1:33418/callback"
@@ -38,8 +39,7 @@ class Issuer:
 @contextlib.asynccontextmanager
 async def serve_issuer(key_path: Path | None = None, path: str = "") -> AsyncIterator[Issuer]:
     """create_dev_issuer_app on a free loopback port, served by uvicorn in this event loop."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = listening_socket()
     config = DevIssuerConfig(
         issuer=f"http://127.0.0.1:{sock.getsockname()[1]}{path}", audience=AUDIENCE, key_path=key_path
     )
