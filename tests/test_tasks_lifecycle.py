@@ -370,6 +370,12 @@ async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: st
     async with serve(make_settings(database_url, runner_concurrency=1, poll_interval_ms=60_000)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
+        runner = running.app.state.core.runner
+        # The claim loop's first pass (at start-up) holds the one slot while its query runs; a
+        # create that lands meanwhile rightly finds no free slot. Start from an idle runner.
+        async with asyncio.timeout(10):
+            while runner._reserved or runner.busy:
+                await asyncio.sleep(0.01)
         first = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         second = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         db = await asyncpg.connect(database_url)
@@ -379,7 +385,6 @@ async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: st
             }
         finally:
             await db.close()
-        runner = running.app.state.core.runner
         assert (rows[first]["lease_owner"], rows[first]["attempts"]) == (runner.owner, 1)
         assert rows[first]["started_at"] is not None
         assert (rows[second]["lease_owner"], rows[second]["attempts"]) == (None, 0)
