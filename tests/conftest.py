@@ -21,6 +21,7 @@ import uvicorn
 from service.app import create_app
 from service.config import Settings
 from service.store import migrate
+from tests.issuer import LocalIssuer
 
 ACCEPT_BOTH = "application/json, text/event-stream"
 
@@ -67,9 +68,9 @@ async def template_db(admin_dsn: str) -> AsyncIterator[str]:
         await conn.close()
 
 
-@pytest.fixture
-async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
-    """A fresh, migrated database for one test, dropped afterwards."""
+@contextlib.asynccontextmanager
+async def fresh_database(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database, dropped afterwards."""
     name = f"mcp_tasks_t_{secrets.token_hex(6)}"
     conn = await asyncpg.connect(admin_dsn)
     try:
@@ -78,6 +79,13 @@ async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
     finally:
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await conn.close()
+
+
+@pytest.fixture
+async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test."""
+    async with fresh_database(admin_dsn, template_db) as url:
+        yield url
 
 
 def free_port() -> int:
@@ -122,6 +130,12 @@ class RunningServer:
     url: str
     settings: Settings
     app: Any
+    token: str | None = None  # a tenant_server's bearer token for this test's own tenant
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The Authorization header of ``token``, if any, for requests made without an RpcSession."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
 
 @contextlib.asynccontextmanager
@@ -153,6 +167,50 @@ async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
         server.should_exit = True
         await task
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def run_issuer(issuer: LocalIssuer) -> AsyncIterator[LocalIssuer]:
+    """Serve a LocalIssuer (metadata, JWKS, introspection) on a free loopback port in this loop."""
+    sock = listening_socket()
+    issuer.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(issuer.app(), log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    async with asyncio.timeout(10):
+        while not server.started:
+            await asyncio.sleep(0.02)
+    try:
+        yield issuer
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+async def shared_issuer() -> AsyncIterator[LocalIssuer]:
+    async with run_issuer(LocalIssuer()) as issuer:
+        yield issuer
+
+
+@pytest.fixture(scope="module")
+async def shared_server(admin_dsn: str, template_db: str, shared_issuer: LocalIssuer) -> AsyncIterator[RunningServer]:
+    """One hosted-mode server and database for a whole module; see ``tenant_server``."""
+    async with fresh_database(admin_dsn, template_db) as url:
+        # Many tests leave a task running (hang, long sleeps); they must not use up the slots.
+        settings = make_settings(url, auth="oauth", oauth_issuer=shared_issuer.url, runner_concurrency=1_000)
+        async with serve(settings) as running:
+            yield running
+
+
+@pytest.fixture
+def tenant_server(shared_server: RunningServer, shared_issuer: LocalIssuer) -> RunningServer:
+    """The module's shared server, seen by a tenant of this test's own: in hosted mode every task,
+    session and list is scoped to the principal, so tests sharing a server cannot see each other.
+    Tests that change settings, stop processes or read metrics or whole tables keep their own."""
+    tenant = f"t-{secrets.token_hex(6)}"
+    token = shared_issuer.mint(shared_server.url, tenant_id=tenant, sub="alice")
+    return RunningServer(shared_server.url, shared_server.settings, shared_server.app, token)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -14,10 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from joserfc.jwk import ECKey
 
-from tests.conftest import RunningServer, listening_socket, make_settings, serve
+from tests.conftest import RunningServer, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer, b64, unsigned
 from tests.rpc import ACCEPT_BOTH, RpcSession
 
@@ -31,23 +29,6 @@ INIT = {
         "clientInfo": {"name": "t", "version": "1"},
     },
 }
-
-
-@contextlib.asynccontextmanager
-async def run_issuer(issuer: LocalIssuer) -> AsyncIterator[LocalIssuer]:
-    sock = listening_socket()
-    issuer.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(issuer.app(), log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    async with asyncio.timeout(10):
-        while not server.started:
-            await asyncio.sleep(0.02)
-    try:
-        yield issuer
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 @pytest.fixture

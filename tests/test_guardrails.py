@@ -12,10 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import RunningServer, make_settings, serve
+from tests.conftest import RunningServer, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import ACCEPT_BOTH, RpcSession
-from tests.test_auth import run_issuer
 from tests.test_durability import mcp_tasks
 
 INIT = {

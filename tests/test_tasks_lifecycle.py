@@ -37,8 +37,14 @@ async def wait_status(s: RpcSession, task_id: str, *statuses: str, timeout: floa
 
 
 @pytest.fixture
+def server(tenant_server: RunningServer) -> RunningServer:
+    """The module's shared server (hosted mode), as a tenant of this test's own."""
+    return tenant_server
+
+
+@pytest.fixture
 async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
-    session = RpcSession(http, server.url)
+    session = RpcSession(http, server.url, token=server.token)
     await session.initialize()
     return session
 
@@ -46,7 +52,7 @@ async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
 async def test_initialize_advertises_tasks_capability_T_CAP_1_2_3(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    result = await RpcSession(http, server.url).initialize()
+    result = await RpcSession(http, server.url, token=server.token).initialize()
     assert_schema(result, "InitializeResult")
     assert result["protocolVersion"] == "2025-11-25"
     assert result["capabilities"]["tasks"] == {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
@@ -174,14 +180,19 @@ async def test_tampered_cursor_is_invalid_params_T_LIST_5(s: RpcSession) -> None
         assert (await s.error("tasks/list", {"cursor": bad}))["code"] == -32602
 
 
-async def test_ttl_is_clamped_to_the_maximum_and_defaulted_T_CREATE_7_T_TTL_7(s: RpcSession) -> None:
+async def test_ttl_is_clamped_to_the_maximum_and_defaulted_T_CREATE_7_T_TTL_7(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
     # Single-user mode's shorter limits (docs/decisions.md); hosted mode uses 1 h / 24 h.
-    huge = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 10**12})
-    assert huge["task"]["ttl"] == LOCAL_MAX_TTL_MS
-    default = await s.call_tool_as_task("echo", {"text": "x"}, {})
-    assert default["task"]["ttl"] == LOCAL_DEFAULT_TTL_MS
-    tiny = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 0})
-    assert tiny["task"]["ttl"] == 1_000
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        huge = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 10**12})
+        assert huge["task"]["ttl"] == LOCAL_MAX_TTL_MS
+        default = await s.call_tool_as_task("echo", {"text": "x"}, {})
+        assert default["task"]["ttl"] == LOCAL_DEFAULT_TTL_MS
+        tiny = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 0})
+        assert tiny["task"]["ttl"] == 1_000
 
 
 @pytest.mark.parametrize("task", [{"ttl": -1}, {"ttl": 1.5}, {"ttl": "60"}, {"ttl": True}, "soon", 5])
@@ -220,7 +231,7 @@ async def test_plain_call_returns_the_call_tool_result(s: RpcSession) -> None:
 async def test_older_protocol_gets_plain_calls_and_no_task_methods_T_CAP_5_H_VER_4(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    old = RpcSession(http, server.url)
+    old = RpcSession(http, server.url, token=server.token)
     init = await old.initialize("2025-06-18")
     assert init["protocolVersion"] == "2025-06-18"
     assert "tasks" not in init["capabilities"]
@@ -234,7 +245,9 @@ async def test_older_protocol_gets_plain_calls_and_no_task_methods_T_CAP_5_H_VER
 async def test_unsupported_requested_version_gets_our_latest_T_CAP_10(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    assert (await RpcSession(http, server.url).initialize("2099-01-01"))["protocolVersion"] == "2025-11-25"
+    assert (await RpcSession(http, server.url, token=server.token).initialize("2099-01-01"))[
+        "protocolVersion"
+    ] == "2025-11-25"
 
 
 async def test_input_required_elicitation_is_delivered_on_tasks_result_stream_T_INPUT_1_2_3_5_6(s: RpcSession) -> None:
@@ -262,7 +275,7 @@ async def test_input_required_elicitation_is_delivered_on_tasks_result_stream_T_
 async def test_elicitation_without_client_capability_fails_the_task_with_a_tool_error_D_6(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    s = RpcSession(http, server.url)
+    s = RpcSession(http, server.url, token=server.token)
     await s.initialize(capabilities={})
     task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
     result = await s.result("tasks/result", {"taskId": task_id})
@@ -288,20 +301,18 @@ async def test_progress_uses_the_creating_token_for_the_task_life_T_PROG_1_3_6(s
 async def test_task_outlives_its_session_and_is_reachable_from_a_new_one_H_SESS_8(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    first = RpcSession(http, server.url)
+    first = RpcSession(http, server.url, token=server.token)
     await first.initialize()
     task_id = (await first.call_tool_as_task("echo", {"text": "still here"}))["task"]["taskId"]
     r = await http.delete(server.url, headers=first.headers())
     assert r.status_code == 200
-    second = RpcSession(http, server.url)
+    second = RpcSession(http, server.url, token=server.token)
     await second.initialize()
     result = await second.result("tasks/result", {"taskId": task_id})
     assert result["content"][0]["text"] == "still here"
 
 
 async def test_expired_task_is_gone_T_TTL_5(database_url: str, http: httpx.AsyncClient) -> None:
-    from tests.conftest import make_settings, serve
-
     async with serve(make_settings(database_url, min_ttl_ms=200, default_ttl_ms=1000)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
@@ -319,7 +330,7 @@ async def test_cancel_voids_an_unanswered_elicitation_on_the_stream_C_10(
     task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
     await wait_status(s, task_id, "input_required")
     seen: list[dict[str, Any]] = []
-    other = RpcSession(http, s.url)
+    other = RpcSession(http, s.url, token=s.token)
     other.session_id, other.version = s.session_id, s.version
     async for msg in s.stream("tasks/result", {"taskId": task_id}):
         seen.append(msg)
