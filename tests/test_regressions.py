@@ -17,7 +17,8 @@ from tests.toolpack import signal
 
 @pytest.fixture
 async def quick_keepalive(database_url: str) -> Any:
-    async with serve(make_settings(database_url, sse_keepalive_ms=100)) as running:
+    # No grace: tasks/result on an unfinished task streams at once, so keep-alives pass on it.
+    async with serve(make_settings(database_url, sse_keepalive_ms=100, result_grace_ms=0)) as running:
         yield running
 
 
@@ -27,8 +28,14 @@ async def test_a_keepalive_does_not_end_a_waiting_tasks_result_T_RES_3(
     s = RpcSession(http, quick_keepalive.url)
     await s.initialize()
     task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.7}))["task"]["taskId"]
-    result = await s.result("tasks/result", {"taskId": task_id})  # many keep-alives pass while it waits
-    assert result["content"][0]["text"] == "slept 0.7s"
+    msg = s.message("tasks/result", {"taskId": task_id})
+    async with http.stream("POST", s.url, json=msg, headers=s.headers()) as r, asyncio.timeout(10):
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in r.aiter_lines()]
+    assert lines.count(": keepalive") >= 3  # many keep-alives passed while it waited
+    final = orjson.loads(next(line for line in reversed(lines) if line.startswith("data:")).removeprefix("data:"))
+    assert final["id"] == msg["id"]
+    assert final["result"]["content"][0]["text"] == "slept 0.7s"
 
 
 async def test_a_keepalive_does_not_end_the_get_stream(quick_keepalive: RunningServer, http: httpx.AsyncClient) -> None:

@@ -367,11 +367,16 @@ async def test_tasks_result_answers_json_when_the_task_ends_with_nothing_to_stre
     assert messages[-1]["result"]["content"][0]["text"] == "slept 0.3s"
 
 
-async def test_tasks_result_streams_when_the_task_outlasts_the_grace_period_T_RES_3(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("sleep", {"seconds": 1.5}))["task"]["taskId"]
-    messages = [m async for m in s.stream("tasks/result", {"taskId": task_id})]
+async def test_tasks_result_streams_when_the_task_outlasts_the_grace_period_T_RES_3(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    async with serve(make_settings(database_url, result_grace_ms=100)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.4}))["task"]["taskId"]
+        messages = [m async for m in s.stream("tasks/result", {"taskId": task_id})]
     assert s.last_content_type.startswith("text/event-stream")
-    assert messages[-1]["result"]["content"][0]["text"] == "slept 1.5s"
+    assert messages[-1]["result"]["content"][0]["text"] == "slept 0.4s"
 
 
 async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: str, http: httpx.AsyncClient) -> None:
