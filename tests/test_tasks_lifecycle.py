@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS
 from tests.conftest import RunningServer, make_settings, serve
 from tests.rpc import RpcSession
+from tests.toolpack import signal
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "schema-2025-11-25.json").read_text())
 RELATED = "io.modelcontextprotocol/related-task"
@@ -117,11 +119,15 @@ async def test_protocol_error_outcome_is_replayed_by_tasks_result_T_RES_4(s: Rpc
 
 
 async def test_cancel_moves_to_cancelled_before_answering_and_stays_T_CANCEL_5_6(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"]
-    await asyncio.sleep(0.2)
+    key = secrets.token_hex(4)
+    task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+    async with asyncio.timeout(10):
+        await signal(key, "started").wait()  # the tool is running
     cancelled = await s.result("tasks/cancel", {"taskId": task_id})
     assert_schema(cancelled, "CancelTaskResult")
     assert cancelled["status"] == "cancelled"
+    async with asyncio.timeout(10):
+        await signal(key, "cancelled").wait()  # and has been stopped
     assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "cancelled"
 
 
@@ -134,10 +140,13 @@ async def test_cancel_of_terminal_task_is_invalid_params_T_CANCEL_2(s: RpcSessio
 
 
 async def test_cancel_releases_a_blocked_tasks_result_with_cancelled_error_T_CANCEL_10_D_1(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+    key = secrets.token_hex(4)
+    task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+    async with asyncio.timeout(10):
+        await signal(key, "started").wait()
     waiter = asyncio.create_task(s.send("tasks/result", {"taskId": task_id}))
-    await asyncio.sleep(0.3)
-    assert not waiter.done()
+    done, _ = await asyncio.wait({waiter}, timeout=0.3)
+    assert not done, "tasks/result answered while the task was still running"
     await s.result("tasks/cancel", {"taskId": task_id})
     async with asyncio.timeout(10):
         response = await waiter
