@@ -174,7 +174,9 @@ async def run_issuer(issuer: LocalIssuer) -> AsyncIterator[LocalIssuer]:
     """Serve a LocalIssuer (metadata, JWKS, introspection) on a free loopback port in this loop."""
     sock = listening_socket()
     issuer.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(issuer.app(), log_level="warning", lifespan="off"))
+    # A short grace: a test that made the issuer slow must not wait out its delay when stopping it.
+    config = uvicorn.Config(issuer.app(), log_level="warning", lifespan="off", timeout_graceful_shutdown=0.5)
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     async with asyncio.timeout(10):
         while not server.started:
