@@ -205,6 +205,8 @@ async def test_get_stream_carries_status_of_this_sessions_tasks_T_NOTIF_1_4(
                     assert "_meta" not in msg["params"]  # T-NOTIF-3
                     if msg["params"]["status"] == "completed":
                         break
+            else:
+                raise AssertionError("the GET stream ended before the task's completed status")
 
 
 async def test_plain_call_with_progress_token_streams_progress_then_result_P_2_P_3(s: RpcSession) -> None:
