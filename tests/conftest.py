@@ -1,4 +1,5 @@
-"""Fixtures: a migrated template database, a fresh database per test, a real uvicorn server."""
+"""Fixtures: a migrated template database, a fresh database per test, real uvicorn servers (one per
+test, or one per module in hosted mode with a tenant per test)."""
 
 from __future__ import annotations
 
