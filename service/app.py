@@ -68,7 +68,14 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         limiter = RateLimiter(settings, on_storage_error=metrics.rate_limit_storage_errors.inc)
         audit = AuditLog(core.db, on_write_failure=metrics.audit_write_failures.inc)
         surface = Surface(
-            core.tasks, core.sessions, core.registry, inflight, limiter, audit, poll_s=settings.poll_interval_ms / 1000
+            core.tasks,
+            core.sessions,
+            core.registry,
+            inflight,
+            limiter,
+            audit,
+            poll_s=settings.poll_interval_ms / 1000,
+            result_grace_s=settings.result_grace_ms / 1000,
         )
         app.state.core = core
         modern = ModernSurface(settings, core.tasks, surface, limiter, audit)

@@ -82,6 +82,7 @@ class Settings(BaseSettings):
     sweep_interval_ms: int = Field(default=5_000, ge=100)
     session_idle_ms: int = Field(default=86_400_000, ge=60_000)
     sse_keepalive_ms: int = Field(default=15_000, ge=50, le=300_000)
+    result_grace_ms: int = Field(default=1_000, ge=0, le=60_000)
     db_pool_size: int = Field(default=10, ge=1, le=1_000)
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"

@@ -1,4 +1,5 @@
-"""Fixtures: a migrated template database, a fresh database per test, a real uvicorn server."""
+"""Fixtures: a migrated template database, a fresh database per test, real uvicorn servers (one per
+test, or one per module in hosted mode with a tenant per test)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import uvicorn
 from service.app import create_app
 from service.config import Settings
 from service.store import migrate
+from tests.issuer import LocalIssuer
 
 ACCEPT_BOTH = "application/json, text/event-stream"
 
@@ -67,9 +69,9 @@ async def template_db(admin_dsn: str) -> AsyncIterator[str]:
         await conn.close()
 
 
-@pytest.fixture
-async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
-    """A fresh, migrated database for one test, dropped afterwards."""
+@contextlib.asynccontextmanager
+async def fresh_database(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database, dropped afterwards."""
     name = f"mcp_tasks_t_{secrets.token_hex(6)}"
     conn = await asyncpg.connect(admin_dsn)
     try:
@@ -80,11 +82,27 @@ async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
         await conn.close()
 
 
+@pytest.fixture
+async def database_url(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test."""
+    async with fresh_database(admin_dsn, template_db) as url:
+        yield url
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def listening_socket() -> socket.socket:
+    """A loopback socket on a free port for uvicorn's ``sockets=``. Created as IPPROTO_TCP, not
+    ``socket.socket()``'s proto 0: asyncio sets TCP_NODELAY only on sockets it knows are TCP, and
+    without it every keep-alive response waits ~40 ms for the client's delayed ACK (Nagle)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
@@ -113,13 +131,38 @@ class RunningServer:
     url: str
     settings: Settings
     app: Any
+    token: str | None = None  # a tenant_server's bearer token for this test's own tenant
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The Authorization header of ``token``, if any, for requests made without an RpcSession."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+class PromptServer(uvicorn.Server):
+    """A uvicorn.Server that starts shutting down as soon as ``stop()`` is called: uvicorn's main
+    loop looks at should_exit only every 0.1 s, which every test server paid on its way out."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self.should_exit = True
+        self._stop.set()
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):  # on_tick: the Date header, max requests, should_exit
+            counter = (counter + 1) % 864_000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=0.1)
 
 
 @contextlib.asynccontextmanager
 async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
     """Serve create_app(settings) with uvicorn on a free loopback port in this event loop."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = listening_socket()
     port = sock.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings)
@@ -132,7 +175,7 @@ async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
         proxy_headers=bool(settings.forwarded_allow_ips),  # as `mcp-tasks serve` configures it
         forwarded_allow_ips=settings.forwarded_allow_ips or None,
     )
-    server = uvicorn.Server(config)
+    server = PromptServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(30):
@@ -142,9 +185,55 @@ async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
                 await asyncio.sleep(0.02)
         yield RunningServer(f"http://127.0.0.1:{port}/mcp", settings, app)
     finally:
-        server.should_exit = True
+        server.stop()
         await task
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def run_issuer(issuer: LocalIssuer) -> AsyncIterator[LocalIssuer]:
+    """Serve a LocalIssuer (metadata, JWKS, introspection) on a free loopback port in this loop."""
+    sock = listening_socket()
+    issuer.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    # A short grace: a test that made the issuer slow must not wait out its delay when stopping it.
+    config = uvicorn.Config(issuer.app(), log_level="warning", lifespan="off", timeout_graceful_shutdown=0.5)
+    server = PromptServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    async with asyncio.timeout(10):
+        while not server.started:
+            await asyncio.sleep(0.02)
+    try:
+        yield issuer
+    finally:
+        server.stop()
+        await task
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+async def shared_issuer() -> AsyncIterator[LocalIssuer]:
+    async with run_issuer(LocalIssuer()) as issuer:
+        yield issuer
+
+
+@pytest.fixture(scope="module")
+async def shared_server(admin_dsn: str, template_db: str, shared_issuer: LocalIssuer) -> AsyncIterator[RunningServer]:
+    """One hosted-mode server and database for a whole module; see ``tenant_server``."""
+    async with fresh_database(admin_dsn, template_db) as url:
+        # Many tests leave a task running (hang, long sleeps); they must not use up the slots.
+        settings = make_settings(url, auth="oauth", oauth_issuer=shared_issuer.url, runner_concurrency=1_000)
+        async with serve(settings) as running:
+            yield running
+
+
+@pytest.fixture
+def tenant_server(shared_server: RunningServer, shared_issuer: LocalIssuer) -> RunningServer:
+    """The module's shared server, seen by a tenant of this test's own: in hosted mode every task,
+    session and list is scoped to the principal, so tests sharing a server cannot see each other.
+    Tests that change settings, stop processes or read metrics or whole tables keep their own."""
+    tenant = f"t-{secrets.token_hex(6)}"
+    token = shared_issuer.mint(shared_server.url, tenant_id=tenant, sub="alice")
+    return RunningServer(shared_server.url, shared_server.settings, shared_server.app, token)
 
 
 @pytest.fixture

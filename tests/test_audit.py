@@ -19,10 +19,9 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, make_settings, serve
+from tests.conftest import RunningServer, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
-from tests.test_auth import run_issuer
 
 ROOT = Path(__file__).resolve().parent.parent
 GENESIS = "00" * 32

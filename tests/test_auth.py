@@ -4,21 +4,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
-import socket
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from joserfc.jwk import ECKey
 
-from tests.conftest import RunningServer, make_settings, serve
+from service.config import Settings
+from tests.conftest import RunningServer, fresh_database, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer, b64, unsigned
 from tests.rpc import ACCEPT_BOTH, RpcSession
 
@@ -34,41 +33,35 @@ INIT = {
 }
 
 
-@contextlib.asynccontextmanager
-async def run_issuer(issuer: LocalIssuer) -> AsyncIterator[LocalIssuer]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    issuer.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(issuer.app(), log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    async with asyncio.timeout(10):
-        while not server.started:
-            await asyncio.sleep(0.02)
-    try:
-        yield issuer
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 async def issuer() -> AsyncIterator[LocalIssuer]:
+    """One issuer for the module. Tests that make it slow or down, or count its JWKS fetches,
+    run one of their own."""
     async with run_issuer(LocalIssuer()) as running:
         yield running
 
 
-@pytest.fixture
-async def hosted(database_url: str, issuer: LocalIssuer) -> AsyncIterator[RunningServer]:
-    settings = make_settings(
+@pytest.fixture(scope="module")
+async def hosted(admin_dsn: str, template_db: str, issuer: LocalIssuer) -> AsyncIterator[RunningServer]:
+    """One hosted-mode server for the module; tests bind to principals of their own (``tenant``)."""
+    async with fresh_database(admin_dsn, template_db) as url, serve(hosted_settings(url, issuer)) as running:
+        yield running
+
+
+def hosted_settings(database_url: str, issuer: LocalIssuer) -> Settings:
+    return make_settings(
         database_url,
         auth="oauth",
         oauth_issuer=issuer.url,
         oauth_introspection_url=f"{issuer.url}/introspect",
         oauth_http_timeout_s=1.0,
     )
-    async with serve(settings) as running:
-        yield running
+
+
+@pytest.fixture
+def tenant() -> str:
+    """A tenant of this test's own on the module's shared server."""
+    return f"t-{secrets.token_hex(6)}"
 
 
 def audience(server: RunningServer) -> str:
@@ -229,53 +222,55 @@ async def test_protected_resource_metadata_at_both_well_known_paths_A_PRM_1_2_4_
 
 
 async def test_unknown_kid_refetches_the_jwks_once_after_key_rotation(
-    hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient
+    database_url: str, http: httpx.AsyncClient
 ) -> None:
-    assert (await post(http, hosted.url, issuer.mint(audience(hosted)))).status_code == 200
-    fetches = issuer.jwks_fetches
-    new_key = issuer.rotate()
-    assert (await post(http, hosted.url, issuer.mint(audience(hosted), key=new_key))).status_code == 200
-    assert issuer.jwks_fetches == fetches + 1
-    stranger = ECKey.generate_key("P-256", parameters={"kid": "stranger"})
-    for _ in range(5):  # junk kids do not make us hammer the issuer
-        assert (await post(http, hosted.url, issuer.mint(audience(hosted), key=stranger))).status_code == 401
-    assert issuer.jwks_fetches == fetches + 1
+    # Its own issuer and server: it counts JWKS fetches, which other tests' unknown kids also cause.
+    async with run_issuer(LocalIssuer()) as issuer, serve(hosted_settings(database_url, issuer)) as hosted:
+        assert (await post(http, hosted.url, issuer.mint(audience(hosted)))).status_code == 200
+        fetches = issuer.jwks_fetches
+        new_key = issuer.rotate()
+        assert (await post(http, hosted.url, issuer.mint(audience(hosted), key=new_key))).status_code == 200
+        assert issuer.jwks_fetches == fetches + 1
+        stranger = ECKey.generate_key("P-256", parameters={"kid": "stranger"})
+        for _ in range(5):  # junk kids do not make us hammer the issuer
+            assert (await post(http, hosted.url, issuer.mint(audience(hosted), key=stranger))).status_code == 401
+        assert issuer.jwks_fetches == fetches + 1
 
 
-async def test_down_or_slow_issuer_gives_503_not_a_hang(
-    database_url: str, issuer: LocalIssuer, http: httpx.AsyncClient
-) -> None:
-    settings = make_settings(
-        database_url, auth="oauth", oauth_issuer=issuer.url, oauth_http_timeout_s=0.5, oauth_jwks_min_refresh_s=0.5
-    )
-    async with serve(settings) as server:
-        issuer.delay_s = 5
-        async with asyncio.timeout(4):
-            r = await post(http, server.url, issuer.mint(server.url))
-        assert r.status_code == 503
-        assert r.headers["retry-after"]
-        issuer.delay_s, issuer.down = 0, True
-        assert (await post(http, server.url, issuer.mint(server.url))).status_code == 503
-        issuer.down = False
-        async with asyncio.timeout(10):  # failures are remembered briefly (no pile-up), then it recovers
-            while (await post(http, server.url, issuer.mint(server.url))).status_code != 200:
-                await asyncio.sleep(0.1)
+async def test_down_or_slow_issuer_gives_503_not_a_hang(database_url: str, http: httpx.AsyncClient) -> None:
+    issuer = LocalIssuer()  # its own: it makes the issuer slow, then down
+    async with run_issuer(issuer):
+        settings = make_settings(
+            database_url, auth="oauth", oauth_issuer=issuer.url, oauth_http_timeout_s=0.5, oauth_jwks_min_refresh_s=0.5
+        )
+        async with serve(settings) as server:
+            issuer.delay_s = 5
+            async with asyncio.timeout(4):
+                r = await post(http, server.url, issuer.mint(server.url))
+            assert r.status_code == 503
+            assert r.headers["retry-after"]
+            issuer.delay_s, issuer.down = 0, True
+            assert (await post(http, server.url, issuer.mint(server.url))).status_code == 503
+            issuer.down = False
+            async with asyncio.timeout(10):  # failures are remembered briefly (no pile-up), then it recovers
+                while (await post(http, server.url, issuer.mint(server.url))).status_code != 200:
+                    await asyncio.sleep(0.1)
 
 
 async def test_opaque_token_by_introspection(
-    hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient
+    hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient, tenant: str
 ) -> None:
     claims = {
-        "iss": issuer.url, "sub": "bob", "tenant_id": "acme", "client_id": "c", "scope": "tasks",
+        "iss": issuer.url, "sub": "bob", "tenant_id": tenant, "client_id": "c", "scope": "tasks",
         "exp": int(time.time()) + 600, "aud": audience(hosted),
     }  # fmt: skip
-    issuer.active_opaque["opaque-good"] = claims
-    s = await session_for(http, hosted, "opaque-good")
+    issuer.active_opaque[f"{tenant}-good"] = claims
+    s = await session_for(http, hosted, f"{tenant}-good")
     assert (await s.result("tasks/list"))["tasks"] == []
     # A-AUD-1: an introspection answer must say the token is for us; a refresh token is not an access token.
-    issuer.active_opaque["opaque-no-aud"] = {k: v for k, v in claims.items() if k != "aud"}
-    issuer.active_opaque["opaque-refresh"] = {**claims, "token_type": "refresh_token"}
-    for token in ("opaque-no-aud", "opaque-refresh"):
+    issuer.active_opaque[f"{tenant}-no-aud"] = {k: v for k, v in claims.items() if k != "aud"}
+    issuer.active_opaque[f"{tenant}-refresh"] = {**claims, "token_type": "refresh_token"}
+    for token in (f"{tenant}-no-aud", f"{tenant}-refresh"):
         assert (await post(http, hosted.url, token)).status_code == 401, token
 
 
@@ -283,12 +278,14 @@ async def test_opaque_token_by_introspection(
 
 
 @pytest.fixture
-async def principals(hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient) -> dict[str, RpcSession]:
+async def principals(
+    hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient, tenant: str
+) -> dict[str, RpcSession]:
     aud = audience(hosted)
     return {
-        "alice": await session_for(http, hosted, issuer.mint(aud, sub="alice", tenant_id="acme")),
-        "bob": await session_for(http, hosted, issuer.mint(aud, sub="bob", tenant_id="acme")),
-        "alice@globex": await session_for(http, hosted, issuer.mint(aud, sub="alice", tenant_id="globex")),
+        "alice": await session_for(http, hosted, issuer.mint(aud, sub="alice", tenant_id=tenant)),
+        "bob": await session_for(http, hosted, issuer.mint(aud, sub="bob", tenant_id=tenant)),
+        "alice@globex": await session_for(http, hosted, issuer.mint(aud, sub="alice", tenant_id=f"{tenant}-globex")),
     }
 
 
@@ -345,10 +342,10 @@ async def test_a_session_presented_with_another_principals_token_is_404_H_SESS_7
 
 
 async def test_a_new_session_of_the_same_principal_reaches_its_tasks_H_SESS_8(
-    hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient, principals: dict[str, RpcSession]
+    hosted: RunningServer, issuer: LocalIssuer, http: httpx.AsyncClient, principals: dict[str, RpcSession], tenant: str
 ) -> None:
     task_id = (await principals["alice"].call_tool_as_task("echo", {"text": "mine"}))["task"]["taskId"]
     again = await session_for(
-        http, hosted, issuer.mint(audience(hosted), sub="alice", tenant_id="acme", client_id="another")
+        http, hosted, issuer.mint(audience(hosted), sub="alice", tenant_id=tenant, client_id="another")
     )
     assert (await again.result("tasks/result", {"taskId": task_id}))["content"][0]["text"] == "mine"

@@ -24,6 +24,7 @@ from joserfc.jwk import KeySet
 from service.auth.dev_issuer import DEV_HEADER, create_dev_issuer_app
 from service.auth.dev_issuer_cli import request_token
 from service.auth.dev_keys import DevIssuerConfig, load_or_create_signing_key, mint_access_token
+from tests.conftest import PromptServer, listening_socket
 
 AUDIENCE = "http://127.0.0.1:8000/mcp"
 REDIRECT = "http://127.0.0.1:33418/callback"
@@ -38,13 +39,12 @@ class Issuer:
 @contextlib.asynccontextmanager
 async def serve_issuer(key_path: Path | None = None, path: str = "") -> AsyncIterator[Issuer]:
     """create_dev_issuer_app on a free loopback port, served by uvicorn in this event loop."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = listening_socket()
     config = DevIssuerConfig(
         issuer=f"http://127.0.0.1:{sock.getsockname()[1]}{path}", audience=AUDIENCE, key_path=key_path
     )
     app = create_dev_issuer_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", ws="none"))
+    server = PromptServer(uvicorn.Config(app, lifespan="on", log_level="warning", ws="none"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(10):
@@ -54,7 +54,7 @@ async def serve_issuer(key_path: Path | None = None, path: str = "") -> AsyncIte
                 await asyncio.sleep(0.02)
         yield Issuer(config.issuer, config)
     finally:
-        server.should_exit = True
+        server.stop()
         await task
         sock.close()
 

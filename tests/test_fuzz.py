@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,7 +62,27 @@ extra_headers = st.fixed_dictionaries(
         "Accept": st.sampled_from(["*/*", "text/html", "application/json", ""]),
     },
 )
-bodies = messages.map(orjson.dumps) | st.lists(messages, max_size=3).map(orjson.dumps) | st.binary(max_size=200)
+# Plain calls that say something before their result, so the reply is an SSE stream to check too.
+streaming_calls = st.fixed_dictionaries(
+    {
+        "jsonrpc": st.just("2.0"),
+        "id": st.integers(1, 2**31) | st.text(min_size=1, max_size=12),
+        "method": st.just("tools/call"),
+        "params": st.fixed_dictionaries(
+            {
+                "name": st.just("count"),
+                "arguments": st.fixed_dictionaries({"n": st.integers(1, 3), "interval_ms": st.just(0)}),
+                "_meta": st.fixed_dictionaries({"progressToken": st.integers(-(2**63), 2**63) | strings | json_values}),
+            }
+        ),
+    }
+)
+bodies = (
+    messages.map(orjson.dumps)
+    | st.lists(messages, max_size=3).map(orjson.dumps)
+    | st.binary(max_size=200)
+    | streaming_calls.map(orjson.dumps)
+)
 
 
 @pytest.fixture
@@ -92,21 +114,63 @@ def _session(http: httpx.Client, url: str) -> dict[str, str]:
     return {"Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
 
 
-def _check_response(r: httpx.Response) -> None:
+def _check_message(message: Any) -> None:
+    assert isinstance(message, dict), message
+    assert message["jsonrpc"] == "2.0"
+    if "method" in message:  # a request or notification from the server, on an SSE stream
+        assert isinstance(message["method"], str)
+    elif "error" in message:
+        assert isinstance(message["error"]["code"], int)
+        assert isinstance(message["error"]["message"], str)
+        assert message["error"]["code"] != -32603 or "internal error" not in message["error"]["message"]
+    else:
+        assert "result" in message
+
+
+def _sse_data(text: str) -> list[Any]:
+    events, data = [], []
+    for line in re.split(r"\r\n|\r|\n", text):  # SSE's line ends, not splitlines()'s U+2028 too
+        if line.startswith("data:"):
+            data.append(line.removeprefix("data:").lstrip(" "))
+        elif line == "" and data:
+            events.append(orjson.loads("\n".join(data)))
+            data = []
+    assert not data, "an SSE event was cut off"
+    return events
+
+
+def _check_response(r: httpx.Response) -> str:
+    """Checks one reply; says which kind it was."""
     assert r.status_code in ALLOWED_STATUS, (r.status_code, r.text[:300])
     assert "Traceback" not in r.text
+    content_type = r.headers.get("content-type", "")
     if r.status_code == 202:
         assert r.content == b""
-        return
-    if r.headers.get("content-type", "").startswith("application/json"):
-        message: Any = r.json()
-        assert message["jsonrpc"] == "2.0"
-        if "error" in message:
-            assert isinstance(message["error"]["code"], int)
-            assert isinstance(message["error"]["message"], str)
-            assert message["error"]["code"] != -32603 or "internal error" not in message["error"]["message"]
-        else:
-            assert "result" in message
+        return "accepted"
+    if content_type.startswith("text/event-stream"):
+        assert r.status_code == 200
+        messages = _sse_data(r.text)
+        assert messages, "an SSE reply without a message"
+        for message in messages:
+            _check_message(message)
+        assert "method" not in messages[-1], "an SSE reply must end with its response"
+        assert all("method" in m for m in messages[:-1]), "only the last message is a response"
+        return "sse"
+    if content_type.startswith("application/json"):
+        _check_message(r.json())
+        return "json"
+    return "other"
+
+
+def _may_keep_the_client_waiting(body: bytes) -> bool:
+    """The one request these strategies can make that rightly says nothing for seconds: a plain
+    call of the demo sleep tool (a tasks/result could too, but no fuzzed id names a running task)."""
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    params = message.get("params") if isinstance(message, dict) else None
+    return message.get("method") == "tools/call" and isinstance(params, dict) and params.get("name") == "sleep"
 
 
 def test_random_json_rpc_bodies_get_clear_errors_never_500(threaded_server: str) -> None:
@@ -129,11 +193,14 @@ def test_random_json_rpc_bodies_get_clear_errors_never_500(threaded_server: str)
             try:
                 r = http.post(url, content=body, headers={**h, **extra})
             except httpx.ReadTimeout:
-                assert b"tasks/result" in body, "only a blocking tasks/result may keep the client waiting"
+                assert _may_keep_the_client_waiting(body), f"no reply in 3 s to {body[:300]!r}"
                 return
-            _check_response(r)
+            kinds[_check_response(r)] += 1
 
+        kinds: Counter[str] = Counter()
         check()
+        assert kinds["sse"] > 0, kinds  # both kinds of reply were checked
+        assert kinds["json"] > 0, kinds
 
         got = http.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tasks/result", "params": {"taskId": task_id}},
                         headers=headers).json()  # fmt: skip

@@ -22,11 +22,10 @@ from service.store.batch import Batcher
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.queries import Q
 from service.store.repository import RunnerStore, TaskStore
-from tests.conftest import make_settings, serve
+from tests.conftest import make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
 from tests.test_audit import assert_linked_without_gaps, audit_rows
-from tests.test_auth import run_issuer
 
 
 def fallbacks(name: str) -> float:

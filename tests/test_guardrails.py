@@ -12,10 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import RunningServer, make_settings, serve
+from tests.conftest import RunningServer, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import ACCEPT_BOTH, RpcSession
-from tests.test_auth import run_issuer
 from tests.test_durability import mcp_tasks
 
 INIT = {
@@ -107,14 +106,16 @@ async def test_active_counters_follow_every_way_a_task_stops_being_active_T_SEC_
     async with serve(make_settings(database_url, min_ttl_ms=100)) as running:
         s = await session(http, running.url)
         hung = [(await s.call_tool_as_task("hang", {}))["task"]["taskId"] for _ in range(3)]
-        await s.call_tool_as_task("hang", {}, {"ttl": 300})  # expires and is swept
+        expiring = (await s.call_tool_as_task("hang", {}, {"ttl": 300}))["task"]["taskId"]  # expires, is swept
         for tool, args in (("echo", {"text": "x"}), ("fail", {"message": "no"}), ("crash", {"message": "boom"})):
             done = (await s.call_tool_as_task(tool, args))["task"]["taskId"]
             await s.send("tasks/result", {"taskId": done})
         await s.result("tasks/cancel", {"taskId": hung[0]})
-        await asyncio.sleep(1.0)  # the sweeper (every 200 ms here) deletes the expired task
         db = await asyncpg.connect(database_url)
         try:
+            async with asyncio.timeout(10):  # the sweeper (every 200 ms here) deletes the expired task
+                while await db.fetchval("SELECT count(*) FROM tasks WHERE task_id = $1", expiring):
+                    await asyncio.sleep(0.05)
             true_counts = await db.fetch(
                 "SELECT tenant_id, subject, count(*) AS n FROM tasks WHERE status IN ('working', 'input_required') "
                 "GROUP BY 1, 2 ORDER BY 1, 2"
@@ -236,7 +237,7 @@ async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: h
     hang = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
     await s.error("tools/call", {"name": "hang", "arguments": {}, "task": {}})  # over the cap of 1
     await s.result("tasks/cancel", {"taskId": hang})
-    await asyncio.sleep(0.5)  # one maintenance pass refreshes the gauges
+    await metered.app.state.core.maintenance.observe()  # a maintenance pass refreshes the gauges
     after = await metrics_of(http, metered)
 
     def delta(name: str, **labels: str) -> float:
@@ -271,15 +272,10 @@ async def test_the_active_gauge_splits_working_and_input_required_T_SEC_9(
         async with asyncio.timeout(15):
             while (await s.result("tasks/get", {"taskId": asking}))["status"] != "input_required":
                 await asyncio.sleep(0.05)
-            while True:
-                m = await metrics_of(http, running)
-                got = (
-                    value(m, "mcp_tasks_tasks_active", status="working"),
-                    value(m, "mcp_tasks_tasks_active", status="input_required"),
-                )
-                if got == (2.0, 1.0):
-                    break
-                await asyncio.sleep(0.1)
+        await running.app.state.core.maintenance.observe()  # a maintenance pass, now
+        m = await metrics_of(http, running)
+        assert value(m, "mcp_tasks_tasks_active", status="working") == 2
+        assert value(m, "mcp_tasks_tasks_active", status="input_required") == 1
 
 
 async def test_auth_failures_are_counted_by_reason(database_url: str, http: httpx.AsyncClient) -> None:

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import RunningServer, make_settings, serve
 from tests.rpc import ACCEPT_BOTH, RpcSession, sse_messages
+from tests.toolpack import signal
 
 
 @pytest.fixture
 async def quick_keepalive(database_url: str) -> Any:
-    async with serve(make_settings(database_url, sse_keepalive_ms=100)) as running:
+    # No grace: tasks/result on an unfinished task streams at once, so keep-alives pass on it.
+    async with serve(make_settings(database_url, sse_keepalive_ms=100, result_grace_ms=0)) as running:
         yield running
 
 
@@ -24,25 +28,48 @@ async def test_a_keepalive_does_not_end_a_waiting_tasks_result_T_RES_3(
     s = RpcSession(http, quick_keepalive.url)
     await s.initialize()
     task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.7}))["task"]["taskId"]
-    result = await s.result("tasks/result", {"taskId": task_id})  # many keep-alives pass while it waits
-    assert result["content"][0]["text"] == "slept 0.7s"
+    msg = s.message("tasks/result", {"taskId": task_id})
+    async with http.stream("POST", s.url, json=msg, headers=s.headers()) as r, asyncio.timeout(10):
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in r.aiter_lines()]
+    assert lines.count(": keepalive") >= 3  # many keep-alives passed while it waited
+    final = orjson.loads(next(line for line in reversed(lines) if line.startswith("data:")).removeprefix("data:"))
+    assert final["id"] == msg["id"]
+    assert final["result"]["content"][0]["text"] == "slept 0.7s"
 
 
 async def test_a_keepalive_does_not_end_the_get_stream(quick_keepalive: RunningServer, http: httpx.AsyncClient) -> None:
     s = RpcSession(http, quick_keepalive.url)
     await s.initialize()
-    async with http.stream("GET", s.url, headers={**s.headers(), "Accept": "text/event-stream"}) as r:
-        await asyncio.sleep(0.5)  # several keep-alive periods with nothing to say
+    async with (
+        http.stream("GET", s.url, headers={**s.headers(), "Accept": "text/event-stream"}) as r,
+        asyncio.timeout(10),
+    ):
+        lines = r.aiter_lines()
+        keepalives = 0
+        while keepalives < 3:  # several keep-alive periods with nothing to say
+            line = await anext(lines, None)
+            assert line is not None, "the GET stream ended during its keep-alives"
+            keepalives += line == ": keepalive"
         task_id = (await s.call_tool_as_task("echo", {"text": "x"}))["task"]["taskId"]
-        async with asyncio.timeout(10):
-            async for msg in sse_messages(r):
+        async for line in lines:
+            if line.startswith("data:"):
+                msg = orjson.loads(line.removeprefix("data:"))
                 if msg.get("method") == "notifications/tasks/status" and msg["params"]["taskId"] == task_id:
                     break
+        else:
+            raise AssertionError("the GET stream ended before the task's status notification")
+
+
+@pytest.fixture
+def server(tenant_server: RunningServer) -> RunningServer:
+    """The module's shared server (hosted mode), as a tenant of this test's own."""
+    return tenant_server
 
 
 @pytest.fixture
 async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
-    session = RpcSession(http, server.url)
+    session = RpcSession(http, server.url, token=server.token)
     await session.initialize()
     return session
 
@@ -83,27 +110,48 @@ async def test_a_plain_call_that_streams_then_fails_still_answers_with_its_error
     assert messages[-1]["error"] == {"code": -32001, "message": "failed after talking"}
 
 
-async def test_cancelled_task_stays_cancelled_when_its_work_finishes_anyway_T_CANCEL_6(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.4}))["task"]["taskId"]
-    await asyncio.sleep(0.15)
-    assert (await s.result("tasks/cancel", {"taskId": task_id}))["status"] == "cancelled"
-    await asyncio.sleep(1.2)  # the tool ignored the cancel and has returned by now
-    assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "cancelled"
-    assert (await s.error("tasks/result", {"taskId": task_id}))["data"]["status"] == "cancelled"
+async def test_cancelled_task_stays_cancelled_when_its_work_finishes_anyway_T_CANCEL_6(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    async with serve(make_settings(database_url)) as running:  # its own runner, to see it go idle
+        runner = running.app.state.core.runner
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        key = secrets.token_hex(4)
+        task_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.2, "key": key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await signal(key, "started").wait()
+            assert (await s.result("tasks/cancel", {"taskId": task_id}))["status"] == "cancelled"
+            await signal(key, "cancelled").wait()  # the cancel reached the tool, which ignores it
+            await signal(key, "returned").wait()
+            while runner.busy:  # the runner has offered the late outcome and been refused
+                await asyncio.sleep(0.01)
+        assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "cancelled"
+        assert (await s.error("tasks/result", {"taskId": task_id}))["data"]["status"] == "cancelled"
+
+
+async def until_in_flight(server: RunningServer, s: RpcSession, request_id: Any) -> None:
+    """Until this server holds the request among those notifications/cancelled can stop."""
+    calls = server.app.state.mcp.surface.inflight.calls  # keys: (tenant, session, repr(request id))
+    async with asyncio.timeout(10):
+        while not any(key[1:] == (s.session_id, repr(request_id)) for key in calls):
+            await asyncio.sleep(0.01)
 
 
 async def test_notifications_cancelled_ends_a_blocking_tasks_result_but_not_the_task_C_9(
-    s: RpcSession, http: httpx.AsyncClient
+    server: RunningServer, s: RpcSession, http: httpx.AsyncClient
 ) -> None:
     task_id = (await s.call_tool_as_task("sleep", {"seconds": 1.0}))["task"]["taskId"]
     msg = s.message("tasks/result", {"taskId": task_id})
 
     async def wait() -> list[dict[str, Any]]:
         async with http.stream("POST", s.url, json=msg, headers=s.headers()) as r:
+            if r.headers["content-type"].startswith("application/json"):  # the answer came after all
+                return [orjson.loads(await r.aread())]
             return [m async for m in sse_messages(r)]
 
     waiter = asyncio.create_task(wait())
-    await asyncio.sleep(0.3)
+    await until_in_flight(server, s, msg["id"])
     cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": msg["id"]}}
     assert (await http.post(s.url, json=cancel, headers=s.headers())).status_code == 202
     async with asyncio.timeout(5):
@@ -114,7 +162,7 @@ async def test_notifications_cancelled_ends_a_blocking_tasks_result_but_not_the_
 
 
 async def test_form_elicitation_needs_form_support_T_CAP_8(server: RunningServer, http: httpx.AsyncClient) -> None:
-    s = RpcSession(http, server.url)
+    s = RpcSession(http, server.url, token=server.token)
     await s.initialize(capabilities={"elicitation": {"url": {}}})
     task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
     result = await s.result("tasks/result", {"taskId": task_id})

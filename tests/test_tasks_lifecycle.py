@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS
 from tests.conftest import RunningServer, make_settings, serve
 from tests.rpc import RpcSession
+from tests.toolpack import signal
 
 SCHEMA = json.loads((Path(__file__).parent / "schemas" / "schema-2025-11-25.json").read_text())
 RELATED = "io.modelcontextprotocol/related-task"
@@ -37,8 +39,14 @@ async def wait_status(s: RpcSession, task_id: str, *statuses: str, timeout: floa
 
 
 @pytest.fixture
+def server(tenant_server: RunningServer) -> RunningServer:
+    """The module's shared server (hosted mode), as a tenant of this test's own."""
+    return tenant_server
+
+
+@pytest.fixture
 async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
-    session = RpcSession(http, server.url)
+    session = RpcSession(http, server.url, token=server.token)
     await session.initialize()
     return session
 
@@ -46,7 +54,7 @@ async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
 async def test_initialize_advertises_tasks_capability_T_CAP_1_2_3(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    result = await RpcSession(http, server.url).initialize()
+    result = await RpcSession(http, server.url, token=server.token).initialize()
     assert_schema(result, "InitializeResult")
     assert result["protocolVersion"] == "2025-11-25"
     assert result["capabilities"]["tasks"] == {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
@@ -111,11 +119,15 @@ async def test_protocol_error_outcome_is_replayed_by_tasks_result_T_RES_4(s: Rpc
 
 
 async def test_cancel_moves_to_cancelled_before_answering_and_stays_T_CANCEL_5_6(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"]
-    await asyncio.sleep(0.2)
+    key = secrets.token_hex(4)
+    task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+    async with asyncio.timeout(10):
+        await signal(key, "started").wait()  # the tool is running
     cancelled = await s.result("tasks/cancel", {"taskId": task_id})
     assert_schema(cancelled, "CancelTaskResult")
     assert cancelled["status"] == "cancelled"
+    async with asyncio.timeout(10):
+        await signal(key, "cancelled").wait()  # and has been stopped
     assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "cancelled"
 
 
@@ -128,10 +140,13 @@ async def test_cancel_of_terminal_task_is_invalid_params_T_CANCEL_2(s: RpcSessio
 
 
 async def test_cancel_releases_a_blocked_tasks_result_with_cancelled_error_T_CANCEL_10_D_1(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+    key = secrets.token_hex(4)
+    task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+    async with asyncio.timeout(10):
+        await signal(key, "started").wait()
     waiter = asyncio.create_task(s.send("tasks/result", {"taskId": task_id}))
-    await asyncio.sleep(0.3)
-    assert not waiter.done()
+    done, _ = await asyncio.wait({waiter}, timeout=0.3)
+    assert not done, "tasks/result answered while the task was still running"
     await s.result("tasks/cancel", {"taskId": task_id})
     async with asyncio.timeout(10):
         response = await waiter
@@ -174,14 +189,19 @@ async def test_tampered_cursor_is_invalid_params_T_LIST_5(s: RpcSession) -> None
         assert (await s.error("tasks/list", {"cursor": bad}))["code"] == -32602
 
 
-async def test_ttl_is_clamped_to_the_maximum_and_defaulted_T_CREATE_7_T_TTL_7(s: RpcSession) -> None:
+async def test_ttl_is_clamped_to_the_maximum_and_defaulted_T_CREATE_7_T_TTL_7(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
     # Single-user mode's shorter limits (docs/decisions.md); hosted mode uses 1 h / 24 h.
-    huge = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 10**12})
-    assert huge["task"]["ttl"] == LOCAL_MAX_TTL_MS
-    default = await s.call_tool_as_task("echo", {"text": "x"}, {})
-    assert default["task"]["ttl"] == LOCAL_DEFAULT_TTL_MS
-    tiny = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 0})
-    assert tiny["task"]["ttl"] == 1_000
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        huge = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 10**12})
+        assert huge["task"]["ttl"] == LOCAL_MAX_TTL_MS
+        default = await s.call_tool_as_task("echo", {"text": "x"}, {})
+        assert default["task"]["ttl"] == LOCAL_DEFAULT_TTL_MS
+        tiny = await s.call_tool_as_task("echo", {"text": "x"}, {"ttl": 0})
+        assert tiny["task"]["ttl"] == 1_000
 
 
 @pytest.mark.parametrize("task", [{"ttl": -1}, {"ttl": 1.5}, {"ttl": "60"}, {"ttl": True}, "soon", 5])
@@ -220,7 +240,7 @@ async def test_plain_call_returns_the_call_tool_result(s: RpcSession) -> None:
 async def test_older_protocol_gets_plain_calls_and_no_task_methods_T_CAP_5_H_VER_4(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    old = RpcSession(http, server.url)
+    old = RpcSession(http, server.url, token=server.token)
     init = await old.initialize("2025-06-18")
     assert init["protocolVersion"] == "2025-06-18"
     assert "tasks" not in init["capabilities"]
@@ -234,7 +254,9 @@ async def test_older_protocol_gets_plain_calls_and_no_task_methods_T_CAP_5_H_VER
 async def test_unsupported_requested_version_gets_our_latest_T_CAP_10(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    assert (await RpcSession(http, server.url).initialize("2099-01-01"))["protocolVersion"] == "2025-11-25"
+    assert (await RpcSession(http, server.url, token=server.token).initialize("2099-01-01"))[
+        "protocolVersion"
+    ] == "2025-11-25"
 
 
 async def test_input_required_elicitation_is_delivered_on_tasks_result_stream_T_INPUT_1_2_3_5_6(s: RpcSession) -> None:
@@ -262,7 +284,7 @@ async def test_input_required_elicitation_is_delivered_on_tasks_result_stream_T_
 async def test_elicitation_without_client_capability_fails_the_task_with_a_tool_error_D_6(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    s = RpcSession(http, server.url)
+    s = RpcSession(http, server.url, token=server.token)
     await s.initialize(capabilities={})
     task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
     result = await s.result("tasks/result", {"taskId": task_id})
@@ -288,20 +310,18 @@ async def test_progress_uses_the_creating_token_for_the_task_life_T_PROG_1_3_6(s
 async def test_task_outlives_its_session_and_is_reachable_from_a_new_one_H_SESS_8(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:
-    first = RpcSession(http, server.url)
+    first = RpcSession(http, server.url, token=server.token)
     await first.initialize()
     task_id = (await first.call_tool_as_task("echo", {"text": "still here"}))["task"]["taskId"]
     r = await http.delete(server.url, headers=first.headers())
     assert r.status_code == 200
-    second = RpcSession(http, server.url)
+    second = RpcSession(http, server.url, token=server.token)
     await second.initialize()
     result = await second.result("tasks/result", {"taskId": task_id})
     assert result["content"][0]["text"] == "still here"
 
 
 async def test_expired_task_is_gone_T_TTL_5(database_url: str, http: httpx.AsyncClient) -> None:
-    from tests.conftest import make_settings, serve
-
     async with serve(make_settings(database_url, min_ttl_ms=200, default_ttl_ms=1000)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
@@ -319,7 +339,7 @@ async def test_cancel_voids_an_unanswered_elicitation_on_the_stream_C_10(
     task_id = (await s.call_tool_as_task("confirm", {}))["task"]["taskId"]
     await wait_status(s, task_id, "input_required")
     seen: list[dict[str, Any]] = []
-    other = RpcSession(http, s.url)
+    other = RpcSession(http, s.url, token=s.token)
     other.session_id, other.version = s.session_id, s.version
     async for msg in s.stream("tasks/result", {"taskId": task_id}):
         seen.append(msg)
@@ -356,11 +376,16 @@ async def test_tasks_result_answers_json_when_the_task_ends_with_nothing_to_stre
     assert messages[-1]["result"]["content"][0]["text"] == "slept 0.3s"
 
 
-async def test_tasks_result_streams_when_the_task_outlasts_the_grace_period_T_RES_3(s: RpcSession) -> None:
-    task_id = (await s.call_tool_as_task("sleep", {"seconds": 1.5}))["task"]["taskId"]
-    messages = [m async for m in s.stream("tasks/result", {"taskId": task_id})]
+async def test_tasks_result_streams_when_the_task_outlasts_the_grace_period_T_RES_3(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    async with serve(make_settings(database_url, result_grace_ms=100)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.4}))["task"]["taskId"]
+        messages = [m async for m in s.stream("tasks/result", {"taskId": task_id})]
     assert s.last_content_type.startswith("text/event-stream")
-    assert messages[-1]["result"]["content"][0]["text"] == "slept 1.5s"
+    assert messages[-1]["result"]["content"][0]["text"] == "slept 0.4s"
 
 
 async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: str, http: httpx.AsyncClient) -> None:
@@ -370,6 +395,12 @@ async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: st
     async with serve(make_settings(database_url, runner_concurrency=1, poll_interval_ms=60_000)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
+        runner = running.app.state.core.runner
+        # The claim loop's first pass (at start-up) holds the one slot while its query runs; a
+        # create that lands meanwhile rightly finds no free slot. Start from an idle runner.
+        async with asyncio.timeout(10):
+            while runner._reserved or runner.busy:
+                await asyncio.sleep(0.01)
         first = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         second = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         db = await asyncpg.connect(database_url)
@@ -379,7 +410,6 @@ async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: st
             }
         finally:
             await db.close()
-        runner = running.app.state.core.runner
         assert (rows[first]["lease_owner"], rows[first]["attempts"]) == (runner.owner, 1)
         assert rows[first]["started_at"] is not None
         assert (rows[second]["lease_owner"], rows[second]["attempts"]) == (None, 0)

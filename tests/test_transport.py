@@ -13,8 +13,14 @@ from tests.rpc import ACCEPT_BOTH, RpcSession, sse_messages
 
 
 @pytest.fixture
+def server(tenant_server: RunningServer) -> RunningServer:
+    """The module's shared server, as a tenant of this test's own."""
+    return tenant_server
+
+
+@pytest.fixture
 async def s(server: RunningServer, http: httpx.AsyncClient) -> RpcSession:
-    session = RpcSession(http, server.url)
+    session = RpcSession(http, server.url, token=server.token)
     await session.initialize()
     return session
 
@@ -32,14 +38,14 @@ async def test_initialize_assigns_a_visible_ascii_session_id_H_SESS_1_2(s: RpcSe
 
 
 async def test_malformed_json_is_parse_error_400(server: RunningServer, http: httpx.AsyncClient) -> None:
-    r = await post_raw(http, server.url, b'{"jsonrpc": "2.0", "id": 1, "method": ')
+    r = await post_raw(http, server.url, b'{"jsonrpc": "2.0", "id": 1, "method": ', **server.auth)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == -32700
     assert r.json()["id"] is None
 
 
 async def test_invalid_utf8_is_parse_error_H_GEN_2(server: RunningServer, http: httpx.AsyncClient) -> None:
-    r = await post_raw(http, server.url, b'{"jsonrpc":"2.0","id":1,"method":"ping","x":"\xff"}')
+    r = await post_raw(http, server.url, b'{"jsonrpc":"2.0","id":1,"method":"ping","x":"\xff"}', **server.auth)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == -32700
 
@@ -74,7 +80,7 @@ async def test_invalid_utf8_is_parse_error_H_GEN_2(server: RunningServer, http: 
 async def test_not_a_json_rpc_request_is_invalid_request_H_GEN_3_4(
     server: RunningServer, http: httpx.AsyncClient, body: str
 ) -> None:
-    r = await post_raw(http, server.url, body)
+    r = await post_raw(http, server.url, body, **server.auth)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == -32600
 
@@ -105,17 +111,21 @@ async def test_body_over_the_limit_is_413(database_url: str, http: httpx.AsyncCl
 
 
 async def test_wrong_accept_is_406_H_POST_1(server: RunningServer, http: httpx.AsyncClient) -> None:
-    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', Accept="application/json")
+    r = await post_raw(
+        http, server.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', Accept="application/json", **server.auth
+    )
     assert r.status_code == 406
 
 
 async def test_wrong_content_type_is_415(server: RunningServer, http: httpx.AsyncClient) -> None:
-    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', **{"Content-Type": "text/plain"})
+    r = await post_raw(
+        http, server.url, '{"jsonrpc":"2.0","id":1,"method":"ping"}', **{"Content-Type": "text/plain"}, **server.auth
+    )
     assert r.status_code == 415
 
 
 async def test_request_without_session_is_400_H_SESS_4(server: RunningServer, http: httpx.AsyncClient) -> None:
-    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"tools/list"}')
+    r = await post_raw(http, server.url, '{"jsonrpc":"2.0","id":1,"method":"tools/list"}', **server.auth)
     assert r.status_code == 400
 
 
@@ -195,6 +205,8 @@ async def test_get_stream_carries_status_of_this_sessions_tasks_T_NOTIF_1_4(
                     assert "_meta" not in msg["params"]  # T-NOTIF-3
                     if msg["params"]["status"] == "completed":
                         break
+            else:
+                raise AssertionError("the GET stream ended before the task's completed status")
 
 
 async def test_plain_call_with_progress_token_streams_progress_then_result_P_2_P_3(s: RpcSession) -> None:
@@ -207,19 +219,16 @@ async def test_plain_call_with_progress_token_streams_progress_then_result_P_2_P
 
 
 async def test_notifications_cancelled_stops_a_plain_call_C_1_C_4(s: RpcSession, http: httpx.AsyncClient) -> None:
-    msg = s.message("tools/call", {"name": "sleep", "arguments": {"seconds": 30}, "_meta": {"progressToken": "c"}})
-
-    async def run() -> list[dict[str, Any]]:
-        async with http.stream("POST", s.url, json=msg, headers=s.headers()) as r:
-            return [m async for m in sse_messages(r)]
-
-    call = asyncio.create_task(run())
-    await asyncio.sleep(1.3)  # the first progress notification has switched the reply to SSE
-    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": msg["id"]}}
-    assert (await http.post(s.url, json=cancel, headers=s.headers())).status_code == 202
-    async with asyncio.timeout(10):
-        messages = await call
-    assert not any("result" in m or "error" in m for m in messages)  # C-4: no response
+    params = {"name": "count", "arguments": {"n": 100_000, "interval_ms": 20}, "_meta": {"progressToken": "c"}}
+    msg = s.message("tools/call", params)  # would count for half an hour
+    async with http.stream("POST", s.url, json=msg, headers=s.headers()) as r, asyncio.timeout(10):
+        messages = sse_messages(r)
+        first = await anext(messages)  # the first progress notification has switched the reply to SSE
+        assert first["method"] == "notifications/progress"
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": msg["id"]}}
+        assert (await http.post(s.url, json=cancel, headers=s.headers())).status_code == 202
+        rest = [m async for m in messages]  # the stream ends: the call stopped
+    assert not any("result" in m or "error" in m for m in rest)  # C-4: no response
 
 
 async def test_notifications_cancelled_for_the_creating_request_does_not_cancel_the_task_D_8(s: RpcSession) -> None:
@@ -233,7 +242,7 @@ async def test_notifications_cancelled_for_the_creating_request_does_not_cancel_
 
 
 async def test_unsupported_http_method_is_405(server: RunningServer, http: httpx.AsyncClient) -> None:
-    assert (await http.put(server.url, content=b"{}")).status_code == 405
+    assert (await http.put(server.url, content=b"{}", headers=server.auth)).status_code == 405
 
 
 async def test_health_and_readiness(server: RunningServer, http: httpx.AsyncClient) -> None:

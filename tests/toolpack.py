@@ -9,6 +9,19 @@ from service.tools.registry import ToolPack
 
 pack = ToolPack("tests")
 
+_signals: dict[str, asyncio.Event] = {}
+
+
+def signal(key: str, what: str) -> asyncio.Event:
+    """An event that the tools below set when given ``key`` ("started", "cancelled", "returned"),
+    for tests whose server runs in their own process and event loop to wait on instead of sleeping."""
+    return _signals.setdefault(f"{key}:{what}", asyncio.Event())
+
+
+def _mark(key: str, what: str) -> None:
+    if key:
+        signal(key, what).set()
+
 
 @pack.tool(task_support="forbidden")
 async def quick(ctx: ToolContext, text: str = "quick") -> str:
@@ -24,19 +37,27 @@ async def batch(ctx: ToolContext, items: int = 1) -> ToolResult:
 
 
 @pack.tool(task_support="optional")
-async def hang(ctx: ToolContext) -> str:
+async def hang(ctx: ToolContext, key: str = "") -> str:
     """Waits until cancelled; not safe to re-run."""
-    await asyncio.Event().wait()
+    _mark(key, "started")
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        _mark(key, "cancelled")
+        raise
     return "never"
 
 
 @pack.tool(task_support="optional")
-async def stubborn(ctx: ToolContext, seconds: float = 0.5) -> str:
+async def stubborn(ctx: ToolContext, seconds: float = 0.5, key: str = "") -> str:
     """Ignores cancellation and finishes anyway (for T-CANCEL-6)."""
+    _mark(key, "started")
     try:
         await asyncio.sleep(seconds)
     except asyncio.CancelledError:
+        _mark(key, "cancelled")
         await asyncio.sleep(seconds)
+    _mark(key, "returned")
     return "finished anyway"
 
 

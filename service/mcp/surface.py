@@ -114,7 +114,9 @@ class Surface:
         audit: AuditLog,
         *,
         poll_s: float,
+        result_grace_s: float = RESULT_GRACE_S,
     ) -> None:
+        self.result_grace_s = result_grace_s
         self.tasks = tasks
         self.sessions = sessions
         self.limiter = limiter
@@ -324,7 +326,7 @@ class Surface:
         stop = first.cancel
         self.inflight.calls[key] = stop  # notifications/cancelled during the wait (C-4)
         try:
-            await asyncio.wait({first}, timeout=RESULT_GRACE_S)
+            await asyncio.wait({first}, timeout=self.result_grace_s)
         except BaseException:  # this request was cancelled (client gone, shutdown): stop following
             first.cancel()
             await asyncio.wait({first})
