@@ -97,7 +97,9 @@ async def test_answers_apply_by_key_all_or_nothing_and_the_first_answer_wins(
         async with asyncio.timeout(10):
             while len(pending := await tasks.store.pending_inputs(LOCAL_PRINCIPAL, task_id)) < 2:
                 await asyncio.sleep(0.05)
-        first, second = (p.key for p in pending)
+        # The two questions were asked at once: either may have been stored first.
+        by_message = {p.params["message"]: p.key for p in pending}
+        first, second = by_message["first?"], by_message["second?"]
         accept = InputResponse(result={"action": "accept", "content": {"n": 1}})
         assert await tasks.answer(caller, task_id, {"never-issued": accept, first: accept})
         left = await tasks.store.pending_inputs(LOCAL_PRINCIPAL, task_id)
