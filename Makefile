@@ -6,7 +6,7 @@ SHELL := /bin/bash
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test schema-check lint format interop bench bench-smoke ops-check lock lock-check clean
+.PHONY: help run test schema-check lint format interop bench bench-smoke ops-check lock lock-check dashboards clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
