@@ -87,6 +87,7 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"
     metrics_tenant_label: bool = False
+    metrics_tenant_limit: int = Field(default=100, ge=1, le=10_000)
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
