@@ -194,6 +194,7 @@ class McpEndpoint:
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)
             if limited := await self.limiter.request(principal):
+                metrics.denials.labels("rate_limited", metrics.tenant(principal.tenant_id)).inc()
                 if await self.limiter.may_record_denial(f"p:{principal.tenant_id}\x00{principal.subject}"):
                     await self.audit.deny(caller, "rate_limited", scope=limited.scope)
                 raise _throttled(limited)
@@ -363,12 +364,25 @@ class McpEndpoint:
             label = metrics.method(method)
             logctx.method.set(label)
             started = time.perf_counter()
-            outcome = "internal_error"
+            waits = metrics.track_waits()
+            outcome: str = "internal_error"
+            code: int | None = INTERNAL_ERROR
             try:
-                outcome = await self._request(receive, send, headers, caller, message)
+                outcome, code = await self._request(receive, send, headers, caller, message)
+            except HttpError as exc:  # answered by _serve: a refusal, not a fault of ours
+                outcome, code = "error", exc.code
+                raise
+            except DomainError as exc:
+                outcome, code = "error", to_rpc(exc).code
+                raise
             finally:
+                elapsed = time.perf_counter() - started
                 metrics.requests.labels(label, outcome).inc()
-                metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
+                if code is not None:
+                    metrics.request_errors.labels(label, metrics.rpc_code(code)).inc()
+                metrics.request_seconds.labels(label).observe(max(0.0, elapsed - sum(waits)))
+                if label == "tasks/result":
+                    metrics.task_result_seconds.observe(elapsed)
             return
         if "id" in message and ("result" in message) != ("error" in message):
             await self._client_response(send, headers, caller, message)
@@ -377,7 +391,8 @@ class McpEndpoint:
 
     async def _request(
         self, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
-    ) -> str:
+    ) -> tuple[str, int | None]:
+        """Answer one request; returns its outcome and, for an error, its JSON-RPC code (for metrics)."""
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
@@ -407,7 +422,7 @@ class McpEndpoint:
                 jsonrpc.error_message(request_id, failure.error_object()),
                 failure.headers,
             )
-            return "error"
+            return "error", failure.code
         except (HttpError, DomainError):
             raise
         except Exception:
@@ -418,7 +433,7 @@ class McpEndpoint:
                 "message": f"internal error (reference {ref}); retry, or report the reference",
             }
             await send_json(send, 200, jsonrpc.error_message(request_id, error))
-            return "internal_error"
+            return "internal_error", INTERNAL_ERROR
         if isinstance(reply, Streamed):
             abort = asyncio.Event()
             if reply.cancel_key is not None:
@@ -430,7 +445,7 @@ class McpEndpoint:
                     del self.surface.inflight.calls[reply.cancel_key]
         else:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
-        return "ok"
+        return "ok", None
 
     async def _notification(self, send: Send, headers: Headers, caller: Caller, method: str, params: Any) -> None:
         """H-POST-2: accepted notifications get 202 and no body."""
