@@ -131,6 +131,12 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
 
 async def readiness(core: Core | None) -> tuple[int, dict[str, Any]]:
     """/readyz (on the /mcp port and the metrics port): the database answers and its schema is at head."""
+    status, body = await _check_ready(core)
+    metrics.ready.labels("readyz").set(1 if status == 200 else 0)
+    return status, body
+
+
+async def _check_ready(core: Core | None) -> tuple[int, dict[str, Any]]:
     if core is None:
         return 503, {"status": "starting"}
     try:

@@ -70,7 +70,10 @@ async def _worker_main() -> None:
     from service.observability.endpoint import MetricsEndpoint
 
     metrics.configure(
-        tenant_label=settings.metrics_tenant_label, tenant_limit=settings.metrics_tenant_limit, version=__version__
+        tenant_label=settings.metrics_tenant_label,
+        tenant_limit=settings.metrics_tenant_limit,
+        version=__version__,
+        component="worker",
     )
     endpoint = None
     if settings.metrics_port:

@@ -42,7 +42,14 @@ KNOWN_METHODS: Final = frozenset(
     }
 )  # fmt: skip
 
-build_info = Gauge("mcp_tasks_build_info", "Always 1: the running version", ["version"], multiprocess_mode="max")
+build_info = Gauge(
+    "mcp_tasks_build_info", "Always 1: the running version and what this process is (serve|worker)",
+    ["version", "component"], multiprocess_mode="max",
+)  # fmt: skip
+ready = Gauge(
+    "mcp_tasks_ready", "1 when the last readiness check passed (database answers, schema at head), else 0",
+    ["check"], multiprocess_mode="min",
+)  # fmt: skip
 requests = Counter("mcp_tasks_requests_total", "JSON-RPC requests by method and outcome", ["method", "outcome"])
 request_errors = Counter(
     "mcp_tasks_request_errors_total", "JSON-RPC requests answered with an error, by method and JSON-RPC error code",
@@ -73,6 +80,10 @@ tasks_queued = Gauge(
 )  # fmt: skip
 tasks_running = Gauge(
     "mcp_tasks_tasks_running", "Working tasks a runner holds, by tool (cluster-wide, as of the last sweep)",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
+oldest_running_seconds = Gauge(
+    "mcp_tasks_oldest_running_task_age_seconds", "Run time so far of the longest-running claimed task, by tool (last sweep)",
     ["tool"], multiprocess_mode="max",
 )  # fmt: skip
 oldest_queued_seconds = Gauge(
@@ -128,13 +139,13 @@ _tenant_limit = 100
 _tenants_seen: set[str] = set()
 
 
-def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "") -> None:
+def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "", component: str = "serve") -> None:
     """Set once at start-up from the settings."""
     global _tenant_label, _tenant_limit
     _tenant_label, _tenant_limit = tenant_label, tenant_limit
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they double every counter and histogram
     if version:
-        build_info.labels(version).set(1)
+        build_info.labels(version, component).set(1)
     _watch_pools()
 
 

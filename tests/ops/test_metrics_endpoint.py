@@ -21,7 +21,7 @@ async def test_serve_with_a_metrics_port_serves_metrics_only_there(database_url:
         side = f"http://127.0.0.1:{port}"
         scraped = await http.get(side + "/metrics")
         assert scraped.status_code == 200
-        assert f'mcp_tasks_build_info{{version="{__version__}"}} 1.0' in scraped.text
+        assert f'mcp_tasks_build_info{{component="serve",version="{__version__}"}} 1.0' in scraped.text
         assert not re.search(r"^\w+_created[{ ]", scraped.text, re.M), "no *_created series"
         assert 'mcp_tasks_db_pool_max{pool="app"}' in scraped.text
         assert 'mcp_tasks_db_up{pool="app"} 1.0' in scraped.text
@@ -29,6 +29,7 @@ async def test_serve_with_a_metrics_port_serves_metrics_only_there(database_url:
         ready = await http.get(side + "/readyz")
         assert ready.status_code == 200
         assert ready.json()["status"] == "ready"
+        assert 'mcp_tasks_ready{check="readyz"} 1.0' in (await http.get(side + "/metrics")).text
         assert (await http.get(side + "/mcp")).status_code == 404
         assert (await http.post(side + "/metrics")).status_code == 405
 
