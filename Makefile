@@ -27,14 +27,14 @@ schema-check: $(STAMP) ## alembic/schema.sql against the migrations, and the mig
 	$(BIN)/pytest tests/test_schema_truth.py tests/test_migrations.py
 
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
-	$(BIN)/ruff check service tests bench alembic
-	$(BIN)/ruff format --check service tests bench alembic
+	$(BIN)/ruff check service tests bench alembic grafana
+	$(BIN)/ruff format --check service tests bench alembic grafana
 	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 
 format: $(STAMP) ## apply ruff's fixes and formatting
-	$(BIN)/ruff check --fix service tests bench alembic
-	$(BIN)/ruff format service tests bench alembic
+	$(BIN)/ruff check --fix service tests bench alembic grafana
+	$(BIN)/ruff format service tests bench alembic grafana
 
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
 	scripts/interop.sh
