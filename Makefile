@@ -57,7 +57,7 @@ lock-check: $(STAMP) ## requirements.lock is current with pyproject.toml (resolv
 
 ops-check: $(STAMP) lock-check ## image, Helm chart, dashboards, alert rules, and the live Prometheus check (minutes)
 	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; }
-	MCP_TASKS_OPS_SLOW=1 $(BIN)/pytest tests/ops
+	MCP_TASKS_OPS_SLOW=1 $(BIN)/pytest -rP tests/ops  # -rP: the live check names every panel and rule it evaluated
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
