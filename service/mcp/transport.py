@@ -367,8 +367,9 @@ class McpEndpoint:
             waits = metrics.track_waits()
             outcome: str = "internal_error"
             code: int | None = INTERNAL_ERROR
+            wire = {"wire": "none"}  # the session's protocol version, once known
             try:
-                outcome, code = await self._request(receive, send, headers, caller, message)
+                outcome, code = await self._request(receive, send, headers, caller, message, wire)
             except HttpError as exc:  # answered by _serve: a refusal, not a fault of ours
                 outcome, code = "error", exc.code
                 raise
@@ -377,9 +378,9 @@ class McpEndpoint:
                 raise
             finally:
                 elapsed = time.perf_counter() - started
-                metrics.requests.labels(label, outcome).inc()
+                metrics.requests.labels(label, outcome, wire["wire"]).inc()
                 if code is not None:
-                    metrics.request_errors.labels(label, metrics.rpc_code(code)).inc()
+                    metrics.request_errors.labels(label, metrics.rpc_code(code), wire["wire"]).inc()
                 metrics.request_seconds.labels(label).observe(max(0.0, elapsed - sum(waits)))
                 if label == "tasks/result":
                     metrics.task_result_seconds.observe(elapsed)
@@ -390,9 +391,16 @@ class McpEndpoint:
         raise HttpError(400, INVALID_REQUEST, "Invalid Request: neither a request, a notification nor a response")
 
     async def _request(
-        self, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
+        self,
+        receive: Receive,
+        send: Send,
+        headers: Headers,
+        caller: Caller,
+        message: dict[str, Any],
+        wire: dict[str, str],
     ) -> tuple[str, int | None]:
-        """Answer one request; returns its outcome and, for an error, its JSON-RPC code (for metrics)."""
+        """Answer one request; returns its outcome and, for an error, its JSON-RPC code, and notes the
+        session's protocol version in ``wire`` (for metrics)."""
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
@@ -407,6 +415,7 @@ class McpEndpoint:
             if method == "initialize":
                 self._check_version_header(headers)
                 version = self.surface.negotiate(params)
+                wire["wire"] = version
                 caps = params.get("capabilities") or {}
                 info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None
                 session = await self.sessions.open(caller.principal, version, caps, info)
@@ -414,6 +423,7 @@ class McpEndpoint:
                 reply: Any = self.surface.initialize_result(version)
             else:
                 session = await self._session(headers, caller.principal)
+                wire["wire"] = metrics.wire(session.protocol_version)
                 reply = await self.surface.dispatch(method, Call(caller, session, request_id, params))
         except RpcFailure as failure:
             await send_json(

@@ -39,6 +39,7 @@ KNOWN_METHODS: Final = frozenset(
         "initialize", "ping", "tools/list", "tools/call", "tasks/get", "tasks/result", "tasks/list", "tasks/cancel",
         "resources/list", "resources/templates/list", "resources/read", "resources/subscribe",
         "resources/unsubscribe", "prompts/list", "prompts/get", "logging/setLevel", "completion/complete",
+        "server/discover", "tasks/update", "subscriptions/listen",
     }
 )  # fmt: skip
 
@@ -50,10 +51,13 @@ ready = Gauge(
     "mcp_tasks_ready", "1 when the last readiness check passed (database answers, schema at head), else 0",
     ["check"], multiprocess_mode="min",
 )  # fmt: skip
-requests = Counter("mcp_tasks_requests_total", "JSON-RPC requests by method and outcome", ["method", "outcome"])
+requests = Counter(
+    "mcp_tasks_requests_total", "JSON-RPC requests by method, outcome and wire (the session's protocol version)",
+    ["method", "outcome", "wire"],
+)  # fmt: skip
 request_errors = Counter(
-    "mcp_tasks_request_errors_total", "JSON-RPC requests answered with an error, by method and JSON-RPC error code",
-    ["method", "code"],
+    "mcp_tasks_request_errors_total", "JSON-RPC requests answered with an error, by method, JSON-RPC error code and wire",
+    ["method", "code", "wire"],
 )  # fmt: skip
 request_seconds = Histogram(
     "mcp_tasks_request_duration_seconds",
@@ -159,6 +163,14 @@ def tenant(value: str) -> str:
         return "other"
     _tenants_seen.add(value)
     return value
+
+
+KNOWN_WIRES: Final = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2026-07-28"})
+
+
+def wire(version: str) -> str:
+    """Bounded wire label: a protocol revision we speak, else 'other' ('none' before a session)."""
+    return version if version in KNOWN_WIRES else "other"
 
 
 def rpc_code(code: int | None) -> str:
