@@ -111,6 +111,7 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             "JSON-RPC requests per second by method and outcome (ok, error, internal_error).",
             (Query(f"sum by (method, outcome) (rate(mcp_tasks_requests_total[{RATE}]))", "{{method}} {{outcome}}"),),
             "reqps",
+            width=6,
         ),
         PanelSpec(
             "Errors by method and JSON-RPC code",
@@ -118,6 +119,17 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             "-32603 internal and -32001 unavailable are ours (they burn the SLO).",
             (Query(f"sum by (method, code) (rate(mcp_tasks_request_errors_total[{RATE}]))", "{{method}} {{code}}"),),
             "reqps",
+            width=6,
+        ),
+        PanelSpec(
+            "Requests and errors by wire",
+            "By the session's protocol revision (2025-11-25 Tasks, older plain revisions; none before a session).",
+            (
+                Query(f"sum by (wire) (rate(mcp_tasks_requests_total[{RATE}]))", "{{wire}} all"),
+                Query(f"sum by (wire) (rate(mcp_tasks_request_errors_total[{RATE}]))", "{{wire}} errors"),
+            ),
+            "reqps",
+            width=6,
         ),
         PanelSpec(
             "Server-fault ratio (SLO 99.9 %)",
@@ -127,6 +139,7 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
                 Query("mcp_tasks:request_faults:ratio_rate1h", "1h"),
             ),
             "percentunit",
+            width=6,
         ),
         PanelSpec(
             "Latency by method (p50, p95, p99)",

@@ -159,12 +159,14 @@ def stack(admin_dsn: str) -> Iterator[Stack]:
 
 
 @contextlib.asynccontextmanager
-async def _session(http: httpx.AsyncClient, s: Stack, tenant: str, subject: str) -> AsyncIterator[RpcSession]:
+async def _session(
+    http: httpx.AsyncClient, s: Stack, tenant: str, subject: str, version: str = "2025-11-25"
+) -> AsyncIterator[RpcSession]:
     token = await asyncio.to_thread(
         request_token, s.issuer, tenant=tenant, subject=subject, scope="tasks", resource=s.url
     )
     rpc = RpcSession(http, s.url, token=token)
-    await rpc.initialize()
+    await rpc.initialize(version)
     yield rpc
 
 
@@ -193,6 +195,8 @@ async def _mixed_load(s: Stack) -> None:
                     task_id = (await rpc.call_tool_as_task(tool_name, args))["task"]["taskId"]
                     await rpc.send("tasks/result", {"taskId": task_id})
                 await alice.send("tasks/get", {"taskId": "no-such-task"})
+                async with _session(http, s, "globex", "dave", version="2025-06-18") as older:  # plain calls
+                    await older.send("tools/call", {"name": "echo", "arguments": {"text": "plain"}})
                 await asyncio.sleep(2.5)
             # a task cancelled while it runs, one left waiting for input, lookups that find nothing
             long_id = (await alice.call_tool_as_task("sleep", {"seconds": 60}))["task"]["taskId"]
