@@ -46,3 +46,12 @@ def test_every_alert_has_a_severity_a_summary_and_a_runbook_anchor() -> None:
         assert rule["labels"]["severity"] in ("page", "ticket"), rule["alert"]
         assert rule["annotations"]["summary"]
         assert rule["annotations"]["runbook_url"].startswith("docs/operations.md#"), rule["alert"]
+
+
+def test_the_runbook_has_a_section_for_every_alert() -> None:
+    runbook = (ROOT / "docs" / "operations.md").read_text()
+    anchors = {line.removeprefix("### ").strip().lower() for line in runbook.splitlines() if line.startswith("### ")}
+    for rule in alert_rules():
+        anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
+        assert anchor in anchors, f"{rule['alert']}: no '### ' section with anchor #{anchor} in docs/operations.md"
+        assert rule["alert"] in runbook, rule["alert"]
