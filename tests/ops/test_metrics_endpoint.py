@@ -56,3 +56,12 @@ def test_error_code_label_is_bounded(code: int) -> None:
     from service.observability.metrics import rpc_code
 
     assert rpc_code(code) == (str(code) if code < 0 else "other")
+
+
+def test_a_metrics_port_equal_to_the_mcp_port_is_refused_naming_both() -> None:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    with pytest.raises(ValidationError, match=r"MCP_TASKS_METRICS_PORT.*MCP_TASKS_PORT"):
+        Settings(_env_file=None, port=8000, metrics_port=8000)  # type: ignore[call-arg]
