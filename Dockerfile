@@ -30,6 +30,8 @@ LABEL org.opencontainers.image.title="mcp-task-service" \
 RUN groupadd --system --gid 10001 mcp-tasks \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin mcp-tasks
 COPY --from=build /opt/mcp-tasks /opt/mcp-tasks
+# Listening on every address means hosted mode: without MCP_TASKS_OAUTH_ISSUER the service refuses
+# to start (single-user mode is loopback only), so an image run by mistake exposes nothing.
 ENV PATH=/opt/mcp-tasks/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
