@@ -55,6 +55,9 @@ lock-check: $(STAMP) ## requirements.lock is current with pyproject.toml (resolv
 	  if diff -u <(tail -n +3 requirements.lock) <(tail -n +3 $$tmp); then rm -f $$tmp; \
 	  else rm -f $$tmp; echo "requirements.lock is stale: run make lock"; exit 1; fi
 
+dashboards: $(STAMP) ## regenerate grafana/dashboards/*.json from grafana/dashboards/generate.py
+	$(BIN)/python grafana/dashboards/generate.py
+
 ops-check: $(STAMP) lock-check ## image, Helm chart, dashboards, alert rules, and the live Prometheus check (minutes)
 	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; }
 	MCP_TASKS_OPS_SLOW=1 $(BIN)/pytest -rP tests/ops  # -rP: the live check names every panel and rule it evaluated
