@@ -50,9 +50,10 @@ LOCK_CMD = $(BIN)/uv pip compile --quiet --universal --generate-hashes --python-
 lock: $(STAMP) ## refresh requirements.lock (the image's pinned, hashed dependencies) after changing pyproject.toml
 	$(LOCK_CMD) --output-file requirements.lock
 
+# Pins only: a release that later gains a wheel (a new hash) does not make the lock stale.
 lock-check: $(STAMP) ## requirements.lock is current with pyproject.toml (resolving again keeps every pin)
 	@tmp=$$(mktemp); cp requirements.lock $$tmp; $(LOCK_CMD) --output-file $$tmp; \
-	  if diff -u <(tail -n +3 requirements.lock) <(tail -n +3 $$tmp); then rm -f $$tmp; \
+	  if diff -u <(grep -E '^[a-z0-9]' requirements.lock) <(grep -E '^[a-z0-9]' $$tmp); then rm -f $$tmp; \
 	  else rm -f $$tmp; echo "requirements.lock is stale: run make lock"; exit 1; fi
 
 dashboards: $(STAMP) ## regenerate grafana/dashboards/*.json from grafana/dashboards/generate.py
