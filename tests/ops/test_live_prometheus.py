@@ -218,11 +218,13 @@ async def _mixed_load(s: Stack) -> None:
             held = [(await capped.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"] for _ in range(4)]
             await capped.send("tools/call", {"name": "sleep", "arguments": {"seconds": 1}, "task": {}})
 
-            async def all_running() -> bool:
-                return all([await _status(capped, t) == "working" for t in held])
+            async def worker_holds_them() -> bool:  # the confirm task holds a slot too
+                text = (await http.get(s.worker_metrics + "/metrics")).text
+                line = next((x for x in text.splitlines() if x.startswith("mcp_tasks_runner_slots_in_use ")), "")
+                return bool(line) and float(line.split()[1]) >= len(held) + 1
 
-            await _until(all_running, "sleeps running")
-            await asyncio.sleep(1)  # the worker holds them now
+            await _until(worker_holds_them, "the worker to run the sleeps")
+            await asyncio.sleep(1.2)  # a scrape sees the busy slots
             # the worker dies holding tasks: the reaper requeues them (sleep is safe to re-run)
             s.stop("worker", signal.SIGKILL)
             s.start("worker", [MCP_TASKS, "worker"])
