@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -269,8 +268,3 @@ def _leaf_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
         else:
             keys.append(path)
     return keys
-
-
-if os.environ.get("MCP_TASKS_OPS_DEBUG"):  # pragma: no cover - a reviewer's aid: print what the chart renders
-    for o in render(MINIMAL):
-        print(yaml.safe_dump(o))
