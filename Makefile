@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SHELL := /bin/bash
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test schema-check lint format interop bench bench-smoke clean
+.PHONY: help run test schema-check lint format interop bench bench-smoke ops-check lock lock-check dashboards clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -26,13 +27,14 @@ schema-check: $(STAMP) ## alembic/schema.sql against the migrations, and the mig
 	$(BIN)/pytest tests/test_schema_truth.py tests/test_migrations.py
 
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
-	$(BIN)/ruff check service tests bench alembic
-	$(BIN)/ruff format --check service tests bench alembic
+	$(BIN)/ruff check service tests bench alembic grafana
+	$(BIN)/ruff format --check service tests bench alembic grafana
 	$(BIN)/mypy
+	$(BIN)/hadolint Dockerfile
 
 format: $(STAMP) ## apply ruff's fixes and formatting
-	$(BIN)/ruff check --fix service tests bench alembic
-	$(BIN)/ruff format service tests bench alembic
+	$(BIN)/ruff check --fix service tests bench alembic grafana
+	$(BIN)/ruff format service tests bench alembic grafana
 
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
 	scripts/interop.sh
@@ -42,6 +44,24 @@ bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minu
 
 bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and the floor only), as in CI
 	$(BIN)/python bench/run.py --smoke --out /var/tmp/mcp-tasks-bench-smoke.json
+
+LOCK_CMD = $(BIN)/uv pip compile --quiet --universal --generate-hashes --python-version 3.11 --no-emit-index-url pyproject.toml
+
+lock: $(STAMP) ## refresh requirements.lock (the image's pinned, hashed dependencies) after changing pyproject.toml
+	$(LOCK_CMD) --output-file requirements.lock
+
+# Pins only: a release that later gains a wheel (a new hash) does not make the lock stale.
+lock-check: $(STAMP) ## requirements.lock is current with pyproject.toml (resolving again keeps every pin)
+	@tmp=$$(mktemp); cp requirements.lock $$tmp; $(LOCK_CMD) --output-file $$tmp; \
+	  if diff -u <(grep -E '^[a-z0-9]' requirements.lock) <(grep -E '^[a-z0-9]' $$tmp); then rm -f $$tmp; \
+	  else rm -f $$tmp; echo "requirements.lock is stale: run make lock"; exit 1; fi
+
+dashboards: $(STAMP) ## regenerate grafana/dashboards/*.json from grafana/dashboards/generate.py
+	$(BIN)/python grafana/dashboards/generate.py
+
+ops-check: $(STAMP) lock-check ## image, Helm chart, dashboards, alert rules, and the live Prometheus check (minutes)
+	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; }
+	MCP_TASKS_OPS_SLOW=1 $(BIN)/pytest -rP tests/ops  # -rP: the live check names every panel and rule it evaluated
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

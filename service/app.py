@@ -26,6 +26,7 @@ from service.mcp.plain import Inflight
 from service.mcp.surface import Surface
 from service.mcp.transport import McpEndpoint
 from service.observability import metrics
+from service.observability.endpoint import MetricsEndpoint
 from service.store import migrate
 from service.tasks.audit import AuditLog
 
@@ -80,20 +81,30 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         app.state.core = core
         modern = ModernSurface(settings, core.tasks, surface, limiter, audit)
         app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface, limiter, audit, modern)
+        metrics_endpoint = None
+        if settings.metrics_port:
+            metrics_endpoint = MetricsEndpoint(settings.host, settings.metrics_port, lambda: readiness(core))
+            await metrics_endpoint.start()
         try:
             yield
         finally:
             app.state.mcp = None
+            if metrics_endpoint is not None:
+                await metrics_endpoint.close()
             await core.close()
             await http.aclose()
 
     app = _App(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.router.routes.append(Route("/mcp", endpoint=_LateMcp(app)))
-    metrics.configure(tenant_label=settings.metrics_tenant_label)
+    metrics.configure(
+        tenant_label=settings.metrics_tenant_label, tenant_limit=settings.metrics_tenant_limit, version=__version__
+    )
 
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    if not settings.metrics_port:  # else /metrics is on its own port only (MetricsEndpoint)
+
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics() -> Response:
+            return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.effective_auth == "oauth":
         metadata = protected_resource_metadata(settings)
@@ -112,16 +123,27 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        core: Core | None = getattr(app.state, "core", None)
-        if core is None:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        try:
-            current = await core.db.fetchval("SELECT version_num FROM alembic_version")
-        except Exception:
-            return JSONResponse({"status": "database unreachable"}, status_code=503)
-        head = migrate.head_revision()
-        if current != head:
-            return JSONResponse({"status": "migrations pending", "current": current, "head": head}, status_code=503)
-        return JSONResponse({"status": "ready", "revision": current, "listening": core.hub.connected})
+        status, body = await readiness(getattr(app.state, "core", None))
+        return JSONResponse(body, status_code=status)
 
     return app
+
+
+async def readiness(core: Core | None) -> tuple[int, dict[str, Any]]:
+    """/readyz (on the /mcp port and the metrics port): the database answers and its schema is at head."""
+    status, body = await _check_ready(core)
+    metrics.ready.labels("readyz").set(1 if status == 200 else 0)
+    return status, body
+
+
+async def _check_ready(core: Core | None) -> tuple[int, dict[str, Any]]:
+    if core is None:
+        return 503, {"status": "starting"}
+    try:
+        current = await core.db.fetchval("SELECT version_num FROM alembic_version")
+    except Exception:
+        return 503, {"status": "database unreachable"}
+    head = migrate.head_revision()
+    if current != head:
+        return 503, {"status": "migrations pending", "current": current, "head": head}
+    return 200, {"status": "ready", "revision": current, "listening": core.hub.connected}

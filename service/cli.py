@@ -64,19 +64,33 @@ async def _worker_main() -> None:
         core = await open_core(settings, run_tasks=True)
     except (RuntimeError, OSError) as exc:
         sys.exit(f"mcp-tasks worker: {exc}")
+    from service import __version__
+    from service.app import readiness
+    from service.observability import metrics
+    from service.observability.endpoint import MetricsEndpoint
+
+    metrics.configure(
+        tenant_label=settings.metrics_tenant_label,
+        tenant_limit=settings.metrics_tenant_limit,
+        version=__version__,
+        component="worker",
+    )
+    endpoint = None
     if settings.metrics_port:
-        from prometheus_client import start_http_server
-
-        from service.observability import metrics
-
-        metrics.configure(tenant_label=settings.metrics_tenant_label)
-        start_http_server(settings.metrics_port, addr=settings.host)
+        endpoint = MetricsEndpoint(settings.host, settings.metrics_port, lambda: readiness(core))
+        try:
+            await endpoint.start()
+        except OSError as exc:
+            await core.close()
+            sys.exit(f"mcp-tasks worker: metrics port {settings.metrics_port}: {exc}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     logging.getLogger("service").info("worker running (%s slots); Ctrl-C to stop", core.settings.runner_concurrency)
     await stop.wait()
+    if endpoint is not None:
+        await endpoint.close()
     await core.close()
 
 

@@ -87,6 +87,7 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"
     metrics_tenant_label: bool = False
+    metrics_tenant_limit: int = Field(default=100, ge=1, le=10_000)
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
@@ -115,6 +116,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"MCP_TASKS_{name.upper()} is not a rate such as '1200/minute'") from None
         if self.min_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(
+                f"MCP_TASKS_METRICS_PORT ({self.metrics_port}) must differ from MCP_TASKS_PORT: "
+                "it is the port of /metrics, /healthz and /readyz only"
+            )
         return self
 
     @property

@@ -247,8 +247,9 @@ async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: h
     assert delta("mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result", tenant="") == 1
     assert delta("mcp_tasks_tasks_finished_total", tool="hang", status="cancelled", outcome="cancelled", tenant="") == 1
     assert delta("mcp_tasks_cap_refusals_total", scope="requestor") == 1
-    assert delta("mcp_tasks_requests_total", method="tasks/get", outcome="error") == 1
-    assert delta("mcp_tasks_requests_total", method="tasks/result", outcome="ok") == 1
+    assert delta("mcp_tasks_requests_total", method="tasks/get", outcome="error", wire="2025-11-25") == 1
+    assert delta("mcp_tasks_requests_total", method="tasks/result", outcome="ok", wire="2025-11-25") == 1
+    assert delta("mcp_tasks_request_errors_total", method="tasks/get", code="-32602", wire="2025-11-25") == 1
     assert delta("mcp_tasks_request_duration_seconds_count", method="tools/call") == 3
     assert delta("mcp_tasks_task_run_seconds_count", tool="echo") == 1
     assert value(after, "mcp_tasks_runner_slots") > 0

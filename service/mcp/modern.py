@@ -166,6 +166,7 @@ class ModernSurface:
         logctx.method.set(label)
         started = time.perf_counter()
         outcome = "error"
+        code: int | None = None
         try:
             handler = self._methods.get(method)
             if handler is None and method != "subscriptions/listen":
@@ -182,12 +183,15 @@ class ModernSurface:
                 await send_sse(send, receive, reply.messages, keepalive_s=self.keepalive_s)
                 return
         except RpcFailure as failure:
+            code = failure.code
             await send_json(
                 send, failure.http_status, jsonrpc.error_message(request_id, failure.error_object()), failure.headers
             )
             return
         finally:
-            metrics.requests.labels(label, outcome).inc()
+            metrics.requests.labels(label, outcome, ext.MODERN).inc()
+            if outcome != "ok":
+                metrics.request_errors.labels(label, metrics.rpc_code(code), ext.MODERN).inc()
             metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
         await send_json(send, 200, jsonrpc.result_message(request_id, reply))
 

@@ -194,6 +194,7 @@ class McpEndpoint:
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)
             if limited := await self.limiter.request(principal):
+                metrics.denials.labels("rate_limited", metrics.tenant(principal.tenant_id)).inc()
                 if await self.limiter.may_record_denial(f"p:{principal.tenant_id}\x00{principal.subject}"):
                     await self.audit.deny(caller, "rate_limited", scope=limited.scope)
                 raise _throttled(limited)
@@ -363,12 +364,26 @@ class McpEndpoint:
             label = metrics.method(method)
             logctx.method.set(label)
             started = time.perf_counter()
-            outcome = "internal_error"
+            waits = metrics.track_waits()
+            outcome: str = "internal_error"
+            code: int | None = INTERNAL_ERROR
+            wire = {"wire": "none"}  # the session's protocol version, once known
             try:
-                outcome = await self._request(receive, send, headers, caller, message)
+                outcome, code = await self._request(receive, send, headers, caller, message, wire)
+            except HttpError as exc:  # answered by _serve: a refusal, not a fault of ours
+                outcome, code = "error", exc.code
+                raise
+            except DomainError as exc:
+                outcome, code = "error", to_rpc(exc).code
+                raise
             finally:
-                metrics.requests.labels(label, outcome).inc()
-                metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                metrics.requests.labels(label, outcome, wire["wire"]).inc()
+                if code is not None:
+                    metrics.request_errors.labels(label, metrics.rpc_code(code), wire["wire"]).inc()
+                metrics.request_seconds.labels(label).observe(max(0.0, elapsed - sum(waits)))
+                if label == "tasks/result":
+                    metrics.task_result_seconds.observe(elapsed)
             return
         if "id" in message and ("result" in message) != ("error" in message):
             await self._client_response(send, headers, caller, message)
@@ -376,8 +391,16 @@ class McpEndpoint:
         raise HttpError(400, INVALID_REQUEST, "Invalid Request: neither a request, a notification nor a response")
 
     async def _request(
-        self, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
-    ) -> str:
+        self,
+        receive: Receive,
+        send: Send,
+        headers: Headers,
+        caller: Caller,
+        message: dict[str, Any],
+        wire: dict[str, str],
+    ) -> tuple[str, int | None]:
+        """Answer one request; returns its outcome and, for an error, its JSON-RPC code, and notes the
+        session's protocol version in ``wire`` (for metrics)."""
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
@@ -392,6 +415,7 @@ class McpEndpoint:
             if method == "initialize":
                 self._check_version_header(headers)
                 version = self.surface.negotiate(params)
+                wire["wire"] = version
                 caps = params.get("capabilities") or {}
                 info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None
                 session = await self.sessions.open(caller.principal, version, caps, info)
@@ -399,6 +423,7 @@ class McpEndpoint:
                 reply: Any = self.surface.initialize_result(version)
             else:
                 session = await self._session(headers, caller.principal)
+                wire["wire"] = metrics.wire(session.protocol_version)
                 reply = await self.surface.dispatch(method, Call(caller, session, request_id, params))
         except RpcFailure as failure:
             await send_json(
@@ -407,7 +432,7 @@ class McpEndpoint:
                 jsonrpc.error_message(request_id, failure.error_object()),
                 failure.headers,
             )
-            return "error"
+            return "error", failure.code
         except (HttpError, DomainError):
             raise
         except Exception:
@@ -418,7 +443,7 @@ class McpEndpoint:
                 "message": f"internal error (reference {ref}); retry, or report the reference",
             }
             await send_json(send, 200, jsonrpc.error_message(request_id, error))
-            return "internal_error"
+            return "internal_error", INTERNAL_ERROR
         if isinstance(reply, Streamed):
             abort = asyncio.Event()
             if reply.cancel_key is not None:
@@ -430,7 +455,7 @@ class McpEndpoint:
                     del self.surface.inflight.calls[reply.cancel_key]
         else:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
-        return "ok"
+        return "ok", None
 
     async def _notification(self, send: Send, headers: Headers, caller: Caller, method: str, params: Any) -> None:
         """H-POST-2: accepted notifications get 202 and no body."""

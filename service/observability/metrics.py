@@ -1,18 +1,36 @@
 """Every Prometheus metric of the service: one module, one prefix (``mcp_tasks_``), bounded labels.
 
 Labels never carry task ids or subjects. A ``tenant`` label is filled only when the operator turns
-it on (``MCP_TASKS_METRICS_TENANT_LABEL``); otherwise it is empty. Each process exposes its own
+it on (``MCP_TASKS_METRICS_TENANT_LABEL``), for at most ``MCP_TASKS_METRICS_TENANT_LIMIT`` tenants
+per process (the rest are ``other``); otherwise it is empty. Each process exposes its own
 counters (Prometheus sums them across replicas); for several processes behind one port set
-``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode). ``tasks_active`` is read
-from the database, so every replica reports the same cluster-wide value: aggregate it with max().
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode). ``tasks_active`` and the
+queue gauges are read from the database by the sweeper, so every replica reports the same
+cluster-wide value, up to one sweep old: aggregate them with max(). The pool gauges are read from
+the pools at scrape time (exact). Dashboards and alerts built on these names: grafana/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Final
+import time
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+from typing import Final, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    multiprocess,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TASK_BUCKETS: Final = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400)
@@ -21,13 +39,34 @@ KNOWN_METHODS: Final = frozenset(
         "initialize", "ping", "tools/list", "tools/call", "tasks/get", "tasks/result", "tasks/list", "tasks/cancel",
         "resources/list", "resources/templates/list", "resources/read", "resources/subscribe",
         "resources/unsubscribe", "prompts/list", "prompts/get", "logging/setLevel", "completion/complete",
+        "server/discover", "tasks/update", "subscriptions/listen",
     }
 )  # fmt: skip
 
-requests = Counter("mcp_tasks_requests_total", "JSON-RPC requests by method and outcome", ["method", "outcome"])
+build_info = Gauge(
+    "mcp_tasks_build_info", "Always 1: the running version and what this process is (serve|worker)",
+    ["version", "component"], multiprocess_mode="max",
+)  # fmt: skip
+ready = Gauge(
+    "mcp_tasks_ready", "1 when the last readiness check passed (database answers, schema at head), else 0",
+    ["check"], multiprocess_mode="min",
+)  # fmt: skip
+requests = Counter(
+    "mcp_tasks_requests_total", "JSON-RPC requests by method, outcome and wire (the session's protocol version)",
+    ["method", "outcome", "wire"],
+)  # fmt: skip
+request_errors = Counter(
+    "mcp_tasks_request_errors_total", "JSON-RPC requests answered with an error, by method, JSON-RPC error code and wire",
+    ["method", "code", "wire"],
+)  # fmt: skip
 request_seconds = Histogram(
-    "mcp_tasks_request_duration_seconds", "Time to answer a request (whole stream for SSE)", ["method"],
-    buckets=LATENCY_BUCKETS,
+    "mcp_tasks_request_duration_seconds",
+    "Time to answer a request (whole stream for SSE), less any wait for a task to end (tasks/result)",
+    ["method"], buckets=LATENCY_BUCKETS,
+)  # fmt: skip
+task_result_seconds = Histogram(
+    "mcp_tasks_task_result_seconds", "tasks/result from request to answer, waiting for the task included",
+    buckets=TASK_BUCKETS,
 )  # fmt: skip
 tasks_created = Counter("mcp_tasks_tasks_created_total", "Tasks created", ["tool", "tenant"])
 tasks_finished = Counter(
@@ -36,8 +75,33 @@ tasks_finished = Counter(
     ["tool", "status", "outcome", "tenant"],
 )
 tasks_active = Gauge(
-    "mcp_tasks_tasks_active", "Non-terminal tasks by status (cluster-wide)", ["status"], multiprocess_mode="max"
-)
+    "mcp_tasks_tasks_active", "Non-terminal tasks by status (cluster-wide, as of the last sweep)", ["status"],
+    multiprocess_mode="max",
+)  # fmt: skip
+tasks_queued = Gauge(
+    "mcp_tasks_tasks_queued", "Working tasks no runner has claimed yet, by tool (cluster-wide, as of the last sweep)",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
+tasks_running = Gauge(
+    "mcp_tasks_tasks_running", "Working tasks a runner holds, by tool (cluster-wide, as of the last sweep)",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
+oldest_running_seconds = Gauge(
+    "mcp_tasks_oldest_running_task_age_seconds", "Run time so far of the longest-running claimed task, by tool (last sweep)",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
+oldest_queued_seconds = Gauge(
+    "mcp_tasks_oldest_queued_task_age_seconds", "Age of the oldest unclaimed task, by tool (0 when none; last sweep)",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
+tenant_tasks_active = Gauge(
+    "mcp_tasks_tenant_tasks_active", "Non-terminal tasks per tenant (only with the tenant label on; last sweep)",
+    ["tenant"], multiprocess_mode="max",
+)  # fmt: skip
+denials = Counter(
+    "mcp_tasks_denials_total", "Requests refused for a principal, by reason (rate_limited, cap, not_found)",
+    ["reason", "tenant"],
+)  # fmt: skip
 task_start_delay = Histogram(
     "mcp_tasks_task_start_delay_seconds", "From creation to a runner starting the task", ["tool"], buckets=TASK_BUCKETS
 )
@@ -55,7 +119,15 @@ lease_losses = Counter(
 )
 sweeper_deleted = Counter("mcp_tasks_sweeper_deleted_total", "Expired tasks deleted")
 db_pool_connections = Gauge(
-    "mcp_tasks_db_pool_connections", "Database pool connections", ["pool", "state"], multiprocess_mode="livesum"
+    "mcp_tasks_db_pool_connections", "Database pool connections (as of the last sweep; mcp_tasks_db_pool_in_use is exact)",
+    ["pool", "state"], multiprocess_mode="livesum",
+)  # fmt: skip
+db_up = Gauge(
+    "mcp_tasks_db_up", "1 when the last use of this pool reached PostgreSQL, 0 when it found it unavailable",
+    ["pool"], multiprocess_mode="min",
+)  # fmt: skip
+db_acquire_seconds = Histogram(
+    "mcp_tasks_db_pool_acquire_seconds", "Wait for a pooled connection", ["pool"], buckets=LATENCY_BUCKETS
 )
 db_batch_items = Histogram(
     "mcp_tasks_db_batch_items", "Requests that shared one group-commit statement", ["batch"],
@@ -67,16 +139,112 @@ db_batch_fallbacks = Counter(
 audit_write_failures = Counter("mcp_tasks_audit_write_failures_total", "Audit events that could not be written")
 
 _tenant_label = False
+_tenant_limit = 100
+_tenants_seen: set[str] = set()
 
 
-def configure(*, tenant_label: bool) -> None:
+def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "", component: str = "serve") -> None:
     """Set once at start-up from the settings."""
-    global _tenant_label
-    _tenant_label = tenant_label
+    global _tenant_label, _tenant_limit
+    _tenant_label, _tenant_limit = tenant_label, tenant_limit
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they double every counter and histogram
+    if version:
+        build_info.labels(version, component).set(1)
+    _watch_pools()
 
 
 def tenant(value: str) -> str:
-    return value if _tenant_label else ""
+    """The tenant label: empty unless opted in; past the cap, new tenants share ``other``."""
+    if not _tenant_label:
+        return ""
+    if value in _tenants_seen:
+        return value
+    if len(_tenants_seen) >= _tenant_limit:
+        return "other"
+    _tenants_seen.add(value)
+    return value
+
+
+KNOWN_WIRES: Final = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2026-07-28"})
+
+
+def wire(version: str) -> str:
+    """Bounded wire label: a protocol revision we speak, else 'other' ('none' before a session)."""
+    return version if version in KNOWN_WIRES else "other"
+
+
+def rpc_code(code: int | None) -> str:
+    """Bounded error-code label: JSON-RPC's reserved range as it is, anything else 'other'."""
+    if code is None:
+        return "other"
+    return str(code) if -32768 <= code <= -32000 else "other"
+
+
+_waits: ContextVar[list[float] | None] = ContextVar("mcp_tasks_waits", default=None)
+
+
+def track_waits() -> list[float]:
+    """Start collecting this request's waits for tasks (see ``waiting_for_task``)."""
+    acc: list[float] = []
+    _waits.set(acc)
+    return acc
+
+
+@contextlib.contextmanager
+def waiting_for_task() -> Iterator[None]:
+    """Wrap a wait for a task to end (tasks/result) so the request's latency leaves it out."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        acc = _waits.get()
+        if acc is not None:
+            acc.append(time.perf_counter() - started)
+
+
+class PoolStats(Protocol):
+    def pool_stats(self) -> tuple[int, int, int]:
+        """(connections in use, connections open, maximum)."""
+        ...
+
+
+_pools: dict[int, tuple[str, PoolStats]] = {}
+
+
+def watch_pool(name: str, pool: PoolStats) -> None:
+    """Report this pool's exact use at every scrape, until ``unwatch_pool``."""
+    _pools[id(pool)] = (name, pool)
+
+
+def unwatch_pool(pool: PoolStats) -> None:
+    _pools.pop(id(pool), None)
+
+
+class _PoolCollector(Collector):
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        in_use = GaugeMetricFamily("mcp_tasks_db_pool_in_use", "Pooled connections in use now", labels=["pool"])
+        size = GaugeMetricFamily("mcp_tasks_db_pool_size", "Pooled connections open now", labels=["pool"])
+        cap = GaugeMetricFamily("mcp_tasks_db_pool_max", "Most connections the pool may open", labels=["pool"])
+        totals: dict[str, list[int]] = {}
+        for name, pool in list(_pools.values()):
+            row = totals.setdefault(name, [0, 0, 0])
+            for i, v in enumerate(pool.pool_stats()):
+                row[i] += v
+        for name, (used, opened, most) in sorted(totals.items()):
+            in_use.add_metric([name], used)
+            size.add_metric([name], opened)
+            cap.add_metric([name], most)
+        return [in_use, size, cap]
+
+
+_pool_collector: _PoolCollector | None = None
+
+
+def _watch_pools() -> None:
+    global _pool_collector
+    if _pool_collector is None:
+        _pool_collector = _PoolCollector()
+        REGISTRY.register(_pool_collector)
 
 
 def method(value: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import asyncpg
 import orjson
 
 from service.domain.errors import InvalidArguments, Unavailable
+from service.observability import metrics
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,10 @@ class Database:
         self.role = role
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
+        # Metric label: the names the rest of the service uses for its two pools.
+        self.name = {APP_ROLE: "app", RUNNER_ROLE: "runner"}.get(role or "", "other")
+        self._up = metrics.db_up.labels(self.name)
+        self._acquire_seconds = metrics.db_acquire_seconds.labels(self.name)
 
     async def open(self) -> None:
         try:
@@ -96,12 +102,15 @@ class Database:
                 server_settings={"application_name": "mcp-tasks", **({"role": self.role} if self.role else {})},
             )
         except _UNAVAILABLE as exc:
+            self._up.set(0)
             raise Unavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         except asyncpg.InsufficientPrivilegeError as exc:
             raise RuntimeError(
                 f"the database user cannot act as {self.role} ({exc}); as the database owner run: "
                 f"GRANT {APP_ROLE}, {RUNNER_ROLE} TO <the user in MCP_TASKS_DATABASE_URL>"
             ) from exc
+        self._up.set(1)
+        metrics.watch_pool(self.name, self)
 
     async def _init(self, conn: asyncpg.Connection) -> None:
         await _init_connection(conn)
@@ -109,6 +118,7 @@ class Database:
             await _check_role(conn, self.role)
 
     async def close(self) -> None:
+        metrics.unwatch_pool(self)
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -130,7 +140,7 @@ class Database:
             "BEGIN" if tenant_id is None else f"BEGIN; SELECT set_config('app.tenant_id', {_literal(tenant_id)}, true)"
         )
         try:
-            async with self.pool.acquire() as conn:
+            async with self._acquire() as conn:
                 await conn.execute(begin)
                 try:
                     yield conn
@@ -141,9 +151,26 @@ class Database:
                     raise
                 await conn.execute("COMMIT")
         except _UNAVAILABLE as exc:
+            self._up.set(0)
             raise Unavailable(f"database unavailable: {exc}") from exc
         except _UNSTORABLE as exc:
             raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
+
+    @contextlib.asynccontextmanager
+    async def _acquire(self) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection, timing the wait for it; reaching the database marks it up."""
+        started = time.perf_counter()
+        async with self.pool.acquire() as conn:
+            self._acquire_seconds.observe(time.perf_counter() - started)
+            self._up.set(1)
+            yield conn
+
+    def pool_stats(self) -> tuple[int, int, int]:
+        """(connections in use, connections open, maximum), read at scrape time."""
+        if self._pool is None:
+            return 0, 0, self._pool_size
+        size = self._pool.get_size()
+        return size - self._pool.get_idle_size(), size, self._pool_size
 
     def pool_usage(self) -> tuple[int, int]:
         """(connections in use, pool size) for metrics; (0, 0) when closed."""
@@ -156,9 +183,10 @@ class Database:
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
         """A pooled connection in autocommit, for single statements."""
         try:
-            async with self.pool.acquire() as conn:
+            async with self._acquire() as conn:
                 yield conn
         except _UNAVAILABLE as exc:
+            self._up.set(0)
             raise Unavailable(f"database unavailable: {exc}") from exc
         except _UNSTORABLE as exc:
             raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
