@@ -243,9 +243,9 @@ async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: h
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta("mcp_tasks_tasks_created_total", tool="echo", tenant="") == 1
-    assert delta("mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result", tenant="") == 1
-    assert delta("mcp_tasks_tasks_finished_total", tool="hang", status="cancelled", outcome="cancelled", tenant="") == 1
+    assert delta("mcp_tasks_tasks_created_total", tool="echo") == 1
+    assert delta("mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result") == 1
+    assert delta("mcp_tasks_tasks_finished_total", tool="hang", status="cancelled", outcome="cancelled") == 1
     assert delta("mcp_tasks_cap_refusals_total", scope="requestor") == 1
     assert delta("mcp_tasks_requests_total", method="tasks/get", outcome="error", wire="2025-11-25") == 1
     assert delta("mcp_tasks_requests_total", method="tasks/result", outcome="ok", wire="2025-11-25") == 1
@@ -307,9 +307,9 @@ async def test_metrics_of_several_processes_add_up_in_multiprocess_mode(
             await s.result("tasks/result", {"taskId": task_id})  # finished by the worker process
         r = await http.get(url.removesuffix("/mcp") + "/metrics")
     m = scrape(r.text)
-    assert value(m, "mcp_tasks_tasks_created_total", tool="echo", tenant="") == 3  # counted by the front end
+    assert value(m, "mcp_tasks_tasks_created_total", tool="echo") == 3  # counted by the front end
     assert (
-        value(m, "mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result", tenant="") == 3
+        value(m, "mcp_tasks_tasks_finished_total", tool="echo", status="completed", outcome="result") == 3
     )  # by the worker
 
 

@@ -245,6 +245,7 @@ class ModernSurface:
         if lookup and (limited := await self.limiter.lookups_blocked(call.caller.principal)):
             await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
             metrics.rate_limited.labels(limited.scope).inc()
+            metrics.denied("not_found", call.caller.principal.tenant_id)
             raise RpcFailure(RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s}, http_status=429,
                              headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
         try:
@@ -256,6 +257,7 @@ class ModernSurface:
             raise to_rpc(exc) from None
         except CapacityExceeded as exc:
             metrics.cap_refusals.labels(str(exc.details.get("scope", ""))).inc()
+            metrics.denied("cap", call.caller.principal.tenant_id)
             raise to_rpc(exc) from None
         except DomainError as exc:
             raise to_rpc(exc) from None

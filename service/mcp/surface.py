@@ -179,6 +179,7 @@ class Surface:
             # T-SEC-11: too many lookups of ids that do not exist (or are not yours) look like enumeration.
             await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
             metrics.rate_limited.labels(limited.scope).inc()
+            metrics.denied("not_found", call.principal.tenant_id)
             raise RpcFailure(
                 RATE_LIMITED,
                 limited.message,
@@ -194,6 +195,7 @@ class Surface:
             raise to_rpc(exc) from None
         except CapacityExceeded as exc:
             metrics.cap_refusals.labels(str(exc.details.get("scope", ""))).inc()
+            metrics.denied("cap", call.principal.tenant_id)
             raise to_rpc(exc) from None
         except DomainError as exc:
             raise to_rpc(exc) from None
@@ -326,7 +328,8 @@ class Surface:
         stop = first.cancel
         self.inflight.calls[key] = stop  # notifications/cancelled during the wait (C-4)
         try:
-            await asyncio.wait({first}, timeout=self.result_grace_s)
+            with metrics.waiting_for_task():  # a latency SLO measures the service, not the tool
+                await asyncio.wait({first}, timeout=self.result_grace_s)
         except BaseException:  # this request was cancelled (client gone, shutdown): stop following
             first.cancel()
             await asyncio.wait({first})
@@ -350,13 +353,14 @@ class Surface:
         self, call: Call, first: asyncio.Task[TaskEvent], events: AsyncIterator[TaskEvent]
     ) -> AsyncIterator[dict[str, Any]]:
         try:
-            event = await first
-            if (message := self.follow_message(call, event)) is not None:
-                yield message
-            if not isinstance(event, Finished):
-                async for event in events:
-                    if (message := self.follow_message(call, event)) is not None:
-                        yield message
+            with metrics.waiting_for_task():  # the stream lasts as long as the task: not our latency
+                event = await first
+                if (message := self.follow_message(call, event)) is not None:
+                    yield message
+                if not isinstance(event, Finished):
+                    async for event in events:
+                        if (message := self.follow_message(call, event)) is not None:
+                            yield message
         except DomainError as exc:
             yield jsonrpc.error_message(call.request_id, to_rpc(exc).error_object())
         finally:

@@ -194,7 +194,7 @@ class McpEndpoint:
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)
             if limited := await self.limiter.request(principal):
-                metrics.denials.labels("rate_limited", metrics.tenant(principal.tenant_id)).inc()
+                metrics.denied("rate_limited", principal.tenant_id)
                 if await self.limiter.may_record_denial(f"p:{principal.tenant_id}\x00{principal.subject}"):
                     await self.audit.deny(caller, "rate_limited", scope=limited.scope)
                 raise _throttled(limited)

@@ -68,12 +68,6 @@ task_result_seconds = Histogram(
     "mcp_tasks_task_result_seconds", "tasks/result from request to answer, waiting for the task included",
     buckets=TASK_BUCKETS,
 )  # fmt: skip
-tasks_created = Counter("mcp_tasks_tasks_created_total", "Tasks created", ["tool", "tenant"])
-tasks_finished = Counter(
-    "mcp_tasks_tasks_finished_total",
-    "Tasks that reached a terminal status: stored status and outcome (result, tool_error, failure, cancelled)",
-    ["tool", "status", "outcome", "tenant"],
-)
 tasks_active = Gauge(
     "mcp_tasks_tasks_active", "Non-terminal tasks by status (cluster-wide, as of the last sweep)", ["status"],
     multiprocess_mode="max",
@@ -97,10 +91,6 @@ oldest_queued_seconds = Gauge(
 tenant_tasks_active = Gauge(
     "mcp_tasks_tenant_tasks_active", "Non-terminal tasks per tenant (only with the tenant label on; last sweep)",
     ["tenant"], multiprocess_mode="max",
-)  # fmt: skip
-denials = Counter(
-    "mcp_tasks_denials_total", "Requests refused for a principal, by reason (rate_limited, cap, not_found)",
-    ["reason", "tenant"],
 )  # fmt: skip
 task_start_delay = Histogram(
     "mcp_tasks_task_start_delay_seconds", "From creation to a runner starting the task", ["tool"], buckets=TASK_BUCKETS
@@ -143,14 +133,57 @@ _tenant_limit = 100
 _tenants_seen: set[str] = set()
 
 
+# The counters that carry a tenant label when the operator opts in, and none otherwise (no series
+# with an always-empty label): defined here, and again by ``configure`` if the choice changes.
+def _tenant_counters(with_tenant: bool) -> tuple[Counter, Counter, Counter]:
+    extra = ["tenant"] if with_tenant else []
+    for name in ("mcp_tasks_tasks_created", "mcp_tasks_tasks_finished", "mcp_tasks_denials"):
+        collector = REGISTRY._names_to_collectors.get(name)
+        if collector is not None:
+            REGISTRY.unregister(collector)
+    created = Counter("mcp_tasks_tasks_created_total", "Tasks created", ["tool", *extra])
+    finished = Counter(
+        "mcp_tasks_tasks_finished_total",
+        "Tasks that reached a terminal status: stored status and outcome (result, tool_error, failure, cancelled)",
+        ["tool", "status", "outcome", *extra],
+    )
+    refused = Counter(
+        "mcp_tasks_denials_total", "Requests refused for a principal, by reason (rate_limited, cap, not_found)",
+        ["reason", *extra],
+    )  # fmt: skip
+    return created, finished, refused
+
+
+tasks_created, tasks_finished, denials = _tenant_counters(False)
+
+
+def task_created(tool: str, tenant_id: str) -> None:
+    (tasks_created.labels(tool, tenant(tenant_id)) if _tenant_label else tasks_created.labels(tool)).inc()
+
+
+def task_finished(tool: str, status: str, outcome: str, tenant_id: str) -> None:
+    labels = (tool, status, outcome, tenant(tenant_id)) if _tenant_label else (tool, status, outcome)
+    tasks_finished.labels(*labels).inc()
+
+
+def denied(reason: str, tenant_id: str) -> None:
+    (denials.labels(reason, tenant(tenant_id)) if _tenant_label else denials.labels(reason)).inc()
+
+
 def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "", component: str = "serve") -> None:
     """Set once at start-up from the settings."""
-    global _tenant_label, _tenant_limit
+    global _tenant_label, _tenant_limit, tasks_created, tasks_finished, denials
+    if tenant_label != _tenant_label:
+        tasks_created, tasks_finished, denials = _tenant_counters(tenant_label)
     _tenant_label, _tenant_limit = tenant_label, tenant_limit
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they double every counter and histogram
     if version:
         build_info.labels(version, component).set(1)
     _watch_pools()
+
+
+def tenant_label_on() -> bool:
+    return _tenant_label
 
 
 def tenant(value: str) -> str:

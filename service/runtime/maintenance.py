@@ -36,6 +36,8 @@ class Maintenance:
         self.interval_s = interval_s
         self.session_idle_ms = session_idle_ms
         self._task: asyncio.Task[None] | None = None
+        self._tools_seen: set[str] = set()
+        self._tenants_seen: set[str] = set()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="maintenance")
@@ -67,6 +69,20 @@ class Maintenance:
         counts = await self.store.active_by_status()
         for status in ("working", "input_required"):
             metrics.tasks_active.labels(status).set(counts.get(status, 0))
+        # Per tool: a tool seen before and gone now reads 0, not its last value.
+        by_tool = {q.tool: q for q in await self.store.queue_by_tool()}
+        for tool in self._tools_seen | set(by_tool):
+            q = by_tool.get(tool)
+            metrics.tasks_queued.labels(tool).set(q.queued if q else 0)
+            metrics.tasks_running.labels(tool).set(q.running if q else 0)
+            metrics.oldest_queued_seconds.labels(tool).set(q.oldest_queued_s if q else 0)
+            metrics.oldest_running_seconds.labels(tool).set(q.oldest_running_s if q else 0)
+        self._tools_seen |= set(by_tool)
+        if metrics.tenant_label_on():
+            by_tenant = await self.store.active_by_tenant()
+            for tenant_id in self._tenants_seen | set(by_tenant):
+                metrics.tenant_tasks_active.labels(metrics.tenant(tenant_id)).set(by_tenant.get(tenant_id, 0))
+            self._tenants_seen |= set(by_tenant)
         for name, db in self.pools.items():
             in_use, size = db.pool_usage()
             metrics.db_pool_connections.labels(name, "in_use").set(in_use)

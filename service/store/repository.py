@@ -72,7 +72,7 @@ def _matched(keys: list[tuple[str, str]], rows: list[asyncpg.Record]) -> list[Ta
 
 def _finished(task: Task) -> None:
     kind = task.outcome.kind.value if task.outcome is not None else "cancelled"
-    metrics.tasks_finished.labels(task.tool, task.status.value, kind, metrics.tenant(task.tenant_id)).inc()
+    metrics.task_finished(task.tool, task.status.value, kind, task.tenant_id)
 
 
 async def _audit(
@@ -137,7 +137,7 @@ class TaskStore:
         tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
         for request, task in zip(requests, tasks, strict=True):
             if request.k == "create" and task is not None:
-                metrics.tasks_created.labels(task.tool, metrics.tenant(task.tenant_id)).inc()
+                metrics.task_created(task.tool, task.tenant_id)
         return tasks
 
     async def refuse_create(
@@ -256,6 +256,15 @@ class TaskStore:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueStats:
+    tool: str
+    queued: int
+    running: int
+    oldest_queued_s: float
+    oldest_running_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class LostLease:
     tenant_id: str
     task_id: str
@@ -354,6 +363,17 @@ class RunnerStore:
             await conn.execute(Q["delete_idle_sessions"], session_idle_ms)
             await conn.execute(Q["drop_idle_counters"])
             await conn.execute(Q["delete_old_event_payloads"], event_max_age_ms)
+
+    async def queue_by_tool(self) -> list[QueueStats]:
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["queue_by_tool"])
+        return [QueueStats(r["tool"], r["queued"], r["running"], float(r["oldest_queued_s"]), float(r["oldest_running_s"]))
+                for r in rows]  # fmt: skip
+
+    async def active_by_tenant(self) -> dict[str, int]:
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["active_by_tenant"])
+        return {r["tenant_id"]: int(r["active"]) for r in rows}
 
     async def active_by_status(self) -> dict[str, int]:
         async with self.db.connection() as conn:

@@ -109,3 +109,21 @@ SELECT * FROM task_finish_batch($1);
 -- name: release_task_batch
 -- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken (the one hand-back path).
 SELECT * FROM task_release_batch($1);
+
+-- name: queue_by_tool
+-- Queued (working, unclaimed) and running (claimed) tasks per tool, with the age of the oldest of
+-- each, for the queue gauges. It reads the active rows only (the sweeper's pass, not a request's).
+SELECT tool,
+       count(*) FILTER (WHERE lease_owner IS NULL AND status = 'working') AS queued,
+       count(*) FILTER (WHERE lease_owner IS NOT NULL) AS running,
+       coalesce(extract(epoch FROM clock_timestamp() - min(created_at)
+                FILTER (WHERE lease_owner IS NULL AND status = 'working')), 0) AS oldest_queued_s,
+       coalesce(extract(epoch FROM clock_timestamp() - min(coalesce(started_at, created_at))
+                FILTER (WHERE lease_owner IS NOT NULL)), 0) AS oldest_running_s
+FROM tasks
+WHERE task_status_active(status) AND expires_at > clock_timestamp()
+GROUP BY tool;
+
+-- name: active_by_tenant
+-- Active tasks per tenant, from the counters (for the opt-in per-tenant gauge).
+SELECT tenant_id, sum(active)::bigint AS active FROM active_tasks WHERE active > 0 GROUP BY tenant_id;
