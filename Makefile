@@ -36,8 +36,9 @@ format: $(STAMP) ## apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix service tests bench alembic grafana
 	$(BIN)/ruff format service tests bench alembic grafana
 
-interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve` (installs peers under /tmp/peers)
+interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve`, both wires (installs peers under /tmp/peers)
 	scripts/interop.sh
+	scripts/interop-ext.sh
 
 bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes); see docs/performance.md
 	$(BIN)/python bench/run.py --doc docs/performance.md

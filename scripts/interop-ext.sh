@@ -6,7 +6,7 @@
 #   - ext_task_client.py (raw httpx): no deviation, single-user and hosted with two dev-issuer tokens
 #   - ts_ext_client.mjs (@modelcontextprotocol/ext-tasks 0.2.2 + client 2.4.0): no deviation on the
 #     2026-07-28 wire and on the 2025-11-25 wire (demo tools sleep, confirm), single-user and hosted
-# Not yet part of `make interop`. Peers are installed under $PEERS (default /tmp/peers).
+# Run by `make interop` after scripts/interop.sh. Peers are installed under $PEERS (default /tmp/peers).
 #   EXT_ONLY="ts_ext_client_2025-11-25 ..."  run only the named checks (names as printed)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
