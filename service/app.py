@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,6 +59,15 @@ class _App(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def begin_shutdown(app: FastAPI) -> None:
+    """A shutdown has begun (SIGTERM): open subscriptions end with their closing result. Safe to
+    call from a signal handler."""
+    modern: ModernSurface | None = getattr(app.state, "modern", None)
+    loop: asyncio.AbstractEventLoop | None = getattr(app.state, "loop", None)
+    if modern is not None and loop is not None:
+        loop.call_soon_threadsafe(modern.closing.set)
+
+
 def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,6 +90,8 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         )
         app.state.core = core
         modern = ModernSurface(settings, core.tasks, surface, limiter, audit)
+        app.state.modern = modern
+        app.state.loop = asyncio.get_running_loop()
         app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface, limiter, audit, modern)
         metrics_endpoint = None
         if settings.metrics_port:
@@ -88,6 +100,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         try:
             yield
         finally:
+            modern.closing.set()
             app.state.mcp = None
             if metrics_endpoint is not None:
                 await metrics_endpoint.close()

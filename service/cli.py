@@ -29,7 +29,7 @@ def _settings() -> Any:
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from service.app import create_app
+    from service.app import begin_shutdown, create_app
     from service.core import check_schema
 
     settings = _settings()
@@ -39,7 +39,16 @@ def _serve(args: argparse.Namespace) -> None:
             asyncio.run(check_schema(settings.database_url))
     except (RuntimeError, OSError) as exc:
         sys.exit(f"mcp-tasks serve: {exc}")
-    uvicorn.run(
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the app the moment a shutdown starts (before it waits for
+        open connections), so long streams end gracefully instead of being cut."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            begin_shutdown(app)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -52,6 +61,7 @@ def _serve(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=10,
         ws="none",
     )
+    Server(config).run()
 
 
 async def _worker_main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -368,3 +369,64 @@ async def test_parameters_marked_as_headers_must_be_mirrored_X_HTTP_12(
         assert (await m.error("tools/call", params, headers=h, status=400))["code"] == -32020
     missing = m.headers("tools/call", "test_custom_headers")
     assert (await m.error("tools/call", params, headers=missing, status=400))["code"] == -32020
+
+
+async def test_a_subscription_ends_with_its_result_when_the_token_expires_XD_14(
+    http: httpx.AsyncClient, tenant_server: RunningServer, shared_issuer: Any
+) -> None:
+    token = shared_issuer.mint(tenant_server.url, tenant_id="t-expiring", sub="alice", exp=int(time.time()) + 2)
+    m = ModernClient(http, tenant_server.url, token=token)
+    created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
+    seen: list[dict[str, Any]] = []
+    async with asyncio.timeout(15):
+        async for msg in m.listen([created["taskId"]]):
+            seen.append(msg)
+    final = seen[-1]
+    assert final["result"] == {"resultType": "complete",
+                               "_meta": {"io.modelcontextprotocol/subscriptionId": final["id"]}}  # fmt: skip
+    assert all("method" in msg for msg in seen[:-1])
+    await ModernClient(http, tenant_server.url, token=shared_issuer.mint(
+        tenant_server.url, tenant_id="t-expiring", sub="alice")).result("tasks/cancel", {"taskId": created["taskId"]})  # fmt: skip
+
+
+async def test_a_subscription_ends_with_its_result_when_the_server_shuts_down_XD_14(
+    m: ModernClient, server: RunningServer
+) -> None:
+    created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
+    seen: list[dict[str, Any]] = []
+    async with asyncio.timeout(15):
+        async for msg in m.listen([created["taskId"]]):
+            seen.append(msg)
+            if msg.get("method") == "notifications/tasks":
+                server.app.state.modern.closing.set()  # what SIGTERM does first (service/cli.py)
+    assert seen[-1]["result"]["resultType"] == "complete"
+
+
+async def test_another_principals_task_is_exactly_an_unknown_one_on_every_method_X_SEC_2_3(
+    http: httpx.AsyncClient, tenant_server: RunningServer, shared_issuer: Any
+) -> None:
+    def client(tenant: str, sub: str) -> ModernClient:
+        return ModernClient(
+            http, tenant_server.url, token=shared_issuer.mint(tenant_server.url, tenant_id=tenant, sub=sub)
+        )
+
+    alice, bob, mallory = client("t-iso", "alice"), client("t-iso", "bob"), client("t-other", "alice")
+    created = await alice.result("tools/call", {"name": "slow_confirm", "arguments": {"seconds": 0.8}})
+    task_id = created["taskId"]
+    await settle(alice, task_id, "input_required")
+    for other in (bob, mallory):
+        for method, params in (("tasks/get", {"taskId": task_id}), ("tasks/cancel", {"taskId": task_id}),
+                               ("tasks/update", {"taskId": task_id, "inputResponses": {"q": {"action": "accept"}}})):  # fmt: skip
+            foreign = await other.error(method, params)
+            unknown = await other.error(method, {**params, "taskId": "never-existed"}, name="never-existed")
+            # The same error but for the id it names back.
+            assert {**foreign, "data": None} == {**unknown, "data": None}, method
+            assert foreign["data"] == {"task_id": task_id}
+        seen: list[dict[str, Any]] = []
+        async with asyncio.timeout(5):
+            async for msg in other.listen([task_id]):
+                seen.append(msg)
+                break
+        assert seen[0]["params"]["notifications"] == {"taskIds": []}  # not acked: silently dropped
+    assert (await alice.result("tasks/get", {"taskId": task_id}))["status"] == "input_required"
+    await alice.result("tasks/cancel", {"taskId": task_id})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import logging
 import time
@@ -124,6 +125,7 @@ class TokenVerifier:
         except Exception:  # any shape we did not foresee is the token's fault, never a crash
             log.warning("token rejected as malformed", exc_info=True)
             raise TokenRejected("malformed", "the token is not a well-formed access token") from None
+        principal = dataclasses.replace(principal, expires_at=expires)
         self._verified[cache_key] = (principal, expires)
         if len(self._verified) > CACHE_SIZE:
             self._verified.popitem(last=False)

@@ -17,6 +17,8 @@ class Principal:
     issuer: str = ""
     client_id: str = ""
     scopes: frozenset[str] = field(default_factory=frozenset)
+    # When the credential that named this principal runs out (epoch seconds; None: never).
+    expires_at: float | None = None
 
     @property
     def owner_key(self) -> tuple[str, str]:

@@ -131,6 +131,8 @@ class ModernSurface:
         self.poll_s = settings.poll_interval_ms / 1000
         self.keepalive_s = settings.sse_keepalive_ms / 1000
         self.subscriptions: dict[tuple[str, str, str], int] = {}
+        # Set when the process starts to shut down: open subscriptions end gracefully (XD-14).
+        self.closing = asyncio.Event()
         self._methods = {
             "server/discover": self.discover,
             "tools/list": self.tools_list,
@@ -482,15 +484,43 @@ class ModernSurface:
                 yield jsonrpc.notification("notifications/subscriptions/acknowledged", ack)
                 for task in live:
                     yield await self._task_notification(call, task, meta)
-                async for task in self.tasks.watch(call.caller, live, poll_s=self.poll_s):
-                    yield await self._task_notification(call, task, meta)
-                await asyncio.Event().wait()  # every task ended: the stream stays open until the client closes it
+                changes = self.tasks.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
+                stop = asyncio.ensure_future(self._until_teardown(principal.expires_at))
+                try:
+                    while True:
+                        step: asyncio.Future[Any] = asyncio.ensure_future(anext(changes))
+                        await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+                        if stop.done():
+                            step.cancel()
+                            break
+                        try:
+                            task = step.result()
+                        except StopAsyncIteration:  # every task ended: wait for the client or the end
+                            await stop
+                            break
+                        yield await self._task_notification(call, task, meta)
+                    # XD-14: a server-side end is a SubscriptionsListenResult, then the stream closes.
+                    yield jsonrpc.result_message(call.request_id, {"resultType": "complete", "_meta": meta})
+                finally:
+                    stop.cancel()
+                    with contextlib.suppress(BaseException):
+                        await changes.aclose()  # type: ignore[attr-defined]
 
             await send_sse(send, receive, messages(), keepalive_s=self.keepalive_s)
         finally:
             self.subscriptions[key] -= 1
             if self.subscriptions[key] <= 0:
                 del self.subscriptions[key]
+
+    async def _until_teardown(self, expires_at: float | None) -> None:
+        """Returns when the subscription must end: the process is shutting down, or the token that
+        opened it expired (a stream outliving its credential would keep reporting to nobody)."""
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            timeout = None if expires_at is None else max(0.0, expires_at - time.time())
+            await asyncio.wait({closing}, timeout=timeout)
+        finally:
+            closing.cancel()
 
     async def _task_notification(self, call: ModernCall, task: Any, meta: dict[str, Any]) -> dict[str, Any]:
         pending = await self.tasks.pending_inputs(call.caller, task)
