@@ -157,6 +157,6 @@ async def _check_ready(core: Core | None) -> tuple[int, dict[str, Any]]:
     except Exception:
         return 503, {"status": "database unreachable"}
     head = migrate.head_revision()
-    if current != head:
+    if not migrate.schema_fits(current):
         return 503, {"status": "migrations pending", "current": current, "head": head}
-    return 200, {"status": "ready", "revision": current, "listening": core.hub.connected}
+    return 200, {"status": "ready", "revision": current, "head": head, "listening": core.hub.connected}

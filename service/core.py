@@ -60,10 +60,12 @@ async def check_schema(dsn: str) -> None:
         current = await migrate.current_revision(dsn)
     except Exception as exc:
         raise RuntimeError(f"cannot connect to MCP_TASKS_DATABASE_URL ({type(exc).__name__}: {exc})") from exc
-    if current != head:
+    if not migrate.schema_fits(current):
         raise RuntimeError(
             f"the database schema is at {current or 'nothing'}, this version needs {head}: run `mcp-tasks migrate`"
         )
+    if current != head:
+        log.warning("the database schema (%s) is newer than this version's (%s): running on it", current, head)
 
 
 async def resolve_database(settings: Settings) -> tuple[str, Callable[[], None] | None]:

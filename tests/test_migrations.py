@@ -106,3 +106,26 @@ def test_migrate_on_a_database_at_head_is_a_no_op_that_says_so(database_url: str
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"database already at head ({migrate.head_revision()}); nothing to do"
     assert "Running upgrade" not in done.stderr
+
+
+async def test_a_newer_schema_keeps_this_version_ready_an_older_one_does_not(database_url: str) -> None:
+    """Rolling upgrades: the new release migrates first; old replicas stay ready on the newer schema
+    (migrations only add while two releases run, CONTRIBUTING.md). An older schema is not enough."""
+    import httpx
+
+    from tests.conftest import make_settings, serve
+
+    conn = await asyncpg.connect(database_url)
+    try:
+        async with serve(make_settings(database_url)) as running, httpx.AsyncClient() as http:
+            readyz = running.url.removesuffix("/mcp") + "/readyz"
+            assert (await http.get(readyz)).status_code == 200
+            await conn.execute("UPDATE alembic_version SET version_num = '9999_from_a_newer_release'")
+            ready = await http.get(readyz)
+            assert ready.status_code == 200
+            assert ready.json()["revision"] == "9999_from_a_newer_release"
+            await conn.execute("UPDATE alembic_version SET version_num = '0001'")
+            if migrate.head_revision() != "0001":
+                assert (await http.get(readyz)).status_code == 503
+    finally:
+        await conn.close()

@@ -71,6 +71,20 @@ def head_revision() -> str:
     return head
 
 
+def known_revisions() -> frozenset[str]:
+    return frozenset(r.revision for r in ScriptDirectory.from_config(_config("postgresql://unused")).walk_revisions())
+
+
+def schema_fits(current: str | None) -> bool:
+    """Can this version run on a database at ``current``? At head, yes; at an older revision, no
+    (run the migrations); at a revision this version does not know, yes: it is a newer release's,
+    and migrations only add while two releases run side by side (CONTRIBUTING.md), so a rolling
+    upgrade keeps the old replicas ready after the new release migrated."""
+    if current is None:
+        return False
+    return current == head_revision() or current not in known_revisions()
+
+
 async def current_revision(dsn: str) -> str | None:
     conn = await asyncpg.connect(dsn)
     try:
