@@ -17,13 +17,42 @@ from service.observability import logging as log_setup
 
 
 def _settings() -> Any:
-    from service.config import Settings
+    import os
+
+    from service.config import Settings, describe_error, unknown_variables
 
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as exc:
-        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-        sys.exit(f"mcp-tasks: invalid settings: {problems}")
+        problems = "\n  ".join(describe_error(dict(e)) for e in exc.errors())
+        sys.exit(f"mcp-tasks: invalid settings:\n  {problems}")
+    log = logging.getLogger("service")
+    for name, close in unknown_variables(dict(os.environ)):
+        hint = f"; did you mean {close}?" if close else ""
+        log.warning("%s is not a setting of mcp-tasks and is ignored%s", name, hint)
+    for note in settings.adjustments():
+        log.info("%s", note)
+    return settings
+
+
+def _load_tools(settings: Any) -> None:
+    """Import the tool packs now, so a wrong MCP_TASKS_TOOLS is a message, not a start-up traceback."""
+    from service.tools.registry import Registry
+
+    try:
+        Registry.load(settings.tool_packs)
+    except ValueError as exc:
+        sys.exit(f"mcp-tasks: MCP_TASKS_TOOLS: {exc}")
+
+
+def _config(args: argparse.Namespace) -> None:
+    from service.config import masked
+
+    settings = _settings()
+    for name in sorted(type(settings).model_fields):
+        print(f"MCP_TASKS_{name.upper()}={json.dumps(masked(name, getattr(settings, name)), default=str)}")
+    print(f"# effective: auth={settings.effective_auth} public_url={settings.effective_public_url} "
+          f"default_ttl_ms={settings.effective_default_ttl_ms} max_ttl_ms={settings.effective_max_ttl_ms}")  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -122,14 +151,19 @@ def _migrate(args: argparse.Namespace) -> None:
         print(f"database already at head ({done.head}); nothing to do")
 
 
-def _parse_arg(raw: str) -> tuple[str, Any]:
+def _parse_arg(raw: str, *, as_json: bool = False) -> tuple[str, Any]:
+    """``--arg k=v`` (a string) or ``--json-arg k=JSON``; the tool's schema converts the string
+    where it expects a number or a boolean."""
+    flag = "--json-arg" if as_json else "--arg"
     key, sep, value = raw.partition("=")
-    if not sep:
-        raise SystemExit(f"--arg needs key=value, got {raw!r}")
+    if not sep or not key:
+        raise SystemExit(f"{flag} needs key=value, got {raw!r}")
+    if not as_json:
+        return key, value
     try:
         return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--json-arg {key}: not JSON ({exc.msg}); use --arg for a plain string") from None
 
 
 async def _ask(request: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +249,7 @@ async def _call_main(args: argparse.Namespace) -> int:
     from service.client import McpClient, McpClientError
 
     arguments = dict(_parse_arg(a) for a in args.arg)
+    arguments.update(_parse_arg(a, as_json=True) for a in args.json_arg)
     if args.wire == "2026-07-28":
         return await _call_modern(args, arguments)
     async with McpClient(args.url, token=args.token) as client:
@@ -310,7 +345,10 @@ def main(argv: list[str] | None = None) -> None:
 
         log_setup.configure("WARNING", "text")
         sys.exit(bench_main(argv[1:]))
+    from service import __version__
+
     parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
+    parser.add_argument("--version", action="version", version=f"mcp-tasks {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (and in-process runners)")
     sub.add_parser("worker", help="run task runners only, no HTTP")
@@ -338,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
     call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
     call.add_argument("tool")
-    call.add_argument("--arg", action="append", default=[], help="key=value (value parsed as JSON if it can be)")
+    call.add_argument("--arg", action="append", default=[], help="key=value, the value a string")
+    call.add_argument("--json-arg", action="append", default=[], help="key=JSON, e.g. items=[1,2] or ok=true")
     call.add_argument("--url", default="http://127.0.0.1:8000/mcp")
     call.add_argument("--token", default=None)
     call.add_argument(
@@ -350,10 +389,13 @@ def main(argv: list[str] | None = None) -> None:
         default="2026-07-28",
         help="protocol revision to speak (default: 2026-07-28 with the Tasks extension)",
     )
+    sub.add_parser("config", help="print the effective settings (secrets masked)")
     args = parser.parse_args(argv)
     if args.command in ("serve", "worker"):
+        log_setup.configure("INFO", "text")  # until the settings say otherwise
         settings = _settings()
         log_setup.configure(settings.log_level, settings.log_format)
+        _load_tools(settings)
     else:
         log_setup.configure("WARNING" if args.command in ("token", "audit") else "INFO", "text")
     if args.command == "serve":
@@ -371,3 +413,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_audit_main(args)))
     elif args.command == "call":
         sys.exit(asyncio.run(_call_main(args)))
+    elif args.command == "config":
+        _config(args)

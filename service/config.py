@@ -5,10 +5,10 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from limits import parse_many
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Single-user mode keeps tasks briefly: anyone who can reach the port can use them.
@@ -84,11 +84,16 @@ class Settings(BaseSettings):
     sse_keepalive_ms: int = Field(default=15_000, ge=50, le=300_000)
     result_grace_ms: int = Field(default=1_000, ge=0, le=60_000)
     db_pool_size: int = Field(default=10, ge=1, le=1_000)
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["json", "text"] = "json"
     metrics_tenant_label: bool = False
     metrics_tenant_limit: int = Field(default=100, ge=1, le=10_000)
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -104,7 +109,7 @@ class Settings(BaseSettings):
                 "MCP_TASKS_OAUTH_JWKS_URL applies to every issuer, so its keys could speak for all of them; "
                 "with several issuers let each one's JWKS be discovered"
             )
-        if self.effective_default_ttl_ms > self.effective_max_ttl_ms:
+        if self.default_ttl_ms is not None and self.effective_default_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError(
                 f"MCP_TASKS_DEFAULT_TTL_MS ({self.effective_default_ttl_ms}) exceeds "
                 f"MCP_TASKS_MAX_TTL_MS ({self.effective_max_ttl_ms})"
@@ -131,9 +136,22 @@ class Settings(BaseSettings):
 
     @property
     def effective_default_ttl_ms(self) -> int:
+        """The operator's, else the built-in default, lowered to a max TTL they set below it."""
         if self.default_ttl_ms is not None:
             return self.default_ttl_ms
-        return LOCAL_DEFAULT_TTL_MS if self.effective_auth == "none" else 3_600_000
+        builtin = LOCAL_DEFAULT_TTL_MS if self.effective_auth == "none" else 3_600_000
+        return min(builtin, self.effective_max_ttl_ms)
+
+    def adjustments(self) -> list[str]:
+        """Defaults that followed a setting the operator made (logged at start-up)."""
+        notes = []
+        builtin = LOCAL_DEFAULT_TTL_MS if self.effective_auth == "none" else 3_600_000
+        if self.default_ttl_ms is None and self.effective_default_ttl_ms < builtin:
+            notes.append(
+                f"MCP_TASKS_DEFAULT_TTL_MS is not set: using {self.effective_default_ttl_ms} "
+                f"(MCP_TASKS_MAX_TTL_MS) instead of the built-in {builtin}"
+            )
+        return notes
 
     @property
     def effective_max_ttl_ms(self) -> int:
@@ -171,3 +189,52 @@ class Settings(BaseSettings):
     @property
     def host_allowlist(self) -> frozenset[str]:
         return frozenset(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
+
+
+SECRET_FIELDS = frozenset({"oauth_client_secret"})
+URL_FIELDS = frozenset({"database_url", "rate_limit_storage", "oauth_introspection_url"})
+
+
+def masked(name: str, value: Any) -> Any:
+    """A setting's value fit to print: secrets hidden, passwords in URLs too."""
+    if value is None:
+        return None
+    if name in SECRET_FIELDS:
+        return "********"
+    if name in URL_FIELDS and isinstance(value, str):
+        import re
+
+        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1********@", value)
+    return value
+
+
+def unknown_variables(environ: dict[str, str]) -> list[tuple[str, str | None]]:
+    """``MCP_TASKS_*`` variables no setting reads (a typo ignored silently otherwise), each with
+    the closest known name."""
+    import difflib
+
+    known = {f"MCP_TASKS_{name.upper()}" for name in Settings.model_fields}
+    # Read elsewhere than Settings: the tests' database, the shared folder of the interop scripts.
+    known |= {"MCP_TASKS_TEST_DATABASE_URL", "MCP_TASKS_SHARED", "MCP_TASKS_OPS_SLOW"}
+    out = []
+    for name in sorted(environ):
+        if name.startswith("MCP_TASKS_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            out.append((name, close[0] if close else None))
+    return out
+
+
+def describe_error(error: dict[str, Any]) -> str:
+    """A pydantic error on a setting, naming the variable, the value given and what is allowed."""
+    loc = [str(part) for part in error.get("loc", ())]
+    message = str(error.get("msg", "")).removeprefix("Value error, ")
+    if not loc:
+        return message
+    variable = f"MCP_TASKS_{loc[0].upper()}"
+    given = error.get("input")
+    allowed = ""
+    ctx = error.get("ctx") or {}
+    if "expected" in ctx and str(ctx["expected"]) not in message:
+        allowed = f" (allowed: {ctx['expected']})"
+    shown = masked(loc[0], given) if not isinstance(given, dict) else None
+    return f"{variable}={shown!r}: {message}{allowed}" if shown is not None else f"{variable}: {message}{allowed}"

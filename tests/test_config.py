@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS, Settings
+from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS, Settings, unknown_variables
 
 
 def test_single_user_mode_refuses_a_public_bind() -> None:
@@ -47,3 +52,62 @@ def test_public_url_defaults_to_the_bind_address() -> None:
 def test_environment_variables_use_the_mcp_tasks_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MCP_TASKS_POLL_INTERVAL_MS", "250")
     assert Settings().poll_interval_ms == 250
+
+
+def run_cli(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MCP_TASKS_")}
+    return subprocess.run(
+        [sys.executable, "-m", "service", *argv], capture_output=True, text=True, timeout=60, env={**environ, **env},
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+
+
+def test_a_bad_setting_names_its_variable_and_the_allowed_values() -> None:
+    done = run_cli("serve", MCP_TASKS_PORT="abc", MCP_TASKS_LOG_LEVEL="verbose")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert "MCP_TASKS_PORT='abc'" in done.stderr
+    assert "MCP_TASKS_LOG_LEVEL='VERBOSE'" in done.stderr
+    assert "'DEBUG', 'INFO'" in done.stderr
+
+
+def test_a_tool_pack_that_cannot_be_imported_is_a_message_not_a_traceback() -> None:
+    done = run_cli("serve", MCP_TASKS_TOOLS="nosuchmod", MCP_TASKS_DATABASE_URL="postgresql://u@127.0.0.1:1/none")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert "MCP_TASKS_TOOLS" in done.stderr
+    assert "nosuchmod" in done.stderr
+
+
+def test_a_misspelled_variable_is_reported_with_the_closest_name() -> None:
+    assert unknown_variables({"MCP_TASKS_PROT": "1", "MCP_TASKS_PORT": "2", "HOME": "/"}) == [
+        ("MCP_TASKS_PROT", "MCP_TASKS_PORT")
+    ]
+    done = run_cli("config", MCP_TASKS_PROT="1")
+    assert "MCP_TASKS_PROT is not a setting" in done.stderr
+    assert "did you mean MCP_TASKS_PORT" in done.stderr
+
+
+def test_a_lower_max_ttl_lowers_the_default_it_did_not_set() -> None:
+    s = Settings(max_ttl_ms=600_000)
+    assert s.effective_default_ttl_ms == 600_000
+    [note] = s.adjustments()
+    assert "MCP_TASKS_DEFAULT_TTL_MS is not set" in note
+    with pytest.raises(ValidationError, match="MCP_TASKS_DEFAULT_TTL_MS"):  # both set, inconsistently
+        Settings(max_ttl_ms=600_000, default_ttl_ms=700_000)
+
+
+def test_config_prints_the_effective_settings_with_secrets_masked() -> None:
+    done = run_cli("config", MCP_TASKS_DATABASE_URL="postgresql://app:hunter2@db/tasks",
+                   MCP_TASKS_OAUTH_CLIENT_SECRET="s3cret", MCP_TASKS_RATE_LIMIT_STORAGE="redis://:pw@r:6379")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "hunter2" not in done.stdout
+    assert "s3cret" not in done.stdout
+    assert ":pw@" not in done.stdout
+    assert 'MCP_TASKS_DATABASE_URL="postgresql://app:********@db/tasks"' in done.stdout
+    assert "MCP_TASKS_PORT=8000" in done.stdout
+
+
+def test_version() -> None:
+    done = run_cli("--version")
+    assert done.stdout.startswith("mcp-tasks ")
