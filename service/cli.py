@@ -212,6 +212,8 @@ async def _call_modern(args: argparse.Namespace, arguments: dict[str, Any]) -> i
 
 async def _follow_modern(client: Any, task_id: str, poll_ms: int) -> dict[str, Any]:
     """The task's final state, answering its questions on the way."""
+    import httpx
+
     from service.client import McpClientError
 
     answered: set[str] = set()
@@ -236,8 +238,8 @@ async def _follow_modern(client: Any, task_id: str, poll_ms: int) -> dict[str, A
                 task = message["params"]
                 if await on_state(task):
                     return dict(task)
-    except McpClientError:
-        pass  # no subscriptions here: poll
+    except (McpClientError, httpx.HTTPError):
+        pass  # no subscriptions here, or the stream broke (a restart): poll, which retries
     while True:
         task = dict(await client.request("tasks/get", {"taskId": task_id}))
         if await on_state(task):
@@ -330,7 +332,11 @@ async def _audit_main(args: argparse.Namespace) -> int:
             scope = f"tenant {args.tenant}" if args.tenant else "all tenants"
             print(f"audit chain of {scope}: {'intact' if not problems else f'{len(problems)} problem(s)'}")
             return 1 if problems else 0
-        since = datetime.fromisoformat(args.since) if args.since else None
+        try:
+            since = datetime.fromisoformat(args.since) if args.since else None
+        except ValueError:
+            print(f"--since {args.since!r} is not an ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00", file=sys.stderr)
+            return 2
         async for event in audit.export(args.tenant, since):
             sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
         return 0

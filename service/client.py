@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -148,15 +149,37 @@ class ModernClient:
             h["Mcp-Name"] = name
         return h
 
-    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    async def request(self, method: str, params: dict[str, Any], *, retry_for_s: float = 60.0) -> dict[str, Any]:
+        """One request; "unavailable, retry shortly" answers (503, -32001) are retried with backoff
+        for up to ``retry_for_s``, and so are lost connections for requests that change nothing
+        (everything but tools/call, which a lost answer might already have run)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + retry_for_s
+        delay = 0.25
+        while True:
+            try:
+                return await self._request_once(method, params)
+            except McpClientError as exc:
+                if exc.error.get("code") not in (503, -32001) or loop.time() + delay > deadline:
+                    raise
+            except httpx.TransportError as exc:
+                if method == "tools/call" or loop.time() + delay > deadline:
+                    raise McpClientError({"code": "connection", "message": f"{type(exc).__name__}: {exc}"}) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _request_once(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         r = await self.http.post(self.url, content=orjson.dumps(self._body(method, params)),
                                  headers=self._headers(method, params))  # fmt: skip
         try:
             message = orjson.loads(await r.aread())
         except orjson.JSONDecodeError:
-            raise McpClientError({"code": r.status_code, "message": r.text}) from None
+            raise McpClientError({"code": r.status_code, "message": r.text or r.reason_phrase}) from None
         if "error" in message:
-            raise McpClientError(message["error"])
+            error = dict(message["error"])
+            if r.status_code == 503:
+                error.setdefault("code", 503)
+            raise McpClientError(error)
         result: dict[str, Any] = message.get("result", {})
         return result
 
