@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
@@ -107,7 +107,15 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
             await core.close()
             await http.aclose()
 
-    app = _App(title="mcp-task-service", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No OpenAPI document: /mcp is not described by it, and it answered any Host.
+    app = _App(
+        title="mcp-task-service",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.router.routes.append(Route("/mcp", endpoint=_LateMcp(app)))
     metrics.configure(
         tenant_label=settings.metrics_tenant_label, tenant_limit=settings.metrics_tenant_limit, version=__version__
@@ -116,7 +124,14 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
     if not settings.metrics_port:  # else /metrics is on its own port only (MetricsEndpoint)
 
         @app.get("/metrics", include_in_schema=False)
-        async def prometheus_metrics() -> Response:
+        async def prometheus_metrics(request: Request) -> Response:
+            # On the /mcp port, the same Host rule as /mcp (DNS rebinding); a scraper that cannot
+            # send an allowed Host uses MCP_TASKS_METRICS_PORT, which serves nothing else.
+            endpoint: McpEndpoint | None = getattr(app.state, "mcp", None)
+            if endpoint is not None and not endpoint.host_allowed(request.headers.get("host", "")):
+                return JSONResponse(
+                    {"error": "Host is not served here; scrape MCP_TASKS_METRICS_PORT"}, status_code=403
+                )
             return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.effective_auth == "oauth":

@@ -349,3 +349,26 @@ async def test_a_new_session_of_the_same_principal_reaches_its_tasks_H_SESS_8(
         http, hosted, issuer.mint(audience(hosted), sub="alice", tenant_id=tenant, client_id="another")
     )
     assert (await again.result("tasks/result", {"taskId": task_id}))["content"][0]["text"] == "mine"
+
+
+@pytest.mark.parametrize(
+    ("claims", "why"),
+    [
+        ({"sub": "a" * 3000}, "a 3,000-character subject overflowed an index row: -32603 on every create"),
+        ({"sub": "alice\x00"}, "a NUL in a claim was a 503"),
+        ({"sub": "alice\ninjected log line"}, "a newline would forge a log line"),
+        ({"tenant_id": "t" * 300}, "tenants are bounded too"),
+        ({"aud": "FRAGMENT"}, "an audience with a fragment was accepted"),
+    ],
+)
+async def test_identity_claims_are_bounded_and_clean_and_aud_has_no_fragment(
+    shared_server: RunningServer, shared_issuer: LocalIssuer, http: httpx.AsyncClient, claims: dict[str, Any], why: str
+) -> None:
+    """Security review, point 9: each is a clear 401, never a 500 or 503."""
+    if claims.get("aud") == "FRAGMENT":
+        claims = {"aud": shared_server.url + "#fragment"}
+    token = shared_issuer.mint(shared_server.url, **{"tenant_id": "t-claims", "sub": "alice", **claims})
+    r = await http.post(shared_server.url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                        headers={"Authorization": f"Bearer {token}", "Accept": ACCEPT_BOTH, "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 401, (why, r.status_code, r.text)
+    assert "invalid_token" in r.headers["www-authenticate"]

@@ -432,3 +432,25 @@ async def test_startup_warns_and_no_token_or_secret_reaches_the_log(
     logged = "\n".join(r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore")))
     for secret in (registered["client_secret"], code, verifier, body["access_token"], body["refresh_token"]):
         assert secret not in logged
+
+
+async def test_only_loopback_pages_may_call_the_dev_issuer_from_a_browser(
+    issuer: Issuer, client: httpx.AsyncClient
+) -> None:
+    """Security review, point 8: with the well-known dev/dev client, CORS * let any page mint tokens."""
+    local = await client.get(f"{issuer.url}/jwks", headers={"Origin": "http://localhost:6274"})
+    assert local.headers["access-control-allow-origin"] == "http://localhost:6274"
+    evil = await client.get(f"{issuer.url}/jwks", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in evil.headers
+    preflight = await client.options(
+        f"{issuer.url}/token",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+async def test_the_dev_issuer_refuses_a_rebound_host(issuer: Issuer, client: httpx.AsyncClient) -> None:
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 still sends its own Host."""
+    rebound = await client.get(f"{issuer.url}/jwks", headers={"Host": "evil.example"})
+    assert rebound.status_code == 403
+    assert (await client.get(f"{issuer.url}/jwks")).status_code == 200

@@ -49,3 +49,14 @@ async def test_request_lines_are_json_with_request_id_tenant_and_method(
     assert entry["status"] == 200
     assert {"time", "level", "message", "duration_ms"} <= entry.keys()
     assert secret_argument not in json_log.getvalue()
+
+
+def test_the_text_format_escapes_control_characters_so_no_line_is_forged() -> None:
+    import logging
+
+    from service.observability.logging import TextFormatter
+
+    record = logging.LogRecord("service", logging.INFO, __file__, 1, "sub=%s", ("alice\n2026 ERROR forged",), None)
+    line = TextFormatter("%(levelname)s %(message)s").format(record)
+    assert "\n" not in line
+    assert "alice\\x0a2026 ERROR forged" in line

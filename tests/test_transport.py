@@ -271,3 +271,25 @@ async def test_a_session_ended_on_one_replica_is_refused_by_every_replica_H_SESS
         while (await post_raw(http, b.url, ping, **on_b.headers())).status_code != 404:
             assert loop.time() < deadline, "replica b still serves a session ended on replica a"
             await asyncio.sleep(0.05)
+
+
+async def test_a_deeply_nested_body_is_a_clear_error_not_a_recursion_error(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    """Security review, point 9: 1,000 levels passed orjson and exhausted the recursion of the NUL scan."""
+    inner = "[" * 1000 + '"\\u0000"' + "]" * 1000
+    body = '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"text":' + inner + "}}}"
+    r = await http.post(s.url, content=body, headers=s.headers())
+    assert r.status_code == 200
+    assert r.json()["error"]["code"] == -32602
+
+
+async def test_metrics_answer_our_own_host_only_and_there_is_no_openapi_document(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    """Security review, point 9: /metrics and /openapi.json answered any Host (DNS rebinding)."""
+    base = server.url.removesuffix("/mcp")
+    assert (await http.get(base + "/metrics")).status_code == 200
+    assert (await http.get(base + "/metrics", headers={"Host": "evil.example"})).status_code == 403
+    assert (await http.get(base + "/openapi.json")).status_code == 404
+    assert (await http.get(base + "/healthz", headers={"Host": "10.1.2.3:8000"})).status_code == 200  # probes

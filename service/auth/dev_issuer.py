@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl, unquote_plus, urlencode, urlsplit
 from authlib.oauth2.rfc7636 import create_s256_code_challenge
 from joserfc.jwk import ECKey
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -133,12 +134,39 @@ def create_dev_issuer_app(config: DevIssuerConfig) -> Starlette:
         ],
         middleware=[
             Middleware(_DevHeader),
-            # Browser-based MCP clients (e.g. the MCP Inspector) fetch metadata and tokens cross-origin.
-            Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"], allow_headers=["*"]),
+            # DNS rebinding: a page served from elsewhere that resolves its name to 127.0.0.1 still
+            # sends its own Host.
+            Middleware(_LoopbackHost),
+            # Browser-based MCP clients on this machine (e.g. the MCP Inspector) fetch metadata and
+            # tokens cross-origin; pages of any other origin may not (the dev client mints tokens
+            # for any tenant).
+            Middleware(
+                CORSMiddleware, allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "POST"], allow_headers=["*"]
+            ),
         ],
         exception_handlers={OAuthError: _oauth_error, Exception: _internal_error},
         lifespan=lifespan,
     )
+
+
+LOOPBACK_ORIGIN = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"
+_LOOPBACK_HOST = re.compile(r"(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?")
+
+
+class _LoopbackHost:
+    """Refuses a request whose Host is not a loopback name (403)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "")
+            if not _LOOPBACK_HOST.fullmatch(host.lower()):
+                response = JSONResponse({"error": "invalid_request", "error_description": "Host is not loopback"}, 403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _DevHeader:

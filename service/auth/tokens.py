@@ -56,9 +56,15 @@ class IssuerUnavailable(Exception):
     """The issuer's metadata or keys cannot be fetched right now."""
 
 
+# Longer tenants or subjects would overflow an index row (about 2.7 KB) and serve no one.
+MAX_IDENTITY_CHARS = 256
+
+
 def normalize_uri(uri: str) -> str:
     """A-AUD-4: compare resource identifiers with case-insensitive scheme and host, no trailing slash."""
     parts = urlsplit(uri.strip())
+    if parts.fragment or "#" in uri:
+        return uri  # a resource identifier has no fragment (RFC 8707): it matches nothing
     if not parts.scheme or not parts.netloc:
         return uri.strip().rstrip("/")
     path = parts.path.rstrip("/")
@@ -181,6 +187,19 @@ class TokenVerifier:
         tenant = claims.get(self.settings.tenant_claim)
         if not isinstance(tenant, str) or not tenant:
             raise TokenRejected("claims", f"the token has no tenant claim ({self.settings.tenant_claim})")
+        for name, value in (("sub", subject), (self.settings.tenant_claim, tenant)):
+            # Identities are keys of rows, indexes and log lines: bounded, and free of control
+            # characters (a NUL cannot be stored; a newline would forge a log line).
+            if len(value) > MAX_IDENTITY_CHARS or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+                raise TokenRejected(
+                    "claims",
+                    f"the token's {name} must be at most {MAX_IDENTITY_CHARS} characters, none a control character",
+                )
+        client_claim = claims.get("client_id", claims.get("azp"))
+        if isinstance(client_claim, str) and (
+            len(client_claim) > MAX_IDENTITY_CHARS or any(ord(c) < 0x20 for c in client_claim)
+        ):
+            raise TokenRejected("claims", f"the token's client_id must be at most {MAX_IDENTITY_CHARS} characters")
         if tenant == RESERVED_TENANT:
             raise TokenRejected("claims", f"tenant {RESERVED_TENANT!r} is reserved (unauthenticated audit events)")
         client_id = claims.get("client_id", claims.get("azp", ""))

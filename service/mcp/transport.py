@@ -92,12 +92,19 @@ def _hostname(url: str) -> str:
 
 
 def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
+    """Any string in the document holds U+0000? Iterative: a deeply nested body (orjson accepts
+    1024 levels) must not exhaust Python's recursion limit."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 
@@ -232,16 +239,19 @@ class McpEndpoint:
 
     # --- envelope checks -----------------------------------------------------------------------
 
+    def host_allowed(self, host: str) -> bool:
+        """Our own Host names only: the public URL's, the allow-list, loopback when bound to loopback."""
+        hostname = _hostname(f"//{host}")
+        return (
+            hostname == self._public_host
+            or hostname in self.settings.host_allowlist
+            or (is_loopback_host(self.settings.host) and is_loopback_host(hostname))
+        )
+
     def _check_host_and_origin(self, headers: Headers) -> None:
         """H-ORIGIN-1/2 and DNS-rebinding defence: only our own Host names and allowed Origins."""
         host = headers.get("host", "")
-        hostname = _hostname(f"//{host}")
-        allowed_hosts = self.settings.host_allowlist
-        if not (
-            hostname == self._public_host
-            or hostname in allowed_hosts
-            or (is_loopback_host(self.settings.host) and is_loopback_host(hostname))
-        ):
+        if not self.host_allowed(host):
             raise HttpError(403, INVALID_REQUEST, f"Host {host!r} is not served here (DNS rebinding protection)")
         origin = headers.get("origin")
         if origin is None:

@@ -47,12 +47,25 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """One line per record: control characters in the message (a newline in a client-chosen value)
+    are escaped, so no record can forge another."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        head, sep, tail = line.partition("\nTraceback")  # a traceback of our own stays readable
+        return head.translate(_ESCAPES) + (sep + tail if sep else "")
+
+
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09}
+
+
 def configure(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
