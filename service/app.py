@@ -60,12 +60,17 @@ class _App(FastAPI):
 
 
 def begin_shutdown(app: FastAPI) -> None:
-    """A shutdown has begun (SIGTERM): open subscriptions end with their closing result. Safe to
-    call from a signal handler."""
+    """A shutdown has begun (SIGTERM): readiness goes false, runners claim nothing more, open
+    subscriptions end with their closing result. Safe to call from a signal handler."""
     modern: ModernSurface | None = getattr(app.state, "modern", None)
+    core: Core | None = getattr(app.state, "core", None)
     loop: asyncio.AbstractEventLoop | None = getattr(app.state, "loop", None)
-    if modern is not None and loop is not None:
+    if loop is None:
+        return
+    if modern is not None:
         loop.call_soon_threadsafe(modern.closing.set)
+    if core is not None:
+        loop.call_soon_threadsafe(core.begin_drain, core.settings.shutdown_grace_s)
 
 
 def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
@@ -167,6 +172,8 @@ async def readiness(core: Core | None) -> tuple[int, dict[str, Any]]:
 async def _check_ready(core: Core | None) -> tuple[int, dict[str, Any]]:
     if core is None:
         return 503, {"status": "starting"}
+    if core.drain_deadline is not None:
+        return 503, {"status": "draining"}  # a load balancer sends new work elsewhere
     try:
         current = await core.db.fetchval("SELECT version_num FROM alembic_version")
     except Exception:

@@ -87,7 +87,8 @@ def _serve(args: argparse.Namespace) -> None:
         forwarded_allow_ips=settings.forwarded_allow_ips or None,
         access_log=False,  # it would log query strings; /mcp writes its own request line
         log_config=None,  # keep our structured handler
-        timeout_graceful_shutdown=10,
+        # Open streams (tasks/result) get the same grace as running tasks; both end by its deadline.
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
         ws="none",
     )
     Server(config).run()

@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     task_grace_ms: int = Field(default=500, ge=0, le=60_000)
     max_subscription_task_ids: int = Field(default=256, ge=1, le=10_000)
     max_subscriptions_per_principal: int = Field(default=16, ge=1, le=10_000)
+    # SIGTERM: readiness drops, no new claims, running tasks get this long to finish before they
+    # are handed back (the chart's 60 s termination period = 5 s preStop + this + a margin).
+    shutdown_grace_s: float = Field(default=45.0, ge=0, le=3_600)
     max_body_bytes: int = Field(default=1_048_576, ge=1_024)
     lease_ms: int = Field(default=30_000, ge=1_000)
     sweep_interval_ms: int = Field(default=5_000, ge=100)

@@ -40,10 +40,21 @@ class Core:
     runner: Runner | None
     maintenance: Maintenance
     stop_database: Callable[[], None] | None = None
+    drain_deadline: float | None = None
+
+    def begin_drain(self, grace_s: float) -> float:
+        """A shutdown began: readiness goes false, runners claim nothing more; returns the deadline
+        (loop time) by which running tasks should have finished. Idempotent: the first call counts."""
+        if self.drain_deadline is None:
+            self.drain_deadline = asyncio.get_running_loop().time() + grace_s
+            if self.runner is not None:
+                self.runner.drain()
+        return self.drain_deadline
 
     async def close(self) -> None:
         if self.runner is not None:
-            await self.runner.stop()
+            deadline = self.begin_drain(self.settings.shutdown_grace_s)
+            await self.runner.stop(deadline)
         await self.maintenance.stop()
         await self.hub.stop()
         await self.runner_db.close()

@@ -150,32 +150,60 @@ async def test_cancel_on_one_process_stops_the_tool_running_in_another(
         await db.close()
 
 
-async def test_sigterm_hands_running_tasks_back_at_once(database_url: str, http: httpx.AsyncClient) -> None:
-    async with mcp_tasks("serve", database_url) as (proc, url):
+async def test_sigterm_lets_short_tasks_finish_and_hands_long_ones_back(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A deploy (issue 13): on SIGTERM the runner claims nothing more; a task that ends within
+    MCP_TASKS_SHUTDOWN_GRACE_S completes on the draining process, exactly once; what is still
+    running then goes back: re-queued if its tool may re-run, else failed with a clear message."""
+    async with mcp_tasks("serve", database_url, MCP_TASKS_SHUTDOWN_GRACE_S="3") as (proc, url):
         s = RpcSession(http, url)
         await s.initialize()
+        short = (await s.call_tool_as_task("sleep", {"seconds": 1}))["task"]["taskId"]
         rerunnable = (await s.call_tool_as_task("sleep", {"seconds": 600}))["task"]["taskId"]
         not_rerunnable = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         db = await asyncpg.connect(database_url)
         try:
 
-            async def both_claimed() -> bool:
-                return bool(await db.fetchval("SELECT count(*) = 2 FROM tasks WHERE lease_owner IS NOT NULL"))
+            async def all_claimed() -> bool:
+                return bool(await db.fetchval("SELECT count(*) = 3 FROM tasks WHERE lease_owner IS NOT NULL"))
 
-            await wait_for(both_claimed)
+            await wait_for(all_claimed)
             proc.send_signal(signal.SIGTERM)
             # uvicorn re-raises the signal after its graceful shutdown, so the status is -SIGTERM.
-            assert await asyncio.to_thread(proc.wait, 20) in (0, -signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 30) in (0, -signal.SIGTERM)
             rows = {
                 r["task_id"]: r
-                for r in await db.fetch("SELECT task_id, status, lease_owner, status_message FROM tasks")
+                for r in await db.fetch("SELECT task_id, status, lease_owner, status_message, attempts FROM tasks")
             }
         finally:
             await db.close()
+    assert rows[short]["status"] == "completed"
+    assert rows[short]["attempts"] == 1  # it ran once, on the draining process
     assert rows[not_rerunnable]["status"] == "failed"
+    assert "Start the task again" in rows[not_rerunnable]["status_message"]
     assert rows[rerunnable]["status"] == "working"
     assert rows[rerunnable]["lease_owner"] is None
     assert "re-queued" in rows[rerunnable]["status_message"]
+
+
+async def test_a_draining_process_is_not_ready_and_claims_nothing(database_url: str, http: httpx.AsyncClient) -> None:
+    async with serve(make_settings(database_url)) as running:
+        core = running.app.state.core
+        readyz = running.url.removesuffix("/mcp") + "/readyz"
+        assert (await http.get(readyz)).status_code == 200
+        core.begin_drain(30)
+        not_ready = await http.get(readyz)
+        assert (not_ready.status_code, not_ready.json()["status"]) == (503, "draining")
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("echo", {"text": "queued"}))["task"]["taskId"]
+        db = await asyncpg.connect(database_url)
+        try:
+            await asyncio.sleep(0.5)  # claims would have happened by now (poll interval 100 ms)
+            assert await db.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", task_id) is None
+        finally:
+            await db.close()
 
 
 async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database_url: str) -> None:

@@ -63,6 +63,7 @@ class Runner:
         self._backlog = True
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._draining = False
         self._finishes = Batcher(self.store.finish, name="finishes")
 
     @property
@@ -74,7 +75,7 @@ class Runner:
         or None. The creator must call ``adopt`` (or ``adopt_running``) either way. ``running``: the
         call already runs here (it began inside its request), so it takes a slot even when none is
         free rather than stop."""
-        if self._stopping or not self.liveness.held:
+        if self._stopping or self._draining or not self.liveness.held:
             return None
         if not running and self.busy + self._reserved >= self.concurrency:
             return None
@@ -142,8 +143,23 @@ class Runner:
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
         ]
 
-    async def stop(self) -> None:
-        """Stop claiming; hand running tasks back (re-queue or fail) so none stays working."""
+    def drain(self) -> None:
+        """A shutdown began: claim nothing more; leases of running tasks are still renewed."""
+        if not self._draining:
+            self._draining = True
+            log.info("runner draining: %d task(s) running, no new claims", self.busy)
+
+    async def stop(self, deadline: float | None = None) -> None:
+        """Stop claiming; let running tasks finish until ``deadline`` (loop time), then hand what
+        is left back (re-queue or fail) so none stays working."""
+        self.drain()
+        running = list(self._running.values())
+        if running and deadline is not None:
+            timeout = deadline - asyncio.get_running_loop().time()
+            if timeout > 0:
+                await asyncio.wait(running, timeout=timeout)
+            left = sum(1 for job in running if not job.done())
+            log.info("runner stopping: %d task(s) finished in the grace, %d handed back", len(running) - left, left)
         self._stopping = True
         with contextlib.suppress(ValueError):
             self.hub.listeners.remove(self._on_event)
@@ -184,6 +200,8 @@ class Runner:
     async def _claim(self) -> int:
         # Cleared before the claim, so a wake-up that arrives during it is not lost.
         self._wake.clear()
+        if self._draining:
+            return 0
         free = self.concurrency - self.busy - self._reserved
         if free <= 0:
             self._backlog = True  # whatever woke us waits for a slot
