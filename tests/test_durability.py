@@ -301,3 +301,26 @@ async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(da
             assert runner._reserved == 0
         finally:
             await db.close()
+
+
+async def test_a_runner_claims_only_tasks_whose_tool_it_has(database_url: str, http: httpx.AsyncClient) -> None:
+    """Issue 13, point 3: a task accepted where its tool pack is loaded waits for a runner that has
+    the pack, instead of being claimed and failed ("unknown tool") by one that does not."""
+    front_settings = make_settings(database_url, runner_concurrency=0)  # accepts, runs nothing
+    async with serve(front_settings) as front, mcp_tasks("worker", database_url, MCP_TASKS_TOOLS="service.tools.demo"):
+        s = RpcSession(http, front.url)
+        await s.initialize()
+        only_in_tests_pack = (await s.call_tool_as_task("batch", {"items": 2}))["task"]["taskId"]
+        in_both = (await s.call_tool_as_task("echo", {"text": "x"}))["task"]["taskId"]
+
+        async def echo_done() -> bool:
+            return (await s.result("tasks/get", {"taskId": in_both}))["status"] == "completed"
+
+        await wait_for(echo_done)  # the demo-only worker runs what it can
+        assert (await s.result("tasks/get", {"taskId": only_in_tests_pack}))["status"] == "working"
+        async with mcp_tasks("worker", database_url):  # a worker with both packs
+
+            async def batch_done() -> bool:
+                return (await s.result("tasks/get", {"taskId": only_in_tests_pack}))["status"] == "completed"
+
+            await wait_for(batch_done)

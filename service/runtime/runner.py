@@ -64,6 +64,7 @@ class Runner:
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
         self._draining = False
+        self._tools = sorted(registry.tools)  # claims take only tasks of tools loaded here
         self._finishes = Batcher(self.store.finish, name="finishes")
 
     @property
@@ -210,7 +211,7 @@ class Runner:
         want = min(free, CLAIM_BATCH)
         self._reserved += want  # creates meanwhile must not promise these slots too
         try:
-            tasks = await self.store.claim(self.owner, self.liveness.key, self.lease_ms, want)
+            tasks = await self.store.claim(self.owner, self.liveness.key, self.lease_ms, want, self._tools)
         finally:
             self._reserved -= want
         self._backlog = len(tasks) == want  # a full claim: there may be more

@@ -280,9 +280,9 @@ class RunnerStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def claim(self, owner: str, owner_key: int, lease_ms: int, limit: int) -> list[Task]:
+    async def claim(self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: list[str]) -> list[Task]:
         async with self.db.connection() as conn:  # one statement: its own transaction
-            rows = await conn.fetch(Q["claim_tasks"], owner, owner_key, lease_ms, limit)
+            rows = await conn.fetch(Q["claim_tasks"], owner, owner_key, lease_ms, limit, tools)
         return [task_from_row(r) for r in rows]
 
     async def leased(self, tenant_id: str, task_id: str, owner: str) -> Task | None:

@@ -34,12 +34,15 @@ RETURNING *;
 
 -- name: claim_tasks
 -- SKIP LOCKED lets every runner of every replica claim different rows without waiting on each other.
+-- Only tasks whose tool this runner has ($5): a fleet whose processes load different tool packs (a
+-- rolling deploy adding one, a separate worker pool) leaves a task for a runner that can run it.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp())
 FROM (
     SELECT tenant_id, task_id FROM tasks
     WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
+      AND tool = ANY ($5::text[])
     ORDER BY created_at
     LIMIT $4
     FOR UPDATE SKIP LOCKED
