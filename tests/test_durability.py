@@ -324,3 +324,41 @@ async def test_a_runner_claims_only_tasks_whose_tool_it_has(database_url: str, h
                 return (await s.result("tasks/get", {"taskId": only_in_tests_pack}))["status"] == "completed"
 
             await wait_for(batch_done)
+
+
+async def test_killed_database_connections_are_retry_shortly_and_lose_no_outcome(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Issue 13, point 4: the service's backends killed again and again under light load: clients
+    see only successes or -32001 (retry shortly), never -32603, and a task finishing meanwhile
+    ends completed (its outcome write is retried), not 'could not be stored'."""
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("sleep", {"seconds": 1.5}))["task"]["taskId"]
+        admin = await asyncpg.connect(database_url)
+        codes: list[int] = []
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 3
+            while loop.time() < end:
+                await admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND pid <> pg_backend_pid() AND application_name = 'mcp-tasks'"
+                )
+                for method, params in (("tasks/get", {"taskId": task_id}), ("tools/call", {"name": "echo", "arguments": {"text": "x"}})):  # fmt: skip
+                    reply = await s.send(method, params)
+                    if "error" in reply:
+                        codes.append(reply["error"]["code"])
+                await asyncio.sleep(0.05)
+        finally:
+            await admin.close()
+        assert set(codes) <= {-32001}, codes
+
+        async def completed() -> bool:
+            reply = await s.send("tasks/get", {"taskId": task_id})
+            return reply.get("result", {}).get("status") in ("completed", "failed")
+
+        await wait_for(completed)
+        final = await s.result("tasks/get", {"taskId": task_id})
+        assert final["status"] == "completed", final

@@ -64,6 +64,7 @@ class Runner:
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
         self._draining = False
+        self._database_ok = True
         self._tools = sorted(registry.tools)  # claims take only tasks of tools loaded here
         self._finishes = Batcher(self.store.finish, name="finishes")
 
@@ -184,12 +185,24 @@ class Runner:
             if job is not None:
                 job.cancel()
 
+    def _database_lost(self, what: str, exc: Exception) -> None:
+        """One log line when the database goes away, not one per poll (the recovery logs once too)."""
+        if self._database_ok:
+            self._database_ok = False
+            log.warning("runner lost the database while it %s: %s; retrying every %.1f s", what, exc, self.poll_s)
+
+    def _database_back(self) -> None:
+        if not self._database_ok:
+            self._database_ok = True
+            log.warning("runner reached the database again")
+
     async def _claim_loop(self) -> None:
         while True:
             try:
                 claimed = await self._claim()
+                self._database_back()
             except Unavailable as exc:
-                log.warning("runner cannot claim: %s", exc)
+                self._database_lost("claimed", exc)
                 claimed = 0
             except Exception:  # keep claiming whatever one pass ran into
                 log.exception("runner claim pass failed")
@@ -232,7 +245,7 @@ class Runner:
                 await self.liveness.ensure()
                 held = await self.store.renew(self.owner, self.lease_ms, running)
             except Unavailable as exc:
-                log.warning("runner cannot renew leases: %s", exc)
+                self._database_lost("renewed its leases", exc)
                 continue
             except Exception:
                 log.exception("runner lease renewal failed")
@@ -269,19 +282,30 @@ class Runner:
                 self._wake.set()
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
-        # Group commit: the outcome, its audit event and the status wake-up, in one statement with
-        # the outcomes of other tasks finishing meanwhile.
+        """Record the outcome (group commit: with its audit event and wake-up, in one statement with
+        the outcomes of other tasks finishing meanwhile). A finished tool's outcome is kept and its
+        write retried while the database is away: a task never fails because its result could not
+        be stored once (the lease check in the statement keeps a late write from a taken-over task)."""
         request = FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, outcome)
-        finishing = self._finishes.enqueue(request)
-        try:
-            await asyncio.shield(finishing)
-        except asyncio.CancelledError:
-            # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
-            # before anything else (a hand-back) touches the task, however often we are cancelled.
-            while not finishing.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(finishing)
-            raise
+        delay = 0.25
+        while True:
+            finishing = self._finishes.enqueue(request)
+            try:
+                await asyncio.shield(finishing)
+                return
+            except asyncio.CancelledError:
+                # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
+                # before anything else (a hand-back) touches the task, however often we are cancelled.
+                while not finishing.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(finishing)
+                raise
+            except Unavailable as exc:
+                if self._stopping:
+                    raise
+                self._database_lost("recorded an outcome", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""

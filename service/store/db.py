@@ -28,7 +28,11 @@ _UNAVAILABLE = (
     OSError,
     asyncpg.CannotConnectNowError,
     asyncpg.ConnectionDoesNotExistError,
+    asyncpg.PostgresConnectionError,  # SQLSTATE class 08: the connection failed
     asyncpg.InterfaceError,
+    # A connection whose server end was killed mid-operation ("cannot switch to state ...;
+    # another operation is in progress"): the pool drops it; the request may be retried.
+    asyncpg.InternalClientError,
     asyncpg.TooManyConnectionsError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
