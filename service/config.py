@@ -70,6 +70,8 @@ class Settings(BaseSettings):
     rate_limit_unauthenticated: str = "60/minute"
     rate_limit_not_found: str = "60/minute"
     rate_limit_storage: str = "memory://"
+    # When the rate-limit storage (Redis) is unreachable: let requests through, or refuse them (503).
+    rate_limit_fail: Literal["open", "closed"] = "open"
     runner_concurrency: int = Field(default=32, ge=0, le=10_000)
     tools: str = "service.tools.demo"
 

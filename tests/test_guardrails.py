@@ -10,6 +10,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RunningServer, make_settings, run_issuer, serve
@@ -336,3 +337,22 @@ async def test_counters_sum_a_statement_that_changes_many_tasks_of_many_requesto
         assert [tuple(r) for r in await db.fetch(counts)] == [("user-0", 0), ("user-1", 0), ("user-2", 0)]
     finally:
         await db.close()
+
+
+@pytest.mark.parametrize(("mode", "status"), [("open", 200), ("closed", 503)])
+async def test_unreachable_rate_limit_storage_fails_open_or_closed_as_set(
+    database_url: str, http: httpx.AsyncClient, mode: str, status: int
+) -> None:
+    """Issue 13, point 4: Redis down → requests pass (open, the default) or get 503 + Retry-After
+    (closed), and it is counted either way."""
+    before = REGISTRY.get_sample_value("mcp_tasks_rate_limit_storage_errors_total") or 0.0
+    settings = make_settings(database_url, rate_limit_storage="redis://127.0.0.1:1", rate_limit_fail=mode)
+    async with serve(settings) as running:
+        r = await http.post(running.url, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}},
+            headers={"Accept": "application/json, text/event-stream"})  # fmt: skip
+    assert r.status_code == status, r.text
+    if status == 503:
+        assert r.headers["retry-after"]
+        assert r.json()["error"]["code"] == -32001
+    assert (REGISTRY.get_sample_value("mcp_tasks_rate_limit_storage_errors_total") or 0.0) > before

@@ -7,7 +7,8 @@ storage (``memory://`` or ``redis://…`` shared by every replica) and the slidi
 strategy (two counters per key, where a moving window keeps every hit of the window: thousands of
 entries per busy key, copied by the memory storage's expiry thread), which we call directly.
 Remote storage is hit from a worker thread so the event loop never blocks. A storage outage fails
-open: requests pass, and the failure is logged and counted.
+open (requests pass) or closed (503, retry shortly), as ``MCP_TASKS_RATE_LIMIT_FAIL`` says; it is
+counted, and logged once when it starts and once when it ends.
 
 One storage call per request: the principal's budget. The address budget is checked only before
 verifying a token not verified before, and a principal whose lookups budget was seen unspent is
@@ -30,6 +31,7 @@ from limits import RateLimitItem, parse
 from slowapi import Limiter
 
 from service.config import Settings
+from service.domain.errors import Unavailable
 from service.domain.principal import Principal
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,8 @@ class RateLimiter:
             "denial_rows": DENIAL_ROWS,
         }
         self._on_storage_error = on_storage_error
+        self._fail_open = settings.rate_limit_fail == "open"
+        self._storage_down = False
         # principal key -> monotonic time until which its lookups budget is taken as unspent
         self._lookups_clear: dict[str, float] = {}
 
@@ -103,11 +107,19 @@ class RateLimiter:
             if allowed:
                 return None
             stats = await self._call(self._strategy.get_window_stats, item, key)
-        except Exception as exc:  # storage down: fail open rather than refuse every caller
-            log.warning("rate limit storage error (%s); letting the request through", type(exc).__name__)
+        except Exception as exc:  # storage down: open (let through) or closed (retry later), as set
             if self._on_storage_error is not None:
                 self._on_storage_error()
-            return None
+            if not self._storage_down:  # one line when it goes, one when it is back
+                self._storage_down = True
+                verdict = "letting requests through" if self._fail_open else "refusing requests (503)"
+                log.warning("rate limit storage unreachable (%s): %s until it is back", type(exc).__name__, verdict)
+            if self._fail_open:
+                return None
+            raise Unavailable("rate limit storage unreachable") from None
+        if self._storage_down:
+            self._storage_down = False
+            log.warning("rate limit storage reachable again")
         return RateLimited(scope, self._texts[scope], max(1, math.ceil(stats.reset_time - time.time())))
 
     @staticmethod
