@@ -23,7 +23,7 @@ from starlette.types import Receive, Send
 from service.config import Settings
 from service.domain.errors import CapacityExceeded, DomainError, TaskAlreadyTerminal, TaskNotFound
 from service.domain.events import LOG_LEVELS, LogEntry, Progress, TaskEvent
-from service.domain.inputs import InputResponse
+from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller
 from service.domain.task import OutcomeKind, Surface
 from service.guard.ratelimit import RateLimiter
@@ -370,11 +370,7 @@ class ModernSurface:
         if result.task is not None:
             return ext.created(result.task)
         if result.questions:
-            # The answers so far travel with the client (nothing of the round stays here), sealed.
-            stored = {k: r.to_stored() for k, r in responses.items()}
-            state = self.tasks.request_states.seal(call.caller.principal, name, arguments, stored)
-            return {"resultType": "input_required", "inputRequests": ext.input_requests(result.questions),
-                    "requestState": state, "_meta": ext.server_meta()}  # fmt: skip
+            return self._input_required(call, name, arguments, responses, result.questions)
         assert result.outcome is not None
         if result.outcome.kind is OutcomeKind.FAILURE:
             error = error_object(result.outcome)
@@ -395,14 +391,26 @@ class ModernSurface:
             lambda ctx: prompt.render(args, ctx), responses=responses, client_capabilities=call.capabilities
         )
         if round_.questions:
-            stored = {k: r.to_stored() for k, r in responses.items()}
-            state = self.tasks.request_states.seal(call.caller.principal, f"prompt:{name}", args, stored)
-            return {"resultType": "input_required", "inputRequests": ext.input_requests(round_.questions),
-                    "requestState": state, "_meta": ext.server_meta()}  # fmt: skip
+            return self._input_required(call, f"prompt:{name}", args, responses, round_.questions)
         out: dict[str, Any] = {"messages": round_.outcome}
         if prompt.description:
             out["description"] = prompt.description
         return ext.complete(out)
+
+    def _input_required(
+        self,
+        call: ModernCall,
+        bound_to: str,
+        arguments: dict[str, Any],
+        responses: dict[str, InputResponse],
+        questions: tuple[PendingInput, ...],
+    ) -> dict[str, Any]:
+        """InputRequiredResult: the questions, and the answers so far sealed in requestState (they
+        travel with the client: nothing of the round stays here)."""
+        stored = {k: r.to_stored() for k, r in responses.items()}
+        state = self.tasks.request_states.seal(call.caller.principal, bound_to, arguments, stored)
+        return {"resultType": "input_required", "inputRequests": ext.input_requests(questions),
+                "requestState": state, "_meta": ext.server_meta()}  # fmt: skip
 
     def _with_state(
         self, call: ModernCall, bound_to: str, arguments: dict[str, Any], responses: dict[str, InputResponse]
