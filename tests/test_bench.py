@@ -368,6 +368,14 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
                 "sdk": [_run(300)],
                 "fastmcp": [_run(60)],
             },
+            "ext-lifecycle": {
+                "ours": [_run(600) | {"ops": 100, "methods": {"tasks/get": {"count": 150}}}],
+                "fastmcp4": [
+                    _run(100, errors=2)
+                    | {"ops": 50, "methods": {"tasks/get": {"count": 100}}, "error_kinds": {"timeout": 2}}
+                ],
+            },
+            "ext-get": {"ours": [_run(4000)], "fastmcp4": [_run(500)]},
         },
         "scale": {"1,000": {"p99_ms": 10.0, "errors": 0}, "1,000,000": {"p99_ms": 20.0, "errors": 2}},
     }
@@ -383,6 +391,16 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
     assert verdict["zero failed operations (ours, every run)"] == "**missed**"  # the scale run's 2
     assert "| plain | 5000 | 600 | 650 | 20000 | 7.69x | 0.25x | >= 5x |" in text
     assert "- fastmcp lifecycle: 3 rpc_-32602 failed operations over 1 runs." in text
+    # The extension workloads: against the fastmcp-tasks peer only, in a table of their own.
+    assert verdict["extension task lifecycles/s >= 5x fastmcp-tasks"] == "met"  # 6x
+    assert verdict["extension `tasks/get` >= 10x fastmcp-tasks, 6,400 held"] == "**missed**"  # 8x
+    assert "| ext-lifecycle | 600 | 100 | 6.00x | >= 5x |" in text
+    assert "| ext-get | 4000 | 500 | 8.00x | >= 10x |" in text
+    assert "(at once, then every 5 ms; medians): ours 1.50, fastmcp-tasks 2.00" in text
+    assert "- ext-get: 4000 / 500" in text
+    assert "| ext-get | 1.000 + - | 1.000 |" in text
+    assert "- fastmcp4 ext-lifecycle: 2 timeout failed operations over 1 runs." in text
+    assert "| ext-lifecycle |" not in text.split("2026-07-28 Tasks extension")[0]  # not in the 2025-11-25 table
 
     doc = tmp_path / "performance.md"
     doc.write_text(f"# Performance\n\nkept\n\n{run.BEGIN}\nold numbers\n{run.END}\n\nalso kept\n")
