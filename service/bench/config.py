@@ -35,7 +35,7 @@ class BenchConfig:
     tool: str = "echo"
     hold_tool: str = "sleep"
     ttl_ms: int = 3_600_000
-    task_seconds: float = 0.001  # ext-lifecycle: the hold tool's {seconds} (a task that ends at once)
+    task_seconds: float = 0.005  # ext-lifecycle: the hold tool's {seconds} (a task that ends almost at once)
     poll_ms: float = 5.0  # ext-lifecycle: tasks/get again after this long while the task is working
     server_pid: int | None = None
     allow_remote: bool = False

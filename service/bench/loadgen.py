@@ -205,8 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task-seconds",
         type=float,
-        default=0.001,
-        help="ext-lifecycle: the hold tool's seconds (default %(default)s: a task that ends at once)",
+        default=0.005,
+        help="ext-lifecycle: the hold tool's seconds (default %(default)s: a task that ends almost at once)",
     )
     p.add_argument(
         "--poll-ms",

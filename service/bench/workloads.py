@@ -56,7 +56,7 @@ class Workload:
 
     @classmethod
     def build(
-        cls, name: str, tool: str, hold_tool: str, ttl_ms: int, *, task_seconds: float = 0.001, poll_ms: float = 5.0
+        cls, name: str, tool: str, hold_tool: str, ttl_ms: int, *, task_seconds: float = 0.005, poll_ms: float = 5.0
     ) -> Workload:
         task = {"ttl": ttl_ms}
         return cls(
