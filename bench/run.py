@@ -198,8 +198,9 @@ def start_peer(name: str, logs: Path) -> Server:
     if name == "fastmcp4":
         # Bearer tokens, as ours runs: 32 principals (fastmcp's StaticTokenVerifier, a dict lookup;
         # each token its own sub, and every task is scoped to the token that created it).
-        tokens = [secrets.token_urlsafe(24) for _ in range(32)]
-        args += ["--token", ",".join(tokens)]
+        # Hex: a URL-safe token may start with "-", which argparse takes for an option.
+        tokens = [secrets.token_hex(24) for _ in range(32)]
+        args += [f"--token={','.join(tokens)}"]
     with (logs / f"{name}.log").open("ab") as log:
         proc = subprocess.Popen(pinned(SERVER_CORE, [str(PEERS / venv / "bin" / "python"), str(SHARED / "peers" / script), *args]),
                                 stdout=log, stderr=log)  # fmt: skip
@@ -266,7 +267,7 @@ def run_load(
     if workload == "ext-lifecycle":
         cmd += ["--task-seconds", str(EXT_TASK_SECONDS), "--poll-ms", str(poll_ms)]
     for token in server.tokens:
-        cmd += ["--token", token]
+        cmd.append(f"--token={token}")
     db = PostgresCpu() if server.name == "ours" else None
     spy = None
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
