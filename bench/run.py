@@ -3,7 +3,9 @@
 Each server and its database run on core 0, the load generator on core 1. Servers are started
 fresh for every (round, workload, server), in alternating order over the rounds; the report gives
 medians as ratios to the best peer and to a bare Starlette floor measured in the same run, and a
-scale run of tasks/get latency with 1 thousand to 1 million tasks stored.
+scale run of tasks/get latency with 1 thousand to 1 million tasks stored. The 2025-11-25 workloads
+run against the official SDK and FastMCP 3 peers, the 2026-07-28 Tasks extension ones (``ext-*``)
+against the fastmcp-tasks 4.1.4 peer, in the same run and pinning.
 
     python bench/run.py [--rounds 3] [--duration 10] [--out docs/performance.md] [--smoke]
 """
@@ -42,9 +44,24 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "lifecycle": {"clients": 32},
     "get": {"clients": 32, "held": 200},
     "create": {"clients": 16},
+    "ext-lifecycle": {"clients": 32},
+    "ext-get": {"clients": 32, "held": 200},
 }
-# What each target compares (issue 5): workload -> (metric, target ratio to the best peer).
-TARGETS = {"plain": 5.0, "lifecycle": 3.0, "get": 5.0, "create": 3.0}
+# What each target compares (issues 5 and 11): workload -> target ratio to the best peer.
+TARGETS = {"plain": 5.0, "lifecycle": 3.0, "get": 5.0, "create": 3.0, "ext-lifecycle": 5.0, "ext-get": 10.0}
+# Who is compared on which wire: the 2025-11-25 peers do not speak the extension, the extension
+# peer serves no 2025-11-25 Tasks.
+LEGACY_PEERS, EXT_PEERS = ("sdk", "fastmcp"), ("fastmcp4",)
+EXT_WORKLOADS = ("ext-lifecycle", "ext-get")
+PEER_NAMES = {"sdk": "official SDK", "fastmcp": "FastMCP", "fastmcp4": "fastmcp-tasks"}
+# ext-lifecycle: the demo `sleep` tool of each side for 1 ms (ours answers sleep(0) or echo within
+# the call even with no grace: no task), tasks/get at once and then every 5 ms (--ext-poll-ms)
+# until completed.
+EXT_TASK_SECONDS, EXT_POLL_MS = 0.005, 5.0
+
+
+def peers_of(workload: str) -> tuple[str, ...]:
+    return EXT_PEERS if workload in EXT_WORKLOADS else LEGACY_PEERS
 
 
 def free_port() -> int:
@@ -132,7 +149,7 @@ def pin_postgres(core: str) -> None:
         subprocess.run(["taskset", "-a", "-cp", core, pid], capture_output=True)
 
 
-def start_ours(db_url: str, logs: Path) -> Server:
+def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None) -> Server:
     issuer_port, port = free_port(), free_port()
     issuer = f"http://127.0.0.1:{issuer_port}"
     url = f"http://127.0.0.1:{port}/mcp"
@@ -151,6 +168,7 @@ def start_ours(db_url: str, logs: Path) -> Server:
         "MCP_TASKS_RATE_LIMIT": "10000000/minute",
         "MCP_TASKS_MAX_TTL_MS": "86400000",
         "MCP_TASKS_LOG_LEVEL": "WARNING",
+        **(extra_env or {}),
     }
     with (logs / "ours.log").open("ab") as log:
         proc = subprocess.Popen(pinned(SERVER_CORE, [str(BIN / "mcp-tasks"), "serve"]), env=server_env,
@@ -166,15 +184,29 @@ def start_ours(db_url: str, logs: Path) -> Server:
     return Server("ours", url, proc, tokens, [dev])
 
 
+PEER_SERVERS = {
+    "sdk": ("sdk_server.py", "venv-mcp1"),
+    "fastmcp": ("fastmcp_server.py", "venv-fastmcp3"),
+    "fastmcp4": ("fastmcp4_ext_server.py", "venv-fastmcp4"),
+}
+
+
 def start_peer(name: str, logs: Path) -> Server:
     port = free_port()
-    script, venv = {"sdk": ("sdk_server.py", "venv-mcp1"), "fastmcp": ("fastmcp_server.py", "venv-fastmcp3")}[name]
+    script, venv = PEER_SERVERS[name]
+    args, tokens = [str(port)], []
+    if name == "fastmcp4":
+        # Bearer tokens, as ours runs: 32 principals (fastmcp's StaticTokenVerifier, a dict lookup;
+        # each token its own sub, and every task is scoped to the token that created it).
+        # Hex: a URL-safe token may start with "-", which argparse takes for an option.
+        tokens = [secrets.token_hex(24) for _ in range(32)]
+        args += [f"--token={','.join(tokens)}"]
     with (logs / f"{name}.log").open("ab") as log:
-        proc = subprocess.Popen(pinned(SERVER_CORE, [str(PEERS / venv / "bin" / "python"), str(SHARED / "peers" / script), str(port)]),
+        proc = subprocess.Popen(pinned(SERVER_CORE, [str(PEERS / venv / "bin" / "python"), str(SHARED / "peers" / script), *args]),
                                 stdout=log, stderr=log)  # fmt: skip
     url = f"http://127.0.0.1:{port}/mcp"
     wait_http(url, proc)
-    return Server(name, url, proc)
+    return Server(name, url, proc, tokens)
 
 
 def start_floor(logs: Path) -> Server:
@@ -223,15 +255,19 @@ class PostgresCpu:
         return before[-1] if before else (self.samples[0][1] if self.samples else 0.0)
 
 
-def run_load(server: Server, workload: str, duration: float, out: Path, profile: Path | None = None) -> dict[str, Any]:
+def run_load(
+    server: Server, workload: str, duration: float, out: Path, profile: Path | None = None, poll_ms: float = EXT_POLL_MS
+) -> dict[str, Any]:
     cfg = WORKLOADS[workload]
     cmd = [str(BIN / "mcp-tasks"), "bench", "--url", server.url, "--workload", workload,
            "--clients", str(cfg["clients"]), "--duration", str(duration), "--server-pid", str(server.proc.pid),
            "--json", str(out), "--quiet"]  # fmt: skip
     if "held" in cfg:
         cmd += ["--held", str(cfg["held"])]
+    if workload == "ext-lifecycle":
+        cmd += ["--task-seconds", str(EXT_TASK_SECONDS), "--poll-ms", str(poll_ms)]
     for token in server.tokens:
-        cmd += ["--token", token]
+        cmd.append(f"--token={token}")
     db = PostgresCpu() if server.name == "ours" else None
     spy = None
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
@@ -239,14 +275,16 @@ def run_load(server: Server, workload: str, duration: float, out: Path, profile:
         spy = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "py-spy"), "record", "--pid", str(server.proc.pid), "--output", str(profile),
                                                   "--duration", str(int(duration) + 5), "--format", "raw", "--nonblocking"]),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
+    done = subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
     if spy is not None:
         spy.send_signal(2)
         spy.wait(timeout=60)
     if db is not None:
         db.stop()
     if not out.exists():
-        return {"error": "the load generator produced no result"}
+        # Its last words (a setup failure, say) are worth keeping: the report lists them.
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        return {"error": "the load generator produced no result" + (f": {said[-1][:300]}" if said else "")}
     result: dict[str, Any] = json.loads(out.read_text())
     if db is not None and result.get("ops") and result.get("window_unix"):
         begin, end = result["window_unix"]
@@ -254,10 +292,16 @@ def run_load(server: Server, workload: str, duration: float, out: Path, profile:
     return result
 
 
+# Ours on the extension: an optional tool becomes a task once it is still running after the grace
+# (500 ms by default, else it answers within the call); with 0 every call that does not end in its
+# first loop turn becomes a task at once, as the peer makes every declaring call a task.
+EXT_ENV = {"MCP_TASKS_TASK_GRACE_MS": "0"}
+
+
 @contextlib.contextmanager
-def started(name: str, dbs: Databases, logs: Path) -> Iterator[Server]:
+def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterator[Server]:
     server = (
-        start_ours(dbs.fresh(), logs)
+        start_ours(dbs.fresh(), logs, EXT_ENV if workload in EXT_WORKLOADS else None)
         if name == "ours"
         else start_floor(logs)
         if name == "floor"
@@ -269,17 +313,21 @@ def started(name: str, dbs: Databases, logs: Path) -> Iterator[Server]:
         server.stop()
 
 
-def ensure_peers() -> list[str]:
-    """Install the peers outside the project tree (idempotent); return the ones that are usable."""
-    subprocess.run(["bash", str(ROOT / "scripts" / "install-peers.sh")], env={**os.environ, "PEERS_SRC": str(SHARED / "peers")},
-                   check=True, capture_output=True)  # fmt: skip
+def ensure_peers(wanted: set[str]) -> list[str]:
+    """Install the wanted peers outside the project tree (idempotent); return them in report order."""
+    if not wanted:
+        return []
+    env = {**os.environ, "PEERS_SRC": str(SHARED / "peers")}
+    if "fastmcp4" in wanted:  # fastmcp==4.1.4 + fastmcp-tasks==4.1.4 in $PEERS/venv-fastmcp4
+        env["PEERS_FASTMCP4"] = "1"
+    subprocess.run(["bash", str(ROOT / "scripts" / "install-peers.sh")], env=env, check=True, capture_output=True)
     venv = PEERS / "venv-fastmcp3"
-    if not (venv / "bin" / "python").exists():
+    if "fastmcp" in wanted and not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run(
             [str(venv / "bin" / "pip"), "install", "-q", "fastmcp[tasks]==3.4.11"], check=True, capture_output=True
         )
-    return ["sdk", "fastmcp"]
+    return [name for name in (*LEGACY_PEERS, *EXT_PEERS) if name in wanted]
 
 
 def main() -> int:
@@ -289,8 +337,10 @@ def main() -> int:
     ap.add_argument("--out", default="/var/tmp/mcp-tasks-bench-results.json", help="raw results (JSON)")
     ap.add_argument("--smoke", action="store_true", help="one short round, ours and the floor only (CI)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1k/100k/1M stored-tasks scale run")
-    ap.add_argument("--servers", help="comma-separated subset of ours,sdk,fastmcp,floor (default: all)")
+    ap.add_argument("--servers", help="comma-separated subset of ours,sdk,fastmcp,fastmcp4,floor (default: all)")
     ap.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+    ap.add_argument("--ext-poll-ms", type=float, default=EXT_POLL_MS, help="ext-lifecycle: tasks/get at once, "
+                    "then every this many ms until completed (default %(default)s)")  # fmt: skip
     ap.add_argument("--profile", metavar="DIR", help="record py-spy folded stacks of our service per run")
     ap.add_argument("--doc", metavar="MD", help="write the report into this file's bench section (make bench: "
                     "docs/performance.md)")  # fmt: skip
@@ -304,7 +354,8 @@ def main() -> int:
         return 1 if failures(saved) else 0
     only = set(args.servers.split(",")) if args.servers else None
     workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
-    peers = [] if args.smoke or (only is not None and not only & {"sdk", "fastmcp"}) else ensure_peers()
+    needed = {p for w in workloads for p in peers_of(w)} & (only if only is not None else set(PEER_SERVERS))
+    peers = [] if args.smoke else ensure_peers(needed)
     rounds, duration = (1, 1.0) if args.smoke else (args.rounds, args.duration)
     logs = Path(tempfile.mkdtemp(prefix="mcp-tasks-bench-", dir="/var/tmp"))
     dbs = Databases()
@@ -316,25 +367,31 @@ def main() -> int:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
         for r in range(rounds):
-            servers = ["ours", *peers]
-            servers = servers if r % 2 == 0 else list(reversed(servers))  # alternate who goes first
             for workload in workloads:
+                servers = ["ours", *(p for p in peers if p in peers_of(workload))]
+                servers = servers if r % 2 == 0 else list(reversed(servers))  # alternate who goes first
                 names = [*servers, "floor"] if workload == "plain" else servers
                 for name in (n for n in names if only is None or n in only):
-                    with started(name, dbs, logs) as server:
+                    with started(name, dbs, logs, workload) as server:
                         out = logs / f"{name}-{workload}-{r}.json"
                         profile = (
                             Path(args.profile) / f"{workload}-{r}.folded" if args.profile and name == "ours" else None
                         )
-                        result = run_load(server, workload, duration, out, profile)
+                        result = run_load(server, workload, duration, out, profile, args.ext_poll_ms)
                     results.setdefault(workload, {}).setdefault(name, []).append(result)
-                    print(f"round {r + 1} {workload:9} {name:8} {summary(result)}", file=sys.stderr, flush=True)
+                    print(f"round {r + 1} {workload:13} {name:8} {summary(result)}", file=sys.stderr, flush=True)
         scale = {} if args.smoke or args.no_scale else scale_run(dbs, logs, duration, rounds)
     finally:
         if not args.smoke:
             pin_postgres("0-" + str((os.cpu_count() or 1) - 1))
         dbs.drop_all()
-    report = {"results": results, "scale": scale, "rounds": rounds, "duration_s": duration}
+    report = {
+        "results": results,
+        "scale": scale,
+        "rounds": rounds,
+        "duration_s": duration,
+        "ext_poll_ms": args.ext_poll_ms,
+    }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(render(report))
     if args.doc:
@@ -373,32 +430,66 @@ def failures(report: dict[str, Any]) -> int:
     return sum(r.get("errors", 1) for r in runs) + sum(int(v.get("errors", 1)) for v in scale)
 
 
+def _cpu(runs: list[dict[str, Any]]) -> float:
+    """Median server CPU per operation over the runs (NaN if not measured)."""
+    nan = float("nan")
+    return statistics.median([(r.get("server") or {}).get("cpu_ms_per_op", nan) for r in runs] or [nan])
+
+
+def gets_per_lifecycle(runs: list[dict[str, Any]]) -> float:
+    """Median over the runs of tasks/get requests per completed ext lifecycle (the polling it took)."""
+    per = [r["methods"]["tasks/get"]["count"] / r["ops"] for r in runs
+           if r.get("ops") and "tasks/get" in (r.get("methods") or {})]  # fmt: skip
+    return statistics.median(per) if per else float("nan")
+
+
 def render(report: dict[str, Any]) -> str:
     """Medians, ratios to the best peer and the floor, and a verdict per target (markdown)."""
     nan = float("nan")
     results: dict[str, dict[str, list[dict[str, Any]]]] = report["results"]
-    lines = [
-        "| workload | ours | official SDK | FastMCP | floor | ours / best peer | ours / floor | target |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    legacy = {w: per for w, per in results.items() if w not in EXT_WORKLOADS}
+    ext = {w: per for w, per in results.items() if w in EXT_WORKLOADS}
     ratios: dict[str, float] = {}
     for workload, per in results.items():
         tput = {name: median_of(runs, "throughput_per_s") for name, runs in per.items()}
-        peers = [v for k, v in tput.items() if k in ("sdk", "fastmcp")]
+        peers = [v for k, v in tput.items() if k in peers_of(workload)]
         ratios[workload] = tput.get("ours", nan) / max(peers) if peers else nan
+    lines = [
+        "| workload | ours | official SDK | FastMCP | floor | ours / best peer | ours / floor | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ] if legacy or not ext else []  # fmt: skip
+    for workload, per in legacy.items():
+        tput = {name: median_of(runs, "throughput_per_s") for name, runs in per.items()}
         floor = tput.get("ours", nan) / tput["floor"] if tput.get("floor") else nan
         cells = [_num(tput.get(k, nan)) for k in ("ours", "sdk", "fastmcp", "floor")]
         lines.append(
             f"| {workload} | {' | '.join(cells)} | {_num(ratios[workload], '.2f', 'x')} | {_num(floor, '.2f', 'x')} "
             f"| >= {TARGETS[workload]:.0f}x |"
         )
+    if ext:
+        lines += [""] if lines else []
+        lines += ["2026-07-28 Tasks extension (`io.modelcontextprotocol/tasks`), against the fastmcp-tasks 4.1.4 peer:",
+                  "", "| workload | ours | fastmcp-tasks | ours / peer | target |", "|---|---|---|---|---|"]  # fmt: skip
+        for workload, per in ext.items():
+            tput = {name: median_of(runs, "throughput_per_s") for name, runs in per.items()}
+            cells = [_num(tput.get(k, nan)) for k in ("ours", "fastmcp4")]
+            lines.append(f"| {workload} | {' | '.join(cells)} | {_num(ratios[workload], '.2f', 'x')} "
+                         f"| >= {TARGETS[workload]:.0f}x |")  # fmt: skip
+        if "ext-lifecycle" in ext:
+            polls = ", ".join(f"{PEER_NAMES.get(name, name)} {_num(gets_per_lifecycle(runs), '.2f')}"
+                              for name, runs in ext["ext-lifecycle"].items())  # fmt: skip
+            lines += [
+                "",
+                f"`tasks/get` requests per ext lifecycle (at once, then every {report.get('ext_poll_ms', EXT_POLL_MS):g} ms; "
+                f"medians): {polls}",
+            ]
     lines += ["", "Per round, ours against the best peer of that round (ops/s):", ""]
     for workload, per in results.items():
         ours_runs = [r.get("throughput_per_s", nan) for r in per.get("ours", [])]
         best = [
             max(vals)
             for vals in zip(
-                *([r.get("throughput_per_s", nan) for r in per[k]] for k in ("sdk", "fastmcp") if k in per),
+                *([r.get("throughput_per_s", nan) for r in per[k]] for k in peers_of(workload) if k in per),
                 strict=False,
             )
         ]
@@ -406,17 +497,23 @@ def render(report: dict[str, Any]) -> str:
             _num(o) for o in ours_runs
         )
         lines.append(f"- {workload}: {pairs}")
-    lines += ["", "Server CPU per operation, ms (ours: Python + PostgreSQL):", "",
-              "| workload | ours | official SDK | FastMCP | floor |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "Server CPU per operation, ms (ours: Python + PostgreSQL):"]
+    if legacy or not ext:
+        lines += ["", "| workload | ours | official SDK | FastMCP | floor |", "|---|---|---|---|---|"]
     cpu_ours: dict[str, float] = {}
+    ext_cpu_lines: list[str] = []
     for workload, per in results.items():
-        cpu = {name: statistics.median([(r.get("server") or {}).get("cpu_ms_per_op", nan) for r in runs] or [nan])
-               for name, runs in per.items()}  # fmt: skip
+        cpu = {name: _cpu(runs) for name, runs in per.items()}
         db = median_of(per.get("ours", []), "db_cpu_ms_per_op")
         cpu_ours[workload] = cpu.get("ours", nan) + (db if db == db else 0.0)
         ours = f"{_num(cpu.get('ours', nan), '.3f')} + {_num(db, '.3f')}"
+        if workload in EXT_WORKLOADS:
+            ext_cpu_lines.append(f"| {workload} | {ours} | {_num(cpu.get('fastmcp4', nan), '.3f')} |")
+            continue
         rest = [_num(cpu.get(k, nan), ".3f") for k in ("sdk", "fastmcp", "floor")]
         lines.append(f"| {workload} | {ours} | {' | '.join(rest)} |")
+    if ext_cpu_lines:
+        lines += ["", "| extension workload | ours | fastmcp-tasks |", "|---|---|---|", *ext_cpu_lines]
     scale: dict[str, dict[str, float]] = report.get("scale") or {}
     if scale:
         lines += ["", "tasks/get with 6,400 held and other tenants' tasks stored (median p99 of the runs): " + ", ".join(
@@ -427,11 +524,11 @@ def render(report: dict[str, Any]) -> str:
     ]
     notes: list[str] = []
     failed = failures(report)
-    for name in ("sdk", "fastmcp", "floor"):  # the peers' failures are facts about them, not targets of ours
+    for name in (*LEGACY_PEERS, *EXT_PEERS, "floor"):  # the peers' failures are facts about them, not targets of ours
         for workload, per in results.items():
             kinds: dict[str, int] = {}
             for r in per.get(name, []):
-                for kind, n in (r.get("error_kinds") or {"no result": 1 if "error" in r else 0}).items():
+                for kind, n in (r.get("error_kinds") or ({r["error"]: 1} if "error" in r else {})).items():
                     kinds[kind] = kinds.get(kind, 0) + n
             if any(kinds.values()):
                 shown = ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
@@ -446,6 +543,8 @@ def render(report: dict[str, Any]) -> str:
         ("task lifecycles/s >= 3x best peer", ratios.get("lifecycle", nan), f"{_num(ratios.get('lifecycle', nan), '.2f', 'x')}", 3.0, True),
         ("task creates/s >= 3x best peer", ratios.get("create", nan), f"{_num(ratios.get('create', nan), '.2f', 'x')}", 3.0, True),
         ("RSS growth <= 1 MiB per 1,000 pending tasks", max(rss, default=nan), f"{_num(max(rss, default=nan), '.0f', ' KiB')} (worst round)", RSS_TARGET_KIB, False),
+        ("extension task lifecycles/s >= 5x fastmcp-tasks", ratios.get("ext-lifecycle", nan), f"{_num(ratios.get('ext-lifecycle', nan), '.2f', 'x')}", TARGETS["ext-lifecycle"], True),
+        ("extension `tasks/get` >= 10x fastmcp-tasks, 6,400 held", ratios.get("ext-get", nan), f"{_num(ratios.get('ext-get', nan), '.2f', 'x')}", TARGETS["ext-get"], True),
         ("zero failed operations (ours, every run)", float(failed), str(failed), 0.0, False),
     ]  # fmt: skip
     lines += ["", "| target | result | verdict |", "|---|---|---|"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -14,8 +15,11 @@ import orjson
 import pytest
 
 from service.bench import BenchConfig, BenchUsageError, main, run_bench, wire
+from service.bench.modern import ModernSession, header_value
 from service.bench.sse import SseParser
+from service.bench.stats import Recorder
 from service.bench.wire import McpSession, RequestFailed
+from service.bench.workloads import Client, Workload
 from tests.conftest import free_port, make_settings, serve
 
 METHODS = {
@@ -23,6 +27,8 @@ METHODS = {
     "lifecycle": {"tools/call", "tasks/get", "tasks/result"},
     "get": {"tasks/get"},
     "create": {"tools/call"},
+    "ext-lifecycle": {"tools/call", "tasks/get"},
+    "ext-get": {"tasks/get"},
 }
 
 
@@ -72,6 +78,43 @@ async def test_each_workload_runs_without_errors_against_our_server(database_url
     assert result["cleanup"]["failed"] == result["cleanup"]["left"] == 0
     if workload in ("get", "create"):
         assert result["cleanup"]["cancelled"] > 0
+
+
+@pytest.mark.parametrize("workload", ["ext-lifecycle", "ext-get"])
+async def test_each_extension_workload_runs_without_errors_against_our_server(database_url: str, workload: str) -> None:
+    # Grace 0, as make bench runs ours for these: every optional call becomes a task at once.
+    async with serve(make_settings(database_url, task_grace_ms=0)) as server:
+        result = await run_bench(smoke_config(server.url, workload))
+
+    assert result["workload"] == workload
+    assert result["wire"] == "2026-07-28"
+    assert result["ops"] > 0
+    assert result["errors"] == 0, result["error_kinds"]
+    assert set(result["methods"]) == METHODS[workload]
+    for stats in result["methods"].values():
+        assert stats["count"] >= result["ops"]
+        assert stats["errors"] == 0
+        assert 0 < stats["p50_ms"] <= stats["p95_ms"] <= stats["p99_ms"]
+    if workload == "ext-lifecycle":
+        # One create per lifecycle, and at least one tasks/get that saw it completed.
+        assert result["methods"]["tools/call"]["count"] == result["ops"]
+        assert result["methods"]["tasks/get"]["count"] >= result["ops"]
+    else:
+        assert result["methods"]["tasks/get"]["count"] == result["ops"]
+        assert result["cleanup"]["cancelled"] == 4 * 5  # clients x held, every one through tasks/cancel
+    assert result["cleanup"]["failed"] == result["cleanup"]["left"] == 0
+
+
+async def test_an_extension_call_answered_without_a_task_is_a_failed_lifecycle(database_url: str) -> None:
+    # sleep(0) ends in its first loop turn: inside the default grace (and even with grace 0) ours
+    # answers it synchronously, which is no task lifecycle at all.
+    async with serve(make_settings(database_url, task_grace_ms=0)) as server:
+        result = await run_bench(smoke_config(server.url, "ext-lifecycle", task_seconds=0.0, duration_s=0.5))
+
+    assert result["ops"] > 0
+    assert result["errors"] == result["ops"]
+    assert result["error_kinds"] == {"not_a_task": result["ops"]}
+    assert set(result["methods"]) == {"tools/call"}
 
 
 @pytest.mark.parametrize("workload", ["plain", "lifecycle"])
@@ -325,6 +368,14 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
                 "sdk": [_run(300)],
                 "fastmcp": [_run(60)],
             },
+            "ext-lifecycle": {
+                "ours": [_run(600) | {"ops": 100, "methods": {"tasks/get": {"count": 150}}}],
+                "fastmcp4": [
+                    _run(100, errors=2)
+                    | {"ops": 50, "methods": {"tasks/get": {"count": 100}}, "error_kinds": {"timeout": 2}}
+                ],
+            },
+            "ext-get": {"ours": [_run(4000)], "fastmcp4": [_run(500)]},
         },
         "scale": {"1,000": {"p99_ms": 10.0, "errors": 0}, "1,000,000": {"p99_ms": 20.0, "errors": 2}},
     }
@@ -340,6 +391,16 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
     assert verdict["zero failed operations (ours, every run)"] == "**missed**"  # the scale run's 2
     assert "| plain | 5000 | 600 | 650 | 20000 | 7.69x | 0.25x | >= 5x |" in text
     assert "- fastmcp lifecycle: 3 rpc_-32602 failed operations over 1 runs." in text
+    # The extension workloads: against the fastmcp-tasks peer only, in a table of their own.
+    assert verdict["extension task lifecycles/s >= 5x fastmcp-tasks"] == "met"  # 6x
+    assert verdict["extension `tasks/get` >= 10x fastmcp-tasks, 6,400 held"] == "**missed**"  # 8x
+    assert "| ext-lifecycle | 600 | 100 | 6.00x | >= 5x |" in text
+    assert "| ext-get | 4000 | 500 | 8.00x | >= 10x |" in text
+    assert "(at once, then every 5 ms; medians): ours 1.50, fastmcp-tasks 2.00" in text
+    assert "- ext-get: 4000 / 500" in text
+    assert "| ext-get | 1.000 + - | 1.000 |" in text
+    assert "- fastmcp4 ext-lifecycle: 2 timeout failed operations over 1 runs." in text
+    assert "| ext-lifecycle |" not in text.split("2026-07-28 Tasks extension")[0]  # not in the 2025-11-25 table
 
     doc = tmp_path / "performance.md"
     doc.write_text(f"# Performance\n\nkept\n\n{run.BEGIN}\nold numbers\n{run.END}\n\nalso kept\n")
@@ -349,3 +410,99 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
     assert written.startswith("# Performance\n\nkept\n\n")
     assert written.endswith(f"{run.END}\n\nalso kept\n")
     assert "| task lifecycles/s >= 3x best peer | 2.50x | **missed** |" in written
+
+
+EXT = "io.modelcontextprotocol/tasks"
+
+
+def _json_answer(status: int, message: dict[str, Any]) -> list[bytes]:
+    body = orjson.dumps(message)
+    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}[status]
+    return [
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (status, reason, len(body), body)
+    ]
+
+
+def _modern_peer(final_text: str, polls_working: int = 1) -> Answer:
+    """A scripted 2026-07-28 server: discover, tools/call -> a task, tasks/get working then completed."""
+    gets: dict[str, int] = {}
+
+    def answer(head: bytes, message: dict[str, Any]) -> tuple[list[bytes], bool]:
+        method, params = message["method"], message["params"]
+        if method == "server/discover":
+            result: dict[str, Any] = {"resultType": "complete", "capabilities": {"extensions": {EXT: {}}}}
+        elif method == "tools/call":
+            result = {"resultType": "task", "taskId": "t-1", "status": "working", "pollIntervalMs": 5000}
+        elif method == "tasks/get" and params["taskId"] == "t-1":
+            gets["t-1"] = gets.get("t-1", 0) + 1
+            done = gets["t-1"] > polls_working
+            result = {"resultType": "complete", "taskId": "t-1", "status": "completed" if done else "working"}
+            if done:
+                result["result"] = {"content": [{"type": "text", "text": final_text}]}
+        else:
+            error = {"code": -32602, "message": "no such task"}
+            return _json_answer(400, {"jsonrpc": "2.0", "id": message["id"], "error": error}), False
+        return _json_answer(200, {"jsonrpc": "2.0", "id": message["id"], "result": result}), False
+
+    return answer
+
+
+def _ext_client(url: str) -> Client:
+    return Client(ModernSession(url, token="t0k"), random.Random(0))
+
+
+async def test_the_extension_client_sends_meta_and_routing_headers_on_every_request() -> None:
+    bodies: list[dict[str, Any]] = []
+    peer = _modern_peer("slept 0.001s", polls_working=2)
+
+    def answer(head: bytes, message: dict[str, Any]) -> tuple[list[bytes], bool]:
+        bodies.append(message)
+        return peer(head, message)
+
+    workload = Workload.build("ext-lifecycle", "echo", "sleep", 1000, task_seconds=0.001, poll_ms=1)
+    rec = Recorder()
+    async with scripted_server(answer) as server:
+        client = _ext_client(server.url)
+        try:
+            await client.session.initialize()
+            assert await workload.ext_lifecycle(client, rec) is True
+        finally:
+            await client.session.close()
+    assert server.connections == 1
+    assert [b["method"] for b in bodies] == ["server/discover", "tools/call", "tasks/get", "tasks/get", "tasks/get"]
+    meta = {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {"extensions": {EXT: {}}},
+    }
+    assert all(b["params"]["_meta"] == meta for b in bodies)
+    assert bodies[1]["params"] == {"name": "sleep", "arguments": {"seconds": 0.001}, "_meta": meta}  # no params.task
+    heads = [h.decode() for h in server.heads]
+    assert all("\r\nMCP-Protocol-Version: 2026-07-28\r\n" in h for h in heads)
+    assert all("\r\nAuthorization: Bearer t0k\r\n" in h for h in heads)
+    assert "\r\nMcp-Method: server/discover\r\n" in heads[0]
+    assert "Mcp-Name" not in heads[0]
+    assert "\r\nMcp-Method: tools/call\r\nMcp-Name: sleep\r\n" in heads[1]
+    assert all("\r\nMcp-Method: tasks/get\r\nMcp-Name: t-1\r\n" in h for h in heads[2:])
+    assert rec.kinds == {}
+    assert rec.successes("tasks/get") == 3
+
+
+async def test_an_extension_lifecycle_fails_on_a_wrong_result_text_and_error_bodies_give_their_code() -> None:
+    workload = Workload.build("ext-lifecycle", "echo", "sleep", 1000, task_seconds=0.001, poll_ms=0)
+    rec = Recorder()
+    async with scripted_server(_modern_peer("slept 1s")) as server:
+        client = _ext_client(server.url)
+        try:
+            assert await workload.ext_lifecycle(client, rec) is False
+            with pytest.raises(RequestFailed) as failure:
+                await client.session.request("tasks/cancel", {"taskId": "other"})
+        finally:
+            await client.session.close()
+    assert rec.kinds == {"wrong_result": 1}
+    assert failure.value.kind == "rpc_-32602"
+
+
+def test_header_values_outside_printable_ascii_use_the_base64_form() -> None:
+    assert header_value("tk_abc-DEF") == "tk_abc-DEF"
+    assert header_value("grüße") == "=?base64?Z3LDvMOfZQ==?="

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
-WORKLOADS: Final = ("plain", "lifecycle", "get", "create")
+# The 2025-11-25 ones, then the 2026-07-28 Tasks extension's (service.bench.modern).
+WORKLOADS: Final = ("plain", "lifecycle", "get", "create", "ext-lifecycle", "ext-get")
 
 
 class BenchUsageError(ValueError):
@@ -24,7 +25,7 @@ class BenchConfig:
     """One bench run: the endpoint, the workload, the load's shape and what to measure (see run_bench)."""
 
     url: str
-    workload: Literal["plain", "lifecycle", "get", "create"]
+    workload: Literal["plain", "lifecycle", "get", "create", "ext-lifecycle", "ext-get"]
     clients: int = 32
     duration_s: float = 10.0
     warmup_s: float = 1.0
@@ -34,6 +35,8 @@ class BenchConfig:
     tool: str = "echo"
     hold_tool: str = "sleep"
     ttl_ms: int = 3_600_000
+    task_seconds: float = 0.005  # ext-lifecycle: the hold tool's {seconds} (a task that ends almost at once)
+    poll_ms: float = 5.0  # ext-lifecycle: tasks/get again after this long while the task is working
     server_pid: int | None = None
     allow_remote: bool = False
     progress: bool = True
@@ -65,6 +68,8 @@ def validate(config: BenchConfig) -> None:
         (config.max_ops is None or config.max_ops >= 1, "max-ops must be at least 1"),
         (1 <= config.held <= 100_000, "held must be in 1..100000"),
         (config.ttl_ms >= 1, "ttl must be at least 1 ms"),
+        (0 <= config.task_seconds <= 3_600, "task-seconds must be in [0, 3600]"),
+        (0 <= config.poll_ms <= 60_000, "poll-ms must be in [0, 60000]"),
     ]
     for ok, message in checks:
         if not ok:

@@ -1,4 +1,5 @@
-"""The load generator behind ``mcp-tasks bench``: many MCP sessions driving one workload at any endpoint."""
+"""The load generator behind ``mcp-tasks bench``: many MCP clients driving one workload at any endpoint
+(2025-11-25 sessions, or 2026-07-28 Tasks extension clients for the ``ext-*`` workloads)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from typing import Any, Final
 import orjson
 
 from service.bench.config import WORKLOADS, BenchConfig, BenchError, BenchUsageError, validate
+from service.bench.modern import ModernSession
 from service.bench.probe import ProbeError, ServerProbe, ServerWindow
 from service.bench.report import ProgressLine, summary
 from service.bench.stats import Recorder, latency_summary
-from service.bench.wire import McpSession, RequestFailed
-from service.bench.workloads import Client, Workload, cancel_held, run_op
+from service.bench.wire import McpSession, RequestFailed, Session
+from service.bench.workloads import EXT_WORKLOADS, Client, Workload, cancel_held, run_op
 
 __all__ = ["BenchConfig", "BenchError", "BenchUsageError", "main", "run_bench"]
 
@@ -123,6 +125,7 @@ async def _measure(
     pending = measured.successes("tools/call") if config.workload == "create" else None
     return {
         "workload": config.workload,
+        "wire": "2026-07-28" if config.workload in EXT_WORKLOADS else "2025-11-25",
         "url": config.url,
         "clients": config.clients,
         "duration_s": round(duration, 3),
@@ -146,7 +149,14 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         probe = ServerProbe(config.server_pid) if config.server_pid is not None else None
     except ProbeError as exc:
         raise BenchUsageError(str(exc)) from None
-    workload = Workload.build(config.workload, config.tool, config.hold_tool, config.ttl_ms)
+    workload = Workload.build(
+        config.workload,
+        config.tool,
+        config.hold_tool,
+        config.ttl_ms,
+        task_seconds=config.task_seconds,
+        poll_ms=config.poll_ms,
+    )
     progress = ProgressLine(config.workload, config.progress)
     tokens = list(config.tokens)
     # One TLS context for every client (https only): building one per client is slow.
@@ -154,11 +164,15 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
     clients: list[Client] = []
     for i in range(config.clients):
         token = tokens[i % len(tokens)] if tokens else None
-        session = McpSession(config.url, token=token, ssl_context=ssl_context)
+        session: Session = (
+            ModernSession(config.url, token=token, ssl_context=ssl_context)
+            if config.workload in EXT_WORKLOADS
+            else McpSession(config.url, token=token, ssl_context=ssl_context)
+        )
         clients.append(Client(session, random.Random(i)))
     try:
         await _open_sessions(clients)
-        if config.workload == "get":
+        if config.workload in ("get", "ext-get"):
             await _hold_tasks(config, workload, clients, progress)
         result = await _measure(config, workload, clients, probe, progress)
     finally:
@@ -179,10 +193,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds (default %(default)s)")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first (default %(default)s)")
     p.add_argument("--max-ops", type=int, default=None, help="stop after this many measured operations")
-    p.add_argument("--held", type=int, default=200, help="tasks held per client for 'get' (default %(default)s)")
+    p.add_argument("--held", type=int, default=200, help="tasks held per client for get, ext-get (default %(default)s)")
     p.add_argument("--token", action="append", default=[], help="bearer token; repeat for round-robin principals")
     p.add_argument("--tool", default="echo", help="tool for plain/lifecycle, args {text: x}")
-    p.add_argument("--hold-tool", default="sleep", help="tool for get/create, args {seconds: 3600}")
+    p.add_argument(
+        "--hold-tool",
+        default="sleep",
+        help="tool for get/create/ext-get, args {seconds: 3600}; "
+        "for ext-lifecycle {seconds: --task-seconds}, its result text must be 'slept <seconds>s'",
+    )
+    p.add_argument(
+        "--task-seconds",
+        type=float,
+        default=0.005,
+        help="ext-lifecycle: the hold tool's seconds (default %(default)s: a task that ends almost at once)",
+    )
+    p.add_argument(
+        "--poll-ms",
+        type=float,
+        default=5.0,
+        help="ext-lifecycle: tasks/get at once, then every "
+        "this many ms until completed (default %(default)s; the servers' pollIntervalMs is ignored)",
+    )
     p.add_argument("--ttl-ms", type=int, default=3_600_000, help="params.task.ttl (default %(default)s)")
     p.add_argument("--server-pid", type=int, default=None, help="measure this process tree's CPU and RSS")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback host")
@@ -209,6 +241,8 @@ def main(argv: list[str]) -> int:
         tool=args.tool,
         hold_tool=args.hold_tool,
         ttl_ms=args.ttl_ms,
+        task_seconds=args.task_seconds,
+        poll_ms=args.poll_ms,
         server_pid=args.server_pid,
         allow_remote=args.allow_remote,
         progress=not args.quiet,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from service.bench.wire import McpSession, RequestFailed
+from service.bench.wire import RequestFailed, Session
 
 # A check looks at a successful answer and names what is wrong with it (a failure kind), or returns None.
 Check = Callable[[dict[str, Any]], str | None]
@@ -31,6 +31,52 @@ def created_task(result: dict[str, Any]) -> str | None:
     return "tool_error" if result.get("isError") is True else "protocol_no_task"
 
 
+def ext_created_task(result: dict[str, Any]) -> str | None:
+    """A 2026-07-28 ``tools/call`` that must have become a task (a ``CreateTaskResult``, flat)."""
+    if result.get("resultType") == "task" and isinstance(result.get("taskId"), str):
+        return None
+    if result.get("isError") is True:
+        return "tool_error"
+    # Answered synchronously: the workload measures tasks, so this run measures something else.
+    return "not_a_task" if result.get("resultType") == "complete" else "protocol_no_task"
+
+
+def ext_task_until_done(expected_text: str) -> Check:
+    """A ``tasks/get`` of a lifecycle: still ``working`` (poll again), or ``completed`` with the
+    tool's result inline whose first text is ``expected_text``; any other state is a failure."""
+
+    def check(result: dict[str, Any]) -> str | None:
+        status = result.get("status")
+        if status == "working":
+            return None
+        if status != "completed":
+            return f"task_{status}" if isinstance(status, str) else "protocol_no_status"
+        inner = result.get("result")
+        if not isinstance(inner, dict):
+            return "protocol_no_inline_result"
+        if inner.get("isError") is True:
+            return "tool_error"
+        content = inner.get("content")
+        first = content[0] if isinstance(content, list) and content else None
+        if not isinstance(first, dict) or first.get("text") != expected_text:
+            return "wrong_result"
+        return None
+
+    return check
+
+
+def ext_held_task(task_id: str) -> Check:
+    """A ``tasks/get`` of a held task: that task, still running."""
+
+    def check(result: dict[str, Any]) -> str | None:
+        if result.get("taskId") != task_id:
+            return "protocol_wrong_task"
+        status = result.get("status")
+        return None if status == "working" else f"task_{status}" if isinstance(status, str) else "protocol_no_status"
+
+    return check
+
+
 class Recorder:
     """Everything one phase observed; warm-up gets its own Recorder, which is thrown away."""
 
@@ -46,7 +92,7 @@ class Recorder:
         self.failed_ops = 0
 
     async def call(
-        self, session: McpSession, method: str, params: dict[str, Any], check: Check = any_result
+        self, session: Session, method: str, params: dict[str, Any], check: Check = any_result
     ) -> dict[str, Any] | None:
         """Send one request and record it; None means it failed (already counted)."""
         started = perf_counter()

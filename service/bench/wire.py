@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -111,32 +112,58 @@ class McpSession:
         self._next_id += 1
         rpc_id = self._next_id
         body = orjson.dumps({"jsonrpc": "2.0", "id": rpc_id, "method": method, "params": params})
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                response = await self.connection.request(self._post_head, body)
-                message = await _answer(response, rpc_id)
-        except TimeoutError:
-            raise RequestFailed("timeout") from None
-        except HttpError as exc:
-            raise RequestFailed(f"transport_{type(exc).__name__}") from None
-        except orjson.JSONDecodeError:
-            raise RequestFailed("protocol_bad_json") from None
-        except RequestFailed:
-            raise
-        except Exception as exc:
-            # A load generator must keep counting, not crash, whatever a strange answer does to the client.
-            raise RequestFailed(f"client_{type(exc).__name__}") from None
-        error = message.get("error")
-        if error is not None:
-            code = error.get("code") if isinstance(error, dict) else None
-            raise RequestFailed(f"rpc_{code}" if isinstance(code, int) else "rpc_malformed")
-        result = message.get("result")
-        if not isinstance(result, dict):
-            raise RequestFailed("protocol_no_result")
-        return result, response.headers.get("mcp-session-id")
+        message, response = await exchange(self.connection, self._post_head, body, rpc_id, self._timeout_s, read_answer)
+        return result_of(message), response.headers.get("mcp-session-id")
 
 
-async def _answer(response: Response, rpc_id: int) -> dict[str, Any]:
+class Session(Protocol):
+    """What the workloads need of a client's session, whichever wire it speaks."""
+
+    async def initialize(self) -> None: ...
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def close(self, timeout_s: float = 2.0) -> None: ...
+
+
+Reader = Callable[[Response, int], Awaitable[dict[str, Any]]]
+
+
+async def exchange(
+    connection: Connection, head: bytes, body: bytes, rpc_id: int, timeout_s: float, read: Reader
+) -> tuple[dict[str, Any], Response]:
+    """Send one request and read its JSON-RPC message with ``read``; every failure is a RequestFailed."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            response = await connection.request(head, body)
+            message = await read(response, rpc_id)
+    except TimeoutError:
+        raise RequestFailed("timeout") from None
+    except HttpError as exc:
+        raise RequestFailed(f"transport_{type(exc).__name__}") from None
+    except orjson.JSONDecodeError:
+        raise RequestFailed("protocol_bad_json") from None
+    except RequestFailed:
+        raise
+    except Exception as exc:
+        # A load generator must keep counting, not crash, whatever a strange answer does to the client.
+        raise RequestFailed(f"client_{type(exc).__name__}") from None
+    return message, response
+
+
+def result_of(message: dict[str, Any]) -> dict[str, Any]:
+    """The ``result`` of a JSON-RPC response; its error (or a missing result) as a RequestFailed."""
+    error = message.get("error")
+    if error is not None:
+        code = error.get("code") if isinstance(error, dict) else None
+        raise RequestFailed(f"rpc_{code}" if isinstance(code, int) else "rpc_malformed")
+    result = message.get("result")
+    if not isinstance(result, dict):
+        raise RequestFailed("protocol_no_result")
+    return result
+
+
+async def read_answer(response: Response, rpc_id: int) -> dict[str, Any]:
     status = response.status
     if status != 200:
         # Read the (small) body so the connection stays reusable; the status alone names the failure.
