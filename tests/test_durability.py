@@ -15,6 +15,7 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import free_port, make_settings, serve
@@ -362,3 +363,31 @@ async def test_killed_database_connections_are_retry_shortly_and_lose_no_outcome
         await wait_for(completed)
         final = await s.result("tasks/get", {"taskId": task_id})
         assert final["status"] == "completed", final
+
+
+async def test_a_forged_cancel_event_does_not_stop_a_running_task(database_url: str, http: httpx.AsyncClient) -> None:
+    """Security review, point 3: an event is a hint; the runner re-reads the row before it stops a task."""
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        runner = running.app.state.core.runner
+
+        async def running_here() -> bool:
+            return ("local", task_id) in runner._running
+
+        async def stopped_here() -> bool:
+            return not await running_here()
+
+        await wait_for(running_here)
+        admin = await asyncpg.connect(database_url)
+        try:
+            forged = orjson.dumps({"v": 1, "k": "cancel", "tenant_id": "local", "task_id": task_id}).decode()
+            await admin.execute("SELECT pg_notify('mcp_tasks', $1)", forged)
+            await asyncio.sleep(0.5)  # the re-read has happened by now
+            assert ("local", task_id) in runner._running
+            assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "working"
+            await s.result("tasks/cancel", {"taskId": task_id})  # a real cancel still stops it
+            await wait_for(stopped_here)
+        finally:
+            await admin.close()

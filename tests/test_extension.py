@@ -430,3 +430,21 @@ async def test_another_principals_task_is_exactly_an_unknown_one_on_every_method
         assert seen[0]["params"]["notifications"] == {"taskIds": []}  # not acked: silently dropped
     assert (await alice.result("tasks/get", {"taskId": task_id}))["status"] == "input_required"
     await alice.result("tasks/cancel", {"taskId": task_id})
+
+
+async def test_closing_a_subscription_leaves_nothing_behind(m: ModernClient, server: RunningServer) -> None:
+    """Review finding: a client closing its listen stream left the watch (its subscription, its
+    polls) alive; open-close loops piled them up."""
+    created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
+    hub = server.app.state.core.hub
+    topic = ("task", "local", created["taskId"])
+    for _ in range(3):
+        async with asyncio.timeout(5):
+            async for msg in m.listen([created["taskId"]]):
+                if msg.get("method") == "notifications/tasks":
+                    break  # closes the stream
+    async with asyncio.timeout(5):
+        while topic in hub._subs:
+            await asyncio.sleep(0.05)
+    assert server.app.state.modern.subscriptions == {}
+    await m.result("tasks/cancel", {"taskId": created["taskId"]})

@@ -481,9 +481,19 @@ class ModernSurface:
         self.subscriptions[key] = self.subscriptions.get(key, 0) + 1
         try:
             live = []
-            for task_id in dict.fromkeys(task_ids or []):
-                with contextlib.suppress(TaskNotFound):
-                    live.append(await self.tasks.get(call.caller, task_id, surface=Surface.EXTENSION))
+            ids = list(dict.fromkeys(task_ids or []))
+            if ids and (limited := await self.limiter.lookups_blocked(principal)):
+                metrics.rate_limited.labels(limited.scope).inc()
+                raise RpcFailure(RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s},
+                                 http_status=429, headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
+            try:
+                for task_id in ids:
+                    try:
+                        live.append(await self.tasks.get(call.caller, task_id, surface=Surface.EXTENSION))
+                    except TaskNotFound:  # dropped from the ack, and counted like any lookup that misses
+                        await self.limiter.lookup_missed(principal)
+            except DomainError as exc:
+                raise to_rpc(exc) from None
             meta = {ext.META_SUBSCRIPTION: call.request_id}
 
             async def messages() -> AsyncIterator[dict[str, Any]]:
@@ -494,9 +504,10 @@ class ModernSurface:
                     yield await self._task_notification(call, task, meta)
                 changes = self.tasks.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
                 stop = asyncio.ensure_future(self._until_teardown(principal.expires_at))
+                step: asyncio.Future[Any] | None = None
                 try:
                     while True:
-                        step: asyncio.Future[Any] = asyncio.ensure_future(anext(changes))
+                        step = asyncio.ensure_future(anext(changes))
                         await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
                         if stop.done():
                             step.cancel()
@@ -510,7 +521,14 @@ class ModernSurface:
                     # XD-14: a server-side end is a SubscriptionsListenResult, then the stream closes.
                     yield jsonrpc.result_message(call.request_id, {"resultType": "complete", "_meta": meta})
                 finally:
+                    # The client going away cancels us inside the wait: the pending step must end
+                    # before the watch can be closed, or the watch (its subscription and its polls)
+                    # would live on.
                     stop.cancel()
+                    if step is not None and not step.done():
+                        step.cancel()
+                        with contextlib.suppress(BaseException):
+                            await step
                     with contextlib.suppress(BaseException):
                         await changes.aclose()  # type: ignore[attr-defined]
 

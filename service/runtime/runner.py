@@ -92,6 +92,10 @@ class Runner:
         from now on its events and questions go through the task, and its outcome is recorded
         like any other run's."""
         self._reserved -= 1
+        if self._stopping:  # too late to run it here: stop it and give it back like any other
+            job.cancel()
+            self._background(self._hand_back([task], "re-queued: the runner was shut down"))
+            return
         attach(task.task_id, self._sink(task))
         metrics.task_start_delay.labels(task.tool).observe(0.0)
         key = (task.tenant_id, task.task_id)
@@ -125,6 +129,17 @@ class Runner:
             log.warning("could not look up task %s after a failed create: %s", task_id[:8], exc)
             task = None
         self.adopt(task)
+
+    async def _cancel_if_not_ours(self, key: TaskKey) -> None:
+        """Stop a running task whose row no longer gives it to us (cancelled, expired, taken)."""
+        try:
+            still = await self.store.leased(key[0], key[1], self.owner)
+        except Exception as exc:  # the heartbeat's renewal decides next time
+            log.warning("could not re-read task %s after a cancel event: %s", key[1][:8], exc)
+            return
+        job = self._running.get(key)
+        if still is None and job is not None:
+            job.cancel()
 
     def _background(self, job: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(job)
@@ -181,9 +196,10 @@ class Runner:
         if isinstance(event, TaskCreated | Resync):
             self._wake.set()
         elif isinstance(event, TaskCancelRequested | TaskDeleted):
-            job = self._running.get((event.tenant_id, event.task_id))
-            if job is not None:
-                job.cancel()
+            key = (event.tenant_id, event.task_id)
+            if key in self._running:
+                # An event is a hint anyone who may NOTIFY could send: the row decides.
+                self._background(self._cancel_if_not_ours(key))
 
     def _database_lost(self, what: str, exc: Exception) -> None:
         """One log line when the database goes away, not one per poll (the recovery logs once too)."""

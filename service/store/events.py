@@ -35,6 +35,9 @@ VERSION = 1
 Topic = tuple[str, ...]
 # NOTIFY payloads are limited to 8000 bytes (with the channel name); larger events go by reference.
 MAX_INLINE = 7_900
+# Events read back by reference at once (each a short transaction); more wait, and past four times
+# as many the hints are dropped (waiters poll).
+MAX_FETCHES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +176,13 @@ def decode(body: dict[str, Any]) -> Event | None:
     if cls is None:
         return None
     names = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in body.items() if k in names}
+    # Routing fields must be text: anything else is not one of ours.
+    if any(not isinstance(fields.get(k, ""), str) for k in ("tenant_id", "task_id", "session_id", "subject", "key")
+           if fields.get(k) is not None):  # fmt: skip
+        return None
     try:
-        return cls(**{k: v for k, v in body.items() if k in names})
+        return cls(**fields)
     except TypeError:
         return None
 
@@ -199,6 +207,7 @@ class EventHub:
         self._reconnect_delay = reconnect_delay
         self._connected = asyncio.Event()
         self._fetches: set[asyncio.Task[None]] = set()
+        self._fetch_slots = asyncio.Semaphore(MAX_FETCHES)
         self.listeners: list[Callable[[Event], None]] = []
 
     async def start(self) -> None:
@@ -247,6 +256,8 @@ class EventHub:
         if not isinstance(body, dict):
             return
         if "ref" in body:
+            if len(self._fetches) >= MAX_FETCHES * 4:  # a flood of references: drop hints, waiters poll
+                return
             job = asyncio.get_running_loop().create_task(self._fetch(body))
             self._fetches.add(job)
             job.add_done_callback(self._fetches.discard)
@@ -257,7 +268,7 @@ class EventHub:
     async def _fetch(self, body: dict[str, Any]) -> None:
         """An event sent by reference: read it back (as its tenant) and dispatch it."""
         try:
-            async with self._db.transaction(str(body.get("tenant_id"))) as conn:
+            async with self._fetch_slots, self._db.transaction(str(body.get("tenant_id"))) as conn:
                 stored = await conn.fetchval(Q["get_event_payload"], int(body["ref"]))
         except Exception as exc:  # a hint lost: waiters poll
             log.warning("could not read an event sent by reference: %s", exc)

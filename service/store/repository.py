@@ -231,6 +231,12 @@ class TaskStore:
         request id). Returns the task answered, or None when no key was outstanding."""
         p = caller.principal
         async with self.db.transaction(p.tenant_id) as conn:
+            if task_id is None:
+                task_id = await conn.fetchval(Q["task_of_input"], p.tenant_id, list(responses))
+                if task_id is None:
+                    return None
+            if await conn.fetchval(Q["lock_task_for_answers"], p.tenant_id, task_id, p.subject) is None:
+                return None
             rows = await conn.fetch(Q["lock_outstanding_inputs"], p.tenant_id, p.subject, task_id, list(responses))
             if not rows:
                 return None

@@ -49,19 +49,28 @@ class InlineCallContext(ToolContextBase):
         self._responses = responses
         self._asked = 0
         self._sink: Sink | None = None
+        # Between "this call becomes a task" and the runner attaching it, a question must wait for
+        # the task rather than end a round nobody is waiting on any more.
+        self._converting = False
+        self._attached = asyncio.Event()
         # Questions of this round with no answer in the request: the round ends with them.
         self.unanswered: list[PendingInput] = []
         self.asked_unanswered = asyncio.Event()
         # Set once the run got past every answered question (it is computing, or asking anew).
         self.used_answers = 0
 
+    def begin_conversion(self) -> None:
+        """The call is about to become a task: questions from now on wait for it."""
+        self._converting = True
+
     def attach(self, task_id: str, sink: Sink) -> None:
         """The call became a task: events and questions go through it from now on."""
         self._task_id = task_id
         self._sink = sink
+        self._attached.set()
 
     def _next_key(self, wanted: str | None) -> str:
-        if self._sink is not None:
+        if self._sink is not None or self._converting:
             return super()._next_key(wanted)  # a task's keys are the service's: unique for its life
         self._asked += 1
         # The same question gets the same key when the run is retried: the tool's name for it, or
@@ -75,6 +84,8 @@ class InlineCallContext(ToolContextBase):
             self._on_event(event)
 
     async def _ask(self, question: PendingInput) -> InputResponse:
+        if self._sink is None and self._converting:
+            await self._attached.wait()  # the create failing cancels the job instead
         if self._sink is not None:
             return await self._sink.ask(question)
         response = self._responses.get(question.key)

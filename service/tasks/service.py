@@ -220,16 +220,41 @@ class TaskService:
         if round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED:
             return CallResult(outcome=round_.outcome)
         assert runner is not None
+        ctx.begin_conversion()  # a question from here on waits for the task (no round to end)
         lease = runner.reserve(running=True)
         if lease is None:  # shutting down: nothing is created, the client retries elsewhere
             job.cancel()
             raise Unavailable("the service is shutting down; retry")
-        try:
-            task = await self._create_for_call(caller, spec.name, valid, client_capabilities, lease)
-        except BaseException:
-            job.cancel()
-            raise
-        runner.adopt_running(task, job, ctx.attach)
+        p = self.policy
+        request = rq.create(
+            caller, new_task_id(), tool=spec.name, arguments=valid, surface=Surface.EXTENSION.value,
+            session_id=None, client_capabilities=client_capabilities,
+            progress_token=None,  # no progress for tasks on the extension (X-NOTIF-8)
+            ttl_ms=p.default_ttl_ms,  # the server chooses (X-TTL-8)
+            poll_interval_ms=p.poll_interval_ms, max_per_requestor=p.max_active_per_requestor,
+            max_per_tenant=p.max_active_per_tenant, lease=lease,
+        )  # fmt: skip
+        created = self._writes.enqueue(request)
+
+        def settle(future: asyncio.Future[Task | None]) -> None:
+            """Once the create's outcome is known, whoever waits or not: the running job goes on as
+            the task (never started twice), or stops when nothing was created."""
+            assert runner is not None
+            if future.cancelled() or future.exception() is not None:
+                job.cancel()
+                runner.adopt_unknown(request.tenant_id, request.task_id)  # it may exist: the runner looks
+            elif (task := future.result()) is None:
+                job.cancel()
+                runner.adopt(None)  # a cap refused it: nothing was written, the slot is free
+            else:
+                runner.adopt_running(task, job, ctx.attach)
+
+        created.add_done_callback(settle)
+        # If the client goes away now, the create still completes (shielded) and the task lives on:
+        # closing the request does not cancel a task that exists (X-HTTP-7).
+        task = await asyncio.shield(created)
+        if task is None:
+            raise await self._refuse_capacity(caller, spec.name)
         return CallResult(task=task)
 
     async def _create_for_call(

@@ -40,6 +40,15 @@ UPDATE task_messages
 SET delivered_to = NULL, delivered_at = NULL
 WHERE tenant_id = $1 AND delivered_to = $2 AND answered_at IS NULL;
 
+-- name: task_of_input
+-- The task a question key belongs to (2025-11-25 answers name the key only).
+SELECT task_id FROM task_messages WHERE tenant_id = $1 AND input_key = ANY ($2::text[]) LIMIT 1;
+
+-- name: lock_task_for_answers
+-- The task's row first, as ask_input takes it: a question being asked concurrently commits (or
+-- not) before the answers count what is left, so none is left open on a working task.
+SELECT 1 FROM tasks WHERE tenant_id = $1 AND task_id = $2 AND subject = $3 FOR NO KEY UPDATE;
+
 -- name: lock_outstanding_inputs
 -- The questions among keys $4 still open on an active task of subject $2 (of task $3, or found by
 -- key when $3 is NULL), locked so the first answer per key wins.
