@@ -168,6 +168,7 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None)
         "MCP_TASKS_RATE_LIMIT": "10000000/minute",
         "MCP_TASKS_MAX_TTL_MS": "86400000",
         "MCP_TASKS_LOG_LEVEL": "WARNING",
+        "MCP_TASKS_SHUTDOWN_GRACE_S": "1",  # stopped between runs with tasks held: no drain to wait out
         **(extra_env or {}),
     }
     with (logs / "ours.log").open("ab") as log:

@@ -9,6 +9,8 @@
 # Run by `make interop` after scripts/interop.sh. Peers are installed under $PEERS (default /tmp/peers).
 #   EXT_ONLY="ts_ext_client_2025-11-25 ..."  run only the named checks (names as printed)
 set -euo pipefail
+# Servers are stopped with tasks still running: no drain to wait out.
+export MCP_TASKS_SHUTDOWN_GRACE_S=1
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SHARED="${MCP_TASKS_SHARED:-$ROOT/../shared}"
 PEERS="${PEERS:-/tmp/peers}"

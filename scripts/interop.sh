@@ -8,6 +8,8 @@
 #     py_task_client.py with a dev-issuer token
 # Peers are installed under $PEERS (default /tmp/peers), outside the project tree.
 set -euo pipefail
+# Servers are stopped with tasks still running: no drain to wait out.
+export MCP_TASKS_SHUTDOWN_GRACE_S=1
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SHARED="${MCP_TASKS_SHARED:-$ROOT/../shared}"
 PEERS="${PEERS:-/tmp/peers}"

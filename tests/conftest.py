@@ -113,6 +113,8 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "poll_interval_ms": 100,
         "sweep_interval_ms": 200,
         "lease_ms": 3_000,
+        # Tests stop servers with tasks still running: no drain to wait out (the drain tests set it).
+        "shutdown_grace_s": 0,
         "tools": "service.tools.demo,tests.toolpack",
         "db_pool_size": 5,
         # Generous: most tests are not about the guardrails, which have tests of their own.

@@ -38,6 +38,7 @@ async def mcp_tasks(command: str, database_url: str, **env: str) -> AsyncIterato
         "MCP_TASKS_SWEEP_INTERVAL_MS": "200",
         "MCP_TASKS_LEASE_MS": "60000",  # long: recovery must not wait for lease expiry
         "MCP_TASKS_LOG_LEVEL": "WARNING",
+        "MCP_TASKS_SHUTDOWN_GRACE_S": "0",  # tests that drain set it
         **env,
     }
     proc = subprocess.Popen([sys.executable, "-m", "service", command], cwd=ROOT, env=environ)

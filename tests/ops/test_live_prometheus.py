@@ -112,7 +112,7 @@ def stack(admin_dsn: str) -> Iterator[Stack]:
         MCP_TASKS_DATABASE_URL=database_url, MCP_TASKS_DATA_DIR=str(work / "data"), MCP_TASKS_OAUTH_ISSUER=issuer,
         MCP_TASKS_PUBLIC_URL=url, MCP_TASKS_PORT=str(ports["serve"]), MCP_TASKS_METRICS_TENANT_LABEL="true",
         MCP_TASKS_SWEEP_INTERVAL_MS="300", MCP_TASKS_LEASE_MS="3000", MCP_TASKS_RATE_LIMIT="100/minute",
-        MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR="4", MCP_TASKS_LOG_LEVEL="WARNING",
+        MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR="4", MCP_TASKS_LOG_LEVEL="WARNING", MCP_TASKS_SHUTDOWN_GRACE_S="1",
     )  # fmt: skip
     s = Stack(
         work, env, url, issuer,
