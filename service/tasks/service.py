@@ -202,7 +202,7 @@ class TaskService:
         runner = self.runner
         if mode is not CallMode.SYNC and runner is None:
             # No runner here to adopt a running call: the task is queued for one at once.
-            return CallResult(task=await self._create_for_call(caller, spec.name, valid, client_capabilities, None))
+            return CallResult(task=await self._queue_for_call(caller, spec.name, valid, client_capabilities))
         ctx = InlineCallContext(
             responses=responses,
             progress_token=progress_token,
@@ -225,15 +225,7 @@ class TaskService:
         if lease is None:  # shutting down: nothing is created, the client retries elsewhere
             job.cancel()
             raise Unavailable("the service is shutting down; retry")
-        p = self.policy
-        request = rq.create(
-            caller, new_task_id(), tool=spec.name, arguments=valid, surface=Surface.EXTENSION.value,
-            session_id=None, client_capabilities=client_capabilities,
-            progress_token=None,  # no progress for tasks on the extension (X-NOTIF-8)
-            ttl_ms=p.default_ttl_ms,  # the server chooses (X-TTL-8)
-            poll_interval_ms=p.poll_interval_ms, max_per_requestor=p.max_active_per_requestor,
-            max_per_tenant=p.max_active_per_tenant, lease=lease,
-        )  # fmt: skip
+        request = self._extension_request(caller, spec.name, valid, client_capabilities, lease)
         created = self._writes.enqueue(request)
 
         def settle(future: asyncio.Future[Task | None]) -> None:
@@ -257,40 +249,27 @@ class TaskService:
             raise await self._refuse_capacity(caller, spec.name)
         return CallResult(task=task)
 
-    async def _create_for_call(
-        self,
-        caller: Caller,
-        tool: str,
-        arguments: dict[str, Any],
-        client_capabilities: dict[str, Any],
+    def _extension_request(
+        self, caller: Caller, tool: str, arguments: dict[str, Any], client_capabilities: dict[str, Any],
         lease: rq.Lease | None,
-    ) -> Task:
+    ) -> rq.TaskRequest:  # fmt: skip
+        """The create of a 2026-07-28 call becoming a task: the server chooses the TTL (X-TTL-8)
+        and there is no progress for tasks (X-NOTIF-8)."""
         p = self.policy
-        request = rq.create(
-            caller,
-            new_task_id(),
-            tool=tool,
-            arguments=arguments,
-            surface=Surface.EXTENSION.value,
-            session_id=None,
-            client_capabilities=client_capabilities,
-            progress_token=None,  # no progress for tasks on the extension (X-NOTIF-8)
-            ttl_ms=p.default_ttl_ms,  # the server chooses (X-TTL-8)
-            poll_interval_ms=p.poll_interval_ms,
-            max_per_requestor=p.max_active_per_requestor,
-            max_per_tenant=p.max_active_per_tenant,
-            lease=lease,
-        )
-        try:
-            task = await asyncio.shield(self._writes.enqueue(request))
-        except BaseException:
-            if lease is not None and self.runner is not None:
-                # Its outcome is unknown: the runner looks the task up and runs it if it exists.
-                self.runner.adopt_unknown(request.tenant_id, request.task_id)
-            raise
+        return rq.create(
+            caller, new_task_id(), tool=tool, arguments=arguments, surface=Surface.EXTENSION.value,
+            session_id=None, client_capabilities=client_capabilities, progress_token=None,
+            ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
+            max_per_requestor=p.max_active_per_requestor, max_per_tenant=p.max_active_per_tenant, lease=lease,
+        )  # fmt: skip
+
+    async def _queue_for_call(
+        self, caller: Caller, tool: str, arguments: dict[str, Any], client_capabilities: dict[str, Any]
+    ) -> Task:
+        """No runner here to adopt a running call: the task is created unleased, for any runner."""
+        request = self._extension_request(caller, tool, arguments, client_capabilities, None)
+        task = await asyncio.shield(self._writes.enqueue(request))
         if task is None:
-            if lease is not None and self.runner is not None:
-                self.runner.adopt(None)  # a cap refused it: nothing was written, the slot is free
             raise await self._refuse_capacity(caller, tool)
         return task
 
