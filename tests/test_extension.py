@@ -448,3 +448,49 @@ async def test_closing_a_subscription_leaves_nothing_behind(m: ModernClient, ser
             await asyncio.sleep(0.05)
     assert server.app.state.modern.subscriptions == {}
     await m.result("tasks/cancel", {"taskId": created["taskId"]})
+
+
+async def test_our_refusals_use_application_codes_outside_the_reserved_range_X_ERR_2(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """X-ERR-2: no undefined code from -32020..-32099 (nor the legacy -32000..-32019) on 2026-07-28:
+    the cap refusal is -31000, the rate limit -31029 with HTTP 429 and Retry-After; 2025-11-25 keeps
+    -32000 and -32029 (docs/decisions.md)."""
+    settings = make_settings(database_url, task_grace_ms=0, max_active_tasks_per_requestor=1, rate_limit="6/minute")
+    async with serve(settings) as running:
+        m = ModernClient(http, running.url)
+        created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
+        assert created["resultType"] == "task"
+        refused = (await m.post("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})).json()
+        assert refused["error"]["code"] == -31000, refused
+        assert refused["error"]["data"]["scope"] == "requestor"
+        codes = []
+        for _ in range(8):
+            response = await m.post("tasks/get", {"taskId": created["taskId"]})
+            if response.status_code == 429:
+                assert response.headers["Retry-After"].isdigit()
+                codes.append(response.json()["error"]["code"])
+        assert codes
+        assert set(codes) == {-31029}
+        legacy = RpcSession(http, running.url)
+        response = await http.post(running.url, json=legacy.message("ping"), headers=legacy.headers())
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == -32029
+
+
+async def test_request_state_keeps_only_the_answers_the_run_took_X_SEC_10(
+    http: httpx.AsyncClient, conformance_server: RunningServer
+) -> None:
+    """Answers to keys the run never asked for are not sealed into the next round's requestState,
+    so a client cannot grow the state round after round (it would otherwise carry whatever was sent)."""
+    m = ModernClient(http, conformance_server.url, capabilities={"elicitation": {}})
+    params: dict[str, Any] = {"name": "test_input_required_result_multi_round", "arguments": {}}
+    first = await m.result("tools/call", params)
+    padding = {f"junk{i}": {"action": "accept", "content": {"x": "y" * 200}} for i in range(40)}
+    answers = {"step1": {"action": "accept", "content": {"name": "Alice"}}, **padding}
+    second = await m.result("tools/call", {**params, "requestState": first["requestState"], "inputResponses": answers})
+    assert list(second["inputRequests"]) == ["step2"]
+    assert len(second["requestState"]) < len(first["requestState"]) + 400  # step1's answer only, not 8 KB of junk
+    third = await m.result("tools/call", {**params, "requestState": second["requestState"],
+                                          "inputResponses": {"step2": {"action": "accept", "content": {"color": "blue"}}}})  # fmt: skip
+    assert "Alice" in third["content"][0]["text"]  # the answer the run took still travels

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from service.domain import errors as d
+from service.mcp.ext_wire import CAPACITY_EXCEEDED as MODERN_CAPACITY_EXCEEDED
+from service.mcp.ext_wire import SERVICE_UNAVAILABLE as MODERN_SERVICE_UNAVAILABLE
 from service.mcp.jsonrpc import (
     CAPACITY_EXCEEDED,
     INTERNAL_ERROR,
@@ -24,8 +26,17 @@ _CODES: dict[type[d.DomainError], int] = {
 }
 
 
-def to_rpc(exc: d.DomainError) -> RpcFailure:
+# 2026-07-28 keeps the standard codes and moves ours out of the reserved range (X-ERR-2).
+_MODERN_CODES: dict[int, int] = {
+    CAPACITY_EXCEEDED: MODERN_CAPACITY_EXCEEDED,
+    SERVICE_UNAVAILABLE: MODERN_SERVICE_UNAVAILABLE,
+}
+
+
+def to_rpc(exc: d.DomainError, *, modern: bool = False) -> RpcFailure:
     code = _CODES.get(type(exc), INTERNAL_ERROR)
+    if modern:
+        code = _MODERN_CODES.get(code, code)
     data = dict(exc.details) or None
     if isinstance(exc, d.Unavailable):
         return RpcFailure(

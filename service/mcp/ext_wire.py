@@ -22,6 +22,11 @@ META_SUBSCRIPTION: Final = "io.modelcontextprotocol/subscriptionId"
 HEADER_MISMATCH: Final = -32020
 MISSING_CAPABILITY: Final = -32021
 UNSUPPORTED_VERSION: Final = -32022
+# Our application codes on 2026-07-28: X-ERR-2 forbids undefined codes in -32020..-32099 and
+# discourages the legacy -32000..-32019, so each is its 2025-11-25 code plus 1000 (docs/decisions.md).
+CAPACITY_EXCEEDED: Final = -31000
+SERVICE_UNAVAILABLE: Final = -31001
+RATE_LIMITED: Final = -31029
 
 SERVER_INFO: Final = {"name": "mcp-task-service", "title": "MCP Task Service", "version": __version__}
 REQUIRED_CAPABILITIES: Final[dict[str, Any]] = {"extensions": {EXTENSION: {}}}

@@ -31,7 +31,7 @@ from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
 from service.mcp.http import HttpError, send_json
-from service.mcp.jsonrpc import INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
+from service.mcp.jsonrpc import INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, RequestId, RpcFailure
 from service.mcp.sse import send_sse
 from service.mcp.surface import Surface as LegacySurface
 from service.mcp.wire import error_object, event_message
@@ -248,7 +248,7 @@ class ModernSurface:
             await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
             metrics.rate_limited.labels(limited.scope).inc()
             metrics.denied("not_found", call.caller.principal.tenant_id)
-            raise RpcFailure(RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s}, http_status=429,
+            raise RpcFailure(ext.RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s}, http_status=429,
                              headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
         try:
             result: dict[str, Any] | Streamed = await handler(call, receive)
@@ -256,13 +256,13 @@ class ModernSurface:
         except TaskNotFound as exc:
             if lookup:
                 await self.limiter.lookup_missed(call.caller.principal)
-            raise to_rpc(exc) from None
+            raise to_rpc(exc, modern=True) from None
         except CapacityExceeded as exc:
             metrics.cap_refusals.labels(str(exc.details.get("scope", ""))).inc()
             metrics.denied("cap", call.caller.principal.tenant_id)
-            raise to_rpc(exc) from None
+            raise to_rpc(exc, modern=True) from None
         except DomainError as exc:
-            raise to_rpc(exc) from None
+            raise to_rpc(exc, modern=True) from None
 
     # --- methods -------------------------------------------------------------------------------
 
@@ -370,7 +370,7 @@ class ModernSurface:
         if result.task is not None:
             return ext.created(result.task)
         if result.questions:
-            return self._input_required(call, name, arguments, responses, result.questions)
+            return self._input_required(call, name, arguments, responses, result.questions, result.used)
         assert result.outcome is not None
         if result.outcome.kind is OutcomeKind.FAILURE:
             error = error_object(result.outcome)
@@ -391,7 +391,7 @@ class ModernSurface:
             lambda ctx: prompt.render(args, ctx), responses=responses, client_capabilities=call.capabilities
         )
         if round_.questions:
-            return self._input_required(call, f"prompt:{name}", args, responses, round_.questions)
+            return self._input_required(call, f"prompt:{name}", args, responses, round_.questions, round_.used)
         out: dict[str, Any] = {"messages": round_.outcome}
         if prompt.description:
             out["description"] = prompt.description
@@ -404,10 +404,12 @@ class ModernSurface:
         arguments: dict[str, Any],
         responses: dict[str, InputResponse],
         questions: tuple[PendingInput, ...],
+        used: frozenset[str],
     ) -> dict[str, Any]:
         """InputRequiredResult: the questions, and the answers so far sealed in requestState (they
-        travel with the client: nothing of the round stays here)."""
-        stored = {k: r.to_stored() for k, r in responses.items()}
+        travel with the client: nothing of the round stays here). Only the answers the run took are
+        kept: keys it never asked for do not grow the state round after round."""
+        stored = {k: r.to_stored() for k, r in responses.items() if k in used}
         state = self.tasks.request_states.seal(call.caller.principal, bound_to, arguments, stored)
         return {"resultType": "input_required", "inputRequests": ext.input_requests(questions),
                 "requestState": state, "_meta": ext.server_meta()}  # fmt: skip
@@ -484,7 +486,7 @@ class ModernSurface:
             ids = list(dict.fromkeys(task_ids or []))
             if ids and (limited := await self.limiter.lookups_blocked(principal)):
                 metrics.rate_limited.labels(limited.scope).inc()
-                raise RpcFailure(RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s},
+                raise RpcFailure(ext.RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s},
                                  http_status=429, headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
             try:
                 for task_id in ids:
@@ -493,7 +495,7 @@ class ModernSurface:
                     except TaskNotFound:  # dropped from the ack, and counted like any lookup that misses
                         await self.limiter.lookup_missed(principal)
             except DomainError as exc:
-                raise to_rpc(exc) from None
+                raise to_rpc(exc, modern=True) from None
             meta = {ext.META_SUBSCRIPTION: call.request_id}
 
             async def messages() -> AsyncIterator[dict[str, Any]]:
@@ -605,7 +607,7 @@ async def _call_stream(
         except RpcFailure as failure:
             yield jsonrpc.error_message(request_id, failure.error_object())
         except DomainError as exc:
-            yield jsonrpc.error_message(request_id, to_rpc(exc).error_object())
+            yield jsonrpc.error_message(request_id, to_rpc(exc, modern=True).error_object())
     finally:
         if not running.done():  # the client closed the stream: the call is cancelled (X-HTTP-7)
             running.cancel()

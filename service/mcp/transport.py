@@ -56,10 +56,12 @@ class _RpcRefusal(Exception):
             self.error["data"] = data
 
 
-def _throttled(limited: RateLimited, extra: dict[str, str] | None = None) -> HttpError:
-    """HTTP 429 with Retry-After and a JSON-RPC error body (code in the server-defined range)."""
+def _throttled(limited: RateLimited, headers: Headers, extra: dict[str, str] | None = None) -> HttpError:
+    """HTTP 429 with Retry-After and a JSON-RPC error body: on 2025-11-25 a code of the server-defined
+    range, on 2026-07-28 our application code (X-ERR-2)."""
     metrics.rate_limited.labels(limited.scope).inc()
-    return HttpError(429, RATE_LIMITED, limited.message, {"Retry-After": str(limited.retry_after_s), **(extra or {})})
+    code = ext.RATE_LIMITED if headers.get(VERSION_HEADER) == ext.MODERN else RATE_LIMITED
+    return HttpError(429, code, limited.message, {"Retry-After": str(limited.retry_after_s), **(extra or {})})
 
 
 # Fresh request ids: 8 random hex digits per process, then a counter. Unique, not secret, and free of
@@ -185,7 +187,7 @@ class McpEndpoint:
             # An address over its failed-authentication budget is refused before any token work
             # (a token verified before costs no work, so it skips this check).
             if not self.auth.knows(connection) and (limited := await self.limiter.unauthenticated_blocked(address)):
-                raise _throttled(limited, self.auth.challenge_headers())
+                raise _throttled(limited, headers, self.auth.challenge_headers())
             try:
                 principal = await self.auth.authenticate(connection)
             except AuthFailure as refused:
@@ -204,7 +206,7 @@ class McpEndpoint:
                 metrics.denied("rate_limited", principal.tenant_id)
                 if await self.limiter.may_record_denial(f"p:{principal.tenant_id}\x00{principal.subject}"):
                     await self.audit.deny(caller, "rate_limited", scope=limited.scope)
-                raise _throttled(limited)
+                raise _throttled(limited, headers)
             if method == "POST":
                 await self._post(scope, receive, send, headers, caller)
             elif headers.get(VERSION_HEADER) == ext.MODERN and not headers.get(SESSION_HEADER):
@@ -229,7 +231,7 @@ class McpEndpoint:
                 exc.headers,
             )
         except DomainError as exc:
-            failure = to_rpc(exc)
+            failure = to_rpc(exc, modern=Headers(scope=scope).get(VERSION_HEADER) == ext.MODERN)
             await send_json(
                 send,
                 failure.http_status if failure.http_status != 200 else 503,

@@ -56,8 +56,8 @@ class InlineCallContext(ToolContextBase):
         # Questions of this round with no answer in the request: the round ends with them.
         self.unanswered: list[PendingInput] = []
         self.asked_unanswered = asyncio.Event()
-        # Set once the run got past every answered question (it is computing, or asking anew).
-        self.used_answers = 0
+        # The keys whose answers the run took: only those travel on in the next round's requestState.
+        self.used: set[str] = set()
 
     def begin_conversion(self) -> None:
         """The call is about to become a task: questions from now on wait for it."""
@@ -94,7 +94,7 @@ class InlineCallContext(ToolContextBase):
                 check_response(question.kind, response)
             except Exception as exc:
                 raise refused(FailureReason.INVALID_INPUT, f"inputResponses[{question.key!r}]: {exc}") from None
-            self.used_answers += 1
+            self.used.add(question.key)
             return response
         self.unanswered.append(question)
         self.asked_unanswered.set()
@@ -113,6 +113,7 @@ class RoundResult(Generic[T]):
     end: CallEnd
     outcome: T | None = None
     questions: tuple[PendingInput, ...] = ()
+    used: frozenset[str] = frozenset()  # with questions: the answered keys the run took
 
 
 async def run_round(job: asyncio.Future[T], ctx: InlineCallContext, *, grace_s: float | None) -> RoundResult[T]:
@@ -131,7 +132,7 @@ async def run_round(job: asyncio.Future[T], ctx: InlineCallContext, *, grace_s: 
         job.cancel()
         with contextlib.suppress(BaseException):
             await job
-        return RoundResult(CallEnd.NEEDS_INPUT, questions=tuple(ctx.unanswered))
+        return RoundResult(CallEnd.NEEDS_INPUT, questions=tuple(ctx.unanswered), used=frozenset(ctx.used))
     if job.done():
         return RoundResult(CallEnd.DONE, outcome=job.result())
     return RoundResult(CallEnd.RUNNING)

@@ -87,6 +87,7 @@ class CallResult:
 
     outcome: Outcome | None = None
     questions: tuple[PendingInput, ...] = ()
+    used: frozenset[str] = frozenset()  # with questions: the answers the run took (kept for the retry)
     task: Task | None = None
 
 
@@ -216,7 +217,7 @@ class TaskService:
             job.cancel()  # the request went away (X-HTTP-7: closing the stream cancels it)
             raise
         if round_.end is CallEnd.NEEDS_INPUT:
-            return CallResult(questions=round_.questions)
+            return CallResult(questions=round_.questions, used=round_.used)
         if round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED:
             return CallResult(outcome=round_.outcome)
         assert runner is not None
