@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     # When the rate-limit storage (Redis) is unreachable: let requests through, or refuse them (503).
     rate_limit_fail: Literal["open", "closed"] = "open"
     runner_concurrency: int = Field(default=32, ge=0, le=10_000)
+    # The most of one process's runner slots a tenant may hold while others wait: "50%" or a count
+    # ("16"). Unset: 50% in hosted mode, all of them in single-user mode (one principal).
+    runner_tenant_share: str | None = Field(default=None, pattern=r"^\s*[0-9]+\s*%?\s*$")
     tools: str = "service.tools.demo"
 
     # 2026-07-28: how long a call that may become a task runs inside its request first (XD-5).
@@ -124,6 +127,9 @@ class Settings(BaseSettings):
                 parse_many(getattr(self, name))
             except ValueError:
                 raise ValueError(f"MCP_TASKS_{name.upper()} is not a rate such as '1200/minute'") from None
+        share = (self.runner_tenant_share or "").replace(" ", "")
+        if (share.endswith("%") and not 1 <= int(share[:-1]) <= 100) or (share.isdigit() and int(share) < 1):
+            raise ValueError("MCP_TASKS_RUNNER_TENANT_SHARE is a percentage of 1% to 100% or a count of at least 1")
         if self.min_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
         if self.metrics_port is not None and self.metrics_port == self.port:
@@ -163,6 +169,13 @@ class Settings(BaseSettings):
         if self.max_ttl_ms is not None:
             return self.max_ttl_ms
         return LOCAL_MAX_TTL_MS if self.effective_auth == "none" else 86_400_000
+
+    @property
+    def effective_tenant_share(self) -> int:
+        """The slots of this process one tenant may hold (at least 1, at most all of them)."""
+        share = (self.runner_tenant_share or ("100%" if self.effective_auth == "none" else "50%")).replace(" ", "")
+        slots = self.runner_concurrency * int(share[:-1]) // 100 if share.endswith("%") else int(share)
+        return max(1, min(slots, self.runner_concurrency))
 
     @property
     def effective_public_url(self) -> str:
