@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     public_url: str | None = None
     auth: Literal["none", "oauth"] | None = None
     oauth_issuer: str | None = None
+    # The tenants each trusted issuer may speak for: "https://a=acme,beta;https://b=*.b.example"
+    # (docs/decisions.md, "Tenants bound to issuers"). Required with several issuers.
+    oauth_issuer_tenants: str = ""
     oauth_jwks_url: str | None = None
     oauth_audience: str | None = None
     oauth_required_scopes: str = ""
@@ -112,6 +115,7 @@ class Settings(BaseSettings):
             )
         if self.effective_auth == "oauth" and not self.oauth_issuer:
             raise ValueError("MCP_TASKS_AUTH=oauth needs MCP_TASKS_OAUTH_ISSUER")
+        self._check_issuer_tenants()
         if self.oauth_jwks_url and len(self.trusted_issuers) > 1:
             raise ValueError(
                 "MCP_TASKS_OAUTH_JWKS_URL applies to every issuer, so its keys could speak for all of them; "
@@ -138,6 +142,42 @@ class Settings(BaseSettings):
                 "it is the port of /metrics, /healthz and /readyz only"
             )
         return self
+
+    def _check_issuer_tenants(self) -> None:
+        issuers = self.trusted_issuers
+        bound = self.issuer_tenants
+        if any("#" in issuer for issuer in issuers):
+            raise ValueError("MCP_TASKS_OAUTH_ISSUER: an issuer identifier has no fragment ('#', RFC 8414)")
+        if unknown := sorted(set(bound) - set(issuers)):
+            raise ValueError(
+                f"MCP_TASKS_OAUTH_ISSUER_TENANTS names {', '.join(unknown)}, which MCP_TASKS_OAUTH_ISSUER does not trust"
+            )
+        if len(issuers) > 1 and (unbound := [i for i in issuers if i not in bound]):
+            raise ValueError(
+                "MCP_TASKS_OAUTH_ISSUER trusts several issuers, so MCP_TASKS_OAUTH_ISSUER_TENANTS must say which "
+                f"tenants each may speak for (none given for {', '.join(unbound)}), e.g. 'https://a=acme;https://b=*.b'"
+            )
+
+    @property
+    def issuer_tenants(self) -> dict[str, tuple[str, ...]]:
+        """MCP_TASKS_OAUTH_ISSUER_TENANTS parsed: issuer → tenant names or patterns ('*' matches any
+        run of characters). Empty: every trusted issuer may name any tenant (one issuer only)."""
+        bound: dict[str, tuple[str, ...]] = {}
+        for entry in self.oauth_issuer_tenants.split(";"):
+            if not entry.strip():
+                continue
+            issuer, equals, tenants = entry.partition("=")
+            patterns = tuple(t.strip() for t in tenants.split(",") if t.strip())
+            issuer = issuer.strip().rstrip("/")
+            if not equals or not issuer or not patterns:
+                raise ValueError(
+                    f"MCP_TASKS_OAUTH_ISSUER_TENANTS: {entry.strip()!r} is not 'issuer=tenant,tenant' "
+                    "(entries separated by ';')"
+                )
+            if issuer in bound:
+                raise ValueError(f"MCP_TASKS_OAUTH_ISSUER_TENANTS names {issuer} twice")
+            bound[issuer] = patterns
+        return bound
 
     @property
     def effective_auth(self) -> Literal["none", "oauth"]:
