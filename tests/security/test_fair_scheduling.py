@@ -97,13 +97,14 @@ async def test_claims_take_tenants_and_subjects_in_turn_and_skip_a_tenant_at_its
 
 async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_url: str) -> None:
     """Issue 14 finding 2: fairness must not cost a scan of the table. With 20,000 queued tasks of
-    200 tenants (and a saturated one whose rows the claim skips) the claim reads tasks_claimable."""
+    200 tenants, the oldest 256 of a tenant at its share (the claim skips them), it reads
+    tasks_claimable, oldest first."""
     db = await asyncpg.connect(database_url)
     try:
         await db.execute(
             """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
                                   poll_interval_ms, expires_at, created_at)
-               SELECT 't' || (g % 200), 'task-' || g, 's' || (g % 3), '2025-11-25', 'echo', '{}', 60000, 100,
+               SELECT CASE WHEN g <= 256 THEN 't1' ELSE 't' || (g % 200) END, 'task-' || g, 's' || (g % 3), '2025-11-25', 'echo', '{}', 60000, 100,
                       now() + interval '1 hour', now() - (20000 - g) * interval '1 millisecond'
                FROM generate_series(1, 20000) AS g"""
         )

@@ -57,8 +57,8 @@ FROM (
                 SELECT tenant_id, task_id, subject, created_at FROM tasks
                 WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
                   AND tool = ANY ($5::text[])
-                  AND tenant_id <> ALL (SELECT held.tenant_id FROM unnest($7::text[], $8::int[]) AS held(tenant_id, slots)
-                                        WHERE held.slots >= $6)
+                  AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
+                                                AS held(tenant_id, slots) WHERE held.slots >= $6))
                 ORDER BY created_at
                 LIMIT 4 * $4
                 FOR UPDATE SKIP LOCKED
