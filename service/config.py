@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -78,7 +79,7 @@ class Settings(BaseSettings):
     runner_concurrency: int = Field(default=32, ge=0, le=10_000)
     # The most of one process's runner slots a tenant may hold while others wait: "50%" or a count
     # ("16"). Unset: 50% in hosted mode, all of them in single-user mode (one principal).
-    runner_tenant_share: str | None = Field(default=None, pattern=r"^\s*[0-9]+\s*%?\s*$")
+    runner_tenant_share: str | None = None
     tools: str = "service.tools.demo"
 
     # 2026-07-28: how long a call that may become a task runs inside its request first (XD-5).
@@ -131,9 +132,8 @@ class Settings(BaseSettings):
                 parse_many(getattr(self, name))
             except ValueError:
                 raise ValueError(f"MCP_TASKS_{name.upper()} is not a rate such as '1200/minute'") from None
-        share = (self.runner_tenant_share or "").replace(" ", "")
-        if (share.endswith("%") and not 1 <= int(share[:-1]) <= 100) or (share.isdigit() and int(share) < 1):
-            raise ValueError("MCP_TASKS_RUNNER_TENANT_SHARE is a percentage of 1% to 100% or a count of at least 1")
+        if self.runner_tenant_share is not None:
+            _tenant_share(self.runner_tenant_share)
         if self.min_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
         if self.metrics_port is not None and self.metrics_port == self.port:
@@ -213,8 +213,10 @@ class Settings(BaseSettings):
     @property
     def effective_tenant_share(self) -> int:
         """The slots of this process one tenant may hold (at least 1, at most all of them)."""
-        share = (self.runner_tenant_share or ("100%" if self.effective_auth == "none" else "50%")).replace(" ", "")
-        slots = self.runner_concurrency * int(share[:-1]) // 100 if share.endswith("%") else int(share)
+        number, percent = _tenant_share(
+            self.runner_tenant_share or ("100%" if self.effective_auth == "none" else "50%")
+        )
+        slots = self.runner_concurrency * number // 100 if percent else number
         return max(1, min(slots, self.runner_concurrency))
 
     @property
@@ -249,6 +251,16 @@ class Settings(BaseSettings):
         return frozenset(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
 
 
+def _tenant_share(value: str) -> tuple[int, bool]:
+    """MCP_TASKS_RUNNER_TENANT_SHARE as (number, is a percentage): "50%" or a count such as "16"."""
+    match = re.fullmatch(r"([0-9]{1,6})(%?)", value.replace(" ", ""))
+    if match is None or int(match[1]) < 1 or (match[2] and int(match[1]) > 100):
+        raise ValueError(
+            f"MCP_TASKS_RUNNER_TENANT_SHARE={value!r} is neither a percentage of 1% to 100% nor a count of at least 1"
+        )
+    return int(match[1]), bool(match[2])
+
+
 SECRET_FIELDS = frozenset({"oauth_client_secret"})
 URL_FIELDS = frozenset({"database_url", "rate_limit_storage", "oauth_introspection_url"})
 
@@ -260,8 +272,6 @@ def masked(name: str, value: Any) -> Any:
     if name in SECRET_FIELDS:
         return "********"
     if name in URL_FIELDS and isinstance(value, str):
-        import re
-
         return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1********@", value)
     return value
 

@@ -9,6 +9,8 @@ import time
 
 import asyncpg
 import httpx
+import pytest
+from pydantic import ValidationError
 
 from service.store.queries import Q
 from tests.conftest import make_settings, run_issuer, serve
@@ -118,3 +120,20 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
     text = str(plan)
     assert "tasks_claimable" in text
     assert "Seq Scan" not in text
+
+
+@pytest.mark.parametrize("share", ["0%", "101%", "0", "half", "-1"])
+def test_a_share_outside_one_slot_to_all_of_them_is_refused(database_url: str, share: str) -> None:
+    """Issue 14 finding 2: MCP_TASKS_RUNNER_TENANT_SHARE is a percentage or a count of slots."""
+    with pytest.raises(ValidationError, match="MCP_TASKS_RUNNER_TENANT_SHARE"):
+        make_settings(database_url, runner_tenant_share=share)
+
+
+def test_the_share_defaults_to_half_in_hosted_mode_and_all_in_single_user_mode(database_url: str) -> None:
+    """Issue 14 finding 2: one principal needs no share; a count above the slots means all of them."""
+    hosted = {"auth": "oauth", "oauth_issuer": "https://id.example"}
+    assert make_settings(database_url, runner_concurrency=32, **hosted).effective_tenant_share == 16
+    assert make_settings(database_url, runner_concurrency=1, **hosted).effective_tenant_share == 1
+    assert make_settings(database_url, runner_concurrency=32).effective_tenant_share == 32
+    assert make_settings(database_url, runner_concurrency=32, runner_tenant_share="8").effective_tenant_share == 8
+    assert make_settings(database_url, runner_concurrency=8, runner_tenant_share="99").effective_tenant_share == 8
