@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +46,9 @@ class Settings(BaseSettings):
     public_url: str | None = None
     auth: Literal["none", "oauth"] | None = None
     oauth_issuer: str | None = None
+    # The tenants each trusted issuer may speak for: "https://a=acme,beta;https://b=*.b.example"
+    # (docs/decisions.md, "Tenants bound to issuers"). Required with several issuers.
+    oauth_issuer_tenants: str = ""
     oauth_jwks_url: str | None = None
     oauth_audience: str | None = None
     oauth_required_scopes: str = ""
@@ -73,6 +77,9 @@ class Settings(BaseSettings):
     # When the rate-limit storage (Redis) is unreachable: let requests through, or refuse them (503).
     rate_limit_fail: Literal["open", "closed"] = "open"
     runner_concurrency: int = Field(default=32, ge=0, le=10_000)
+    # The most of one process's runner slots a tenant may hold while others wait: "50%" or a count
+    # ("16"). Unset: 50% in hosted mode, all of them in single-user mode (one principal).
+    runner_tenant_share: str | None = None
     tools: str = "service.tools.demo"
 
     # 2026-07-28: how long a call that may become a task runs inside its request first (XD-5).
@@ -109,6 +116,7 @@ class Settings(BaseSettings):
             )
         if self.effective_auth == "oauth" and not self.oauth_issuer:
             raise ValueError("MCP_TASKS_AUTH=oauth needs MCP_TASKS_OAUTH_ISSUER")
+        self._check_issuer_tenants()
         if self.oauth_jwks_url and len(self.trusted_issuers) > 1:
             raise ValueError(
                 "MCP_TASKS_OAUTH_JWKS_URL applies to every issuer, so its keys could speak for all of them; "
@@ -124,6 +132,8 @@ class Settings(BaseSettings):
                 parse_many(getattr(self, name))
             except ValueError:
                 raise ValueError(f"MCP_TASKS_{name.upper()} is not a rate such as '1200/minute'") from None
+        if self.runner_tenant_share is not None:
+            _tenant_share(self.runner_tenant_share)
         if self.min_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
         if self.metrics_port is not None and self.metrics_port == self.port:
@@ -132,6 +142,42 @@ class Settings(BaseSettings):
                 "it is the port of /metrics, /healthz and /readyz only"
             )
         return self
+
+    def _check_issuer_tenants(self) -> None:
+        issuers = self.trusted_issuers
+        bound = self.issuer_tenants
+        if any("#" in issuer for issuer in issuers):
+            raise ValueError("MCP_TASKS_OAUTH_ISSUER: an issuer identifier has no fragment ('#', RFC 8414)")
+        if unknown := sorted(set(bound) - set(issuers)):
+            raise ValueError(
+                f"MCP_TASKS_OAUTH_ISSUER_TENANTS names {', '.join(unknown)}, which MCP_TASKS_OAUTH_ISSUER does not trust"
+            )
+        if len(issuers) > 1 and (unbound := [i for i in issuers if i not in bound]):
+            raise ValueError(
+                "MCP_TASKS_OAUTH_ISSUER trusts several issuers, so MCP_TASKS_OAUTH_ISSUER_TENANTS must say which "
+                f"tenants each may speak for (none given for {', '.join(unbound)}), e.g. 'https://a=acme;https://b=*.b'"
+            )
+
+    @property
+    def issuer_tenants(self) -> dict[str, tuple[str, ...]]:
+        """MCP_TASKS_OAUTH_ISSUER_TENANTS parsed: issuer → tenant names or patterns ('*' matches any
+        run of characters). Empty: every trusted issuer may name any tenant (one issuer only)."""
+        bound: dict[str, tuple[str, ...]] = {}
+        for entry in self.oauth_issuer_tenants.split(";"):
+            if not entry.strip():
+                continue
+            issuer, equals, tenants = entry.partition("=")
+            patterns = tuple(t.strip() for t in tenants.split(",") if t.strip())
+            issuer = issuer.strip().rstrip("/")
+            if not equals or not issuer or not patterns:
+                raise ValueError(
+                    f"MCP_TASKS_OAUTH_ISSUER_TENANTS: {entry.strip()!r} is not 'issuer=tenant,tenant' "
+                    "(entries separated by ';')"
+                )
+            if issuer in bound:
+                raise ValueError(f"MCP_TASKS_OAUTH_ISSUER_TENANTS names {issuer} twice")
+            bound[issuer] = patterns
+        return bound
 
     @property
     def effective_auth(self) -> Literal["none", "oauth"]:
@@ -165,6 +211,15 @@ class Settings(BaseSettings):
         return LOCAL_MAX_TTL_MS if self.effective_auth == "none" else 86_400_000
 
     @property
+    def effective_tenant_share(self) -> int:
+        """The slots of this process one tenant may hold (at least 1, at most all of them)."""
+        number, percent = _tenant_share(
+            self.runner_tenant_share or ("100%" if self.effective_auth == "none" else "50%")
+        )
+        slots = self.runner_concurrency * number // 100 if percent else number
+        return max(1, min(slots, self.runner_concurrency))
+
+    @property
     def effective_public_url(self) -> str:
         if self.public_url:
             return self.public_url.rstrip("/")
@@ -196,6 +251,16 @@ class Settings(BaseSettings):
         return frozenset(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
 
 
+def _tenant_share(value: str) -> tuple[int, bool]:
+    """MCP_TASKS_RUNNER_TENANT_SHARE as (number, is a percentage): "50%" or a count such as "16"."""
+    match = re.fullmatch(r"([0-9]{1,6})(%?)", value.replace(" ", ""))
+    if match is None or int(match[1]) < 1 or (match[2] and int(match[1]) > 100):
+        raise ValueError(
+            f"MCP_TASKS_RUNNER_TENANT_SHARE={value!r} is neither a percentage of 1% to 100% nor a count of at least 1"
+        )
+    return int(match[1]), bool(match[2])
+
+
 SECRET_FIELDS = frozenset({"oauth_client_secret"})
 URL_FIELDS = frozenset({"database_url", "rate_limit_storage", "oauth_introspection_url"})
 
@@ -207,8 +272,6 @@ def masked(name: str, value: Any) -> Any:
     if name in SECRET_FIELDS:
         return "********"
     if name in URL_FIELDS and isinstance(value, str):
-        import re
-
         return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1********@", value)
     return value
 

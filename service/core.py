@@ -122,6 +122,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
             concurrency=settings.runner_concurrency,
             lease_ms=settings.lease_ms,
             poll_s=poll_s,
+            tenant_share=settings.effective_tenant_share,
         )
         await runner.start()
         tasks.runner = runner

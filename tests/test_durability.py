@@ -279,7 +279,7 @@ async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(da
     the runner looks the task up and runs it rather than leaving it leased and idle."""
     async with serve(make_settings(database_url)) as running:
         runner = running.app.state.core.runner
-        lease = runner.reserve()
+        lease = runner.reserve("local")
         assert lease is not None
         owner, key = lease.owner, lease.key
         db = await asyncpg.connect(database_url)

@@ -259,7 +259,7 @@ async def test_a_batch_cut_off_by_shutdown_answers_every_waiter(app_db: Database
         while fallbacks("test") == before:  # the batch was refused; the first item is on its way
             await asyncio.sleep(0.01)
         queued = batcher.enqueue(create(owner))
-        drainer = batcher._drainer
+        drainer = batcher._drainers[0]  # the small lane
         assert drainer is not None
         drainer.cancel()
         outcomes = await asyncio.gather(*waiting, queued, return_exceptions=True)
@@ -303,3 +303,35 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
         await blocker.close()
         await runner_db.close()
     assert [t.status.value if t else None for t in done] == ["completed", "completed"]
+
+
+async def test_tenants_take_turns_and_large_items_go_in_a_lane_of_their_own(app_db: Database) -> None:
+    """Issue 14 finding 6: behind a statement in flight, one tenant's 100 queued creates do not
+    push another tenant's create out of the next batch; a large item never shares a statement with
+    small ones, and large items are batched up to MAX_BATCH_BYTES (one ~900 KB item alone)."""
+    gate = asyncio.Event()
+    batches: list[list[str]] = []
+    store = TaskStore(app_db)
+
+    async def gated(items: list[rq.TaskRequest]) -> list[Task | None]:
+        batches.append([f"{i.tenant_id}:{'large' if i.size_bytes > 65_536 else 'small'}" for i in items])
+        if len(batches) == 1:
+            await gate.wait()  # the statement in flight while the flood queues
+        return await store.run(items)
+
+    batcher = Batcher(gated, name="test-turns")
+    flood, other = principal("flood", "a"), principal("other", "b")
+    first = batcher.enqueue(create(flood))
+    async with asyncio.timeout(10):
+        while not batches:
+            await asyncio.sleep(0.01)
+    queued = [batcher.enqueue(create(flood, max_per_requestor=1_000)) for _ in range(100)]
+    mine = batcher.enqueue(create(other))
+    large = [batcher.enqueue(create(flood, text="x" * 900_000, max_per_requestor=1_000)) for _ in range(2)]
+    gate.set()
+    async with asyncio.timeout(30):
+        results = await asyncio.gather(first, *queued, mine, *large)
+    assert all(task is not None for task in results)
+    small = [b for b in batches if all(i.endswith(":small") for i in b)]
+    assert "other:small" in small[1]  # the first batch after the one in flight
+    assert [b for b in batches if b not in small] == [["flood:large"], ["flood:large"]]

@@ -22,6 +22,7 @@ class AuthFailure(Exception):
         *,
         reason: str | None = None,
         principal: Principal | None = None,
+        detail: dict[str, str] | None = None,
     ) -> None:
         super().__init__(description)
         self.status = status
@@ -30,6 +31,7 @@ class AuthFailure(Exception):
         self.headers = headers
         self.reason = reason or error  # a short bounded label for audit rows and metrics
         self.principal = principal  # set when the token was valid but not enough (403)
+        self.detail = detail or {}  # what the denial's audit row records besides the reason
 
 
 class Authenticator(Protocol):

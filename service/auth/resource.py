@@ -58,6 +58,7 @@ class OAuthResourceServer:
         *,
         reason: str | None = None,
         principal: Principal | None = None,
+        detail: dict[str, str] | None = None,
     ) -> AuthFailure:
         parts = [f'resource_metadata="{self._metadata_url}"']
         if error:
@@ -72,6 +73,7 @@ class OAuthResourceServer:
             headers,
             reason=reason or error or "no_token",
             principal=principal,
+            detail=detail,
         )
 
     def challenge_headers(self) -> dict[str, str]:
@@ -103,7 +105,7 @@ class OAuthResourceServer:
             principal = await self.verifier.verify(token)
         except TokenRejected as exc:
             self._log_denied(exc.reason, client, token)
-            raise self._challenge(401, "invalid_token", exc.description, reason=exc.reason) from None
+            raise self._challenge(401, "invalid_token", exc.description, reason=exc.reason, detail=exc.detail) from None
         except IssuerUnavailable as exc:
             log.warning("auth unavailable: %s", exc)
             raise AuthFailure(

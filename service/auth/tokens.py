@@ -17,6 +17,7 @@ import base64
 import dataclasses
 import hashlib
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,12 +45,14 @@ INTROSPECTION_CACHE_S = 30.0
 
 
 class TokenRejected(Exception):
-    """The token is not acceptable; ``reason`` is a short bounded label for logs and metrics."""
+    """The token is not acceptable; ``reason`` is a short bounded label for logs and metrics,
+    ``detail`` what the audit row of the denial records besides it."""
 
-    def __init__(self, reason: str, description: str) -> None:
+    def __init__(self, reason: str, description: str, **detail: str) -> None:
         super().__init__(description)
         self.reason = reason
         self.description = description
+        self.detail = detail
 
 
 class IssuerUnavailable(Exception):
@@ -104,6 +107,8 @@ class TokenVerifier:
         self._keys: dict[str, _IssuerKeys] = {i: _IssuerKeys() for i in self.issuers}
         self._locks: dict[str, asyncio.Lock] = {i: asyncio.Lock() for i in self.issuers}
         self._verified: OrderedDict[str, tuple[Principal, float]] = OrderedDict()
+        # MCP_TASKS_OAUTH_ISSUER_TENANTS: the tenants each issuer may name (empty: one issuer, any tenant).
+        self._tenants = {issuer: _tenant_pattern(p) for issuer, p in settings.issuer_tenants.items()}
 
     def is_cached(self, token: str) -> bool:
         """Was this token verified before and is it still unexpired? (no I/O, no signature check)"""
@@ -202,6 +207,7 @@ class TokenVerifier:
             raise TokenRejected("claims", f"the token's client_id must be at most {MAX_IDENTITY_CHARS} characters")
         if tenant == RESERVED_TENANT:
             raise TokenRejected("claims", f"tenant {RESERVED_TENANT!r} is reserved (unauthenticated audit events)")
+        subject = self._subject_key(issuer, tenant, subject)
         client_id = claims.get("client_id", claims.get("azp", ""))
         scopes = claims.get("scope", claims.get("scp", ""))
         if isinstance(scopes, str):
@@ -218,6 +224,28 @@ class TokenVerifier:
             scopes=scope_set,
         )
         return principal, float(exp)
+
+    def _subject_key(self, issuer: str, tenant: str, sub: str) -> str:
+        """The stored subject of ``sub`` from ``issuer`` in ``tenant``, after checking the issuer may
+        speak for the tenant. Of the issuers that may speak for a tenant, the first listed in
+        MCP_TASKS_OAUTH_ISSUER keeps the plain ``sub`` (so the rows of a single-issuer deployment
+        stay its own when an issuer is added); the others' subjects are ``<issuer>#<sub>``, which
+        no other issuer can produce (an issuer has no '#'; the first one's ``sub`` may not start so)."""
+        if not self._tenants:
+            return sub
+        speakers = [i for i in self.issuers if (p := self._tenants.get(i)) is not None and p.fullmatch(tenant)]
+        if issuer not in speakers:
+            raise TokenRejected(
+                "tenant_not_allowed",
+                "the token's issuer may not speak for the tenant it names (MCP_TASKS_OAUTH_ISSUER_TENANTS)",
+                issuer=issuer,
+                tenant=tenant,
+            )
+        if issuer != speakers[0]:
+            return f"{issuer}#{sub}"
+        if any(sub.startswith(f"{other}#") for other in speakers[1:]):
+            raise TokenRejected("claims", "the token's sub has the form of another issuer's qualified subject")
+        return sub
 
     async def _keyset(self, issuer: str, *, kid: Any) -> KeySet:
         state = self._keys[issuer]
@@ -330,6 +358,11 @@ class TokenVerifier:
         issuer = iss.rstrip("/")
         principal, exp = self._principal_from_claims(data, issuer)
         return principal, min(exp, time.time() + INTROSPECTION_CACHE_S)
+
+
+def _tenant_pattern(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regular expression for tenant names and patterns, in which '*' matches any run of characters."""
+    return re.compile("|".join(".*".join(re.escape(part) for part in p.split("*")) for p in patterns), re.DOTALL)
 
 
 def _has_kid(keys: KeySet | None, kid: Any) -> bool:

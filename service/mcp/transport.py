@@ -198,7 +198,9 @@ class McpEndpoint:
                     await self.limiter.authentication_failed(address)
                     who = Caller(refused.principal, request_id, address) if refused.principal else None
                     if await self.limiter.may_record_denial(f"a:{address}"):
-                        await self.audit.deny(who, f"auth:{refused.reason}", address=address, request_id=request_id)
+                        await self.audit.deny(
+                            who, f"auth:{refused.reason}", address=address, request_id=request_id, **refused.detail
+                        )
                 raise
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)

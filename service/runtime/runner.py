@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
@@ -45,17 +46,23 @@ class Runner:
         concurrency: int,
         lease_ms: int,
         poll_s: float,
+        tenant_share: int | None = None,
     ) -> None:
         self.store = RunnerStore(db)
         self.hub = hub
         self.registry = registry
         self.concurrency = concurrency
+        # The most of this process's slots one tenant may hold (MCP_TASKS_RUNNER_TENANT_SHARE).
+        self.tenant_share = max(1, min(tenant_share or concurrency, concurrency))
         self.lease_ms = lease_ms
         self.poll_s = poll_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.liveness = LivenessLock(db.dsn)
         self._running: dict[TaskKey, asyncio.Task[None]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
+        self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
+        # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
+        self._claiming: tuple[dict[str, int], int] | None = None
         self._jobs: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
@@ -72,17 +79,39 @@ class Runner:
     def busy(self) -> int:
         return len(self._running)
 
-    def reserve(self, *, running: bool = False) -> Lease | None:
-        """A free slot for a task this process is about to create: the lease to create it under,
-        or None. The creator must call ``adopt`` (or ``adopt_running``) either way. ``running``: the
-        call already runs here (it began inside its request), so it takes a slot even when none is
-        free rather than stop."""
+    def held(self) -> Counter[str]:
+        """Slots per tenant: tasks running here and creates promised a slot."""
+        held = Counter(tenant for tenant, _task in self._running)
+        held.update(self._reserved_by_tenant)
+        return held
+
+    def _at_share(self, tenant_id: str) -> bool:
+        """Would one more slot take the tenant past its share, counting what a claim in flight may
+        still give it?"""
+        held = self.held()[tenant_id]
+        if self._claiming is not None:
+            sent, want = self._claiming
+            held += max(0, min(want, self.tenant_share - sent.get(tenant_id, 0)))
+        return held >= self.tenant_share
+
+    def reserve(self, tenant_id: str, *, running: bool = False) -> Lease | None:
+        """A free slot for a task of ``tenant_id`` this process is about to create: the lease to
+        create it under, or None (no free slot, or the tenant holds its share of them). The creator
+        must call ``adopt`` (or ``adopt_running``) either way. ``running``: the call already runs
+        here (it began inside its request), so it takes a slot even when none is free rather than stop."""
         if self._stopping or self._draining or not self.liveness.held:
             return None
-        if not running and self.busy + self._reserved >= self.concurrency:
+        if not running and (self.busy + self._reserved >= self.concurrency or self._at_share(tenant_id)):
             return None
         self._reserved += 1
+        self._reserved_by_tenant[tenant_id] += 1
         return Lease(self.owner, self.liveness.key, self.lease_ms)
+
+    def _unreserve(self, tenant_id: str) -> None:
+        self._reserved -= 1
+        self._reserved_by_tenant[tenant_id] -= 1
+        if self._reserved_by_tenant[tenant_id] <= 0:
+            del self._reserved_by_tenant[tenant_id]
 
     def _sink(self, task: Task) -> TaskSink:
         return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
@@ -91,7 +120,7 @@ class Runner:
         """A call that began inside its request became ``task`` (created under a reserved lease):
         from now on its events and questions go through the task, and its outcome is recorded
         like any other run's."""
-        self._reserved -= 1
+        self._unreserve(task.tenant_id)
         if self._stopping:  # too late to run it here: stop it and give it back like any other
             job.cancel()
             self._background(self._hand_back([task], "re-queued: the runner was shut down"))
@@ -102,9 +131,10 @@ class Runner:
         self._running[key] = asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}")
         metrics.runner_slots_in_use.set(self.busy)
 
-    def adopt(self, task: Task | None) -> None:
-        """Run a task created under a reserved lease (None: a cap refused it, nothing was written)."""
-        self._reserved -= 1
+    def adopt(self, task: Task | None, *, tenant_id: str) -> None:
+        """Run a task of ``tenant_id`` created under a reserved lease (None: a cap refused it,
+        nothing was written)."""
+        self._unreserve(tenant_id)
         if task is None:
             if self._backlog:  # the slot it held is free again
                 self._wake.set()
@@ -128,7 +158,7 @@ class Runner:
         except Exception as exc:  # the lease lapses and the reaper takes the task over
             log.warning("could not look up task %s after a failed create: %s", task_id[:8], exc)
             task = None
-        self.adopt(task)
+        self.adopt(task, tenant_id=tenant_id)
 
     async def _cancel_if_not_ours(self, key: TaskKey) -> None:
         """Stop a running task whose row no longer gives it to us (cancelled, expired, taken)."""
@@ -238,12 +268,22 @@ class Runner:
             return 0
         await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
+        held = dict(self.held())
         self._reserved += want  # creates meanwhile must not promise these slots too
+        self._claiming = (held, want)  # nor take a tenant past its share with what this claim brings
         try:
-            tasks = await self.store.claim(self.owner, self.liveness.key, self.lease_ms, want, self._tools)
+            tasks = await self.store.claim(
+                self.owner, self.liveness.key, self.lease_ms, want, self._tools,
+                tenant_share=self.tenant_share, held=held,
+            )  # fmt: skip
         finally:
             self._reserved -= want
-        self._backlog = len(tasks) == want  # a full claim: there may be more
+            self._claiming = None
+        # A full claim, or a tenant at its share whose queued tasks the claim skipped: there may be
+        # more, so a freed slot claims again.
+        for task in tasks:
+            held[task.tenant_id] = held.get(task.tenant_id, 0) + 1
+        self._backlog = len(tasks) == want or any(n >= self.tenant_share for n in held.values())
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))

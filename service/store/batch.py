@@ -6,6 +6,13 @@ together as soon as it returns, so under load one round trip, one statement and 
 serve many requests, and each is still answered only after its commit. Items are sorted before
 they are sent, so every batch takes its row locks in one global order (see migration 0005).
 
+One tenant's items cannot hold another's up (docs/decisions.md, "Isolation inside a batch"): an
+item carrying more than ``LARGE_ITEM_BYTES`` goes through a second lane with a statement of its
+own, so small items never share a statement with a large one nor wait for one; in each lane the
+next batch takes the queued tenants in turns (one item of each, then a second of each, ...) and
+stops at ``MAX_ITEMS`` items or ``MAX_BATCH_BYTES`` (a larger item goes alone), so an item goes out
+with the next statement of its lane however much another tenant has queued.
+
 A batch that PostgreSQL refuses as a whole (for example a deadlock, or one request's text it
 cannot store) rolled back, so it is retried one item at a time (each a batch of one, through the
 same statement) and each request gets its own answer or error. Any other failure leaves the batch's outcome unknown: every request in it gets
@@ -27,15 +34,23 @@ from service.observability import metrics
 log = logging.getLogger(__name__)
 
 
-class Ordered(Protocol):
+class Batched(Protocol):
     @property
-    def order(self) -> tuple[str, ...]: ...
+    def order(self) -> tuple[str, ...]:
+        """The lock order; its first element is the tenant."""
+        ...
+
+    @property
+    def size_bytes(self) -> int: ...
 
 
-T = TypeVar("T", bound=Ordered)
+T = TypeVar("T", bound=Batched)
 R = TypeVar("R")
 
 MAX_ITEMS = 64
+LARGE_ITEM_BYTES = 64 * 1024
+MAX_BATCH_BYTES = 1024 * 1024
+SMALL, LARGE = 0, 1  # the lanes
 
 
 class Batcher(Generic[T, R]):
@@ -48,8 +63,10 @@ class Batcher(Generic[T, R]):
         self._fallbacks = metrics.db_batch_fallbacks.labels(name)
         self._run_many = run_many
         self._max_items = max_items
-        self._queue: list[tuple[T, asyncio.Future[R]]] = []
-        self._drainer: asyncio.Task[None] | None = None
+        self._name = name
+        # Per lane: the queue (item, future, size in bytes) in arrival order, and its drainer.
+        self._queues: tuple[list[tuple[T, asyncio.Future[R], int]], ...] = ([], [])
+        self._drainers: list[asyncio.Task[None] | None] = [None, None]
 
     def enqueue(self, item: T) -> asyncio.Future[R]:
         """The future of ``item``'s result. Cancelling a wait on it does not withdraw the item:
@@ -57,26 +74,27 @@ class Batcher(Generic[T, R]):
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         # An outcome nobody awaits any more (its waiter was cancelled under a shield) is not an error to log.
         future.add_done_callback(_retrieved)
-        self._queue.append((item, future))
-        if self._drainer is None:
-            self._drainer = asyncio.create_task(self._drain(), name="batch-drain")
+        size = item.size_bytes
+        lane = LARGE if size > LARGE_ITEM_BYTES else SMALL
+        self._queues[lane].append((item, future, size))
+        if self._drainers[lane] is None:
+            self._drainers[lane] = asyncio.create_task(self._drain(lane), name=f"batch-drain-{self._name}")
         return future
 
     async def submit(self, item: T) -> R:
         return await self.enqueue(item)
 
-    async def _drain(self) -> None:
+    async def _drain(self, lane: int) -> None:
+        queue = self._queues[lane]
         try:
-            while self._queue:
-                batch = self._queue[: self._max_items]
-                del self._queue[: self._max_items]
-                await self._run(batch)
+            while queue:
+                await self._run(_take(queue, self._max_items))
         finally:
-            self._drainer = None
+            self._drainers[lane] = None
             # Cancelled (shutdown): nobody who queued meanwhile is left waiting.
-            for _item, future in self._queue:
+            for _item, future, _size in queue:
                 _settle(future, exc=Unavailable("the service is shutting down; retry"))
-            self._queue.clear()
+            queue.clear()
 
     async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
         # A request whose waiter is gone (and did not shield its future) is not sent: nobody would
@@ -122,6 +140,31 @@ class Batcher(Generic[T, R]):
             return
         for (_item, future), result in zip(batch, results, strict=True):
             _settle(future, result=result)
+
+
+def _take(queue: list[tuple[T, asyncio.Future[R], int]], max_items: int) -> list[tuple[T, asyncio.Future[R]]]:
+    """The next batch, taken out of ``queue``: the queued tenants in turns, in order of arrival, up
+    to ``max_items`` items and ``MAX_BATCH_BYTES`` (the first item always goes). The rest stay
+    queued in arrival order."""
+    by_tenant: dict[str, list[int]] = {}
+    for index, (item, _future, _size) in enumerate(queue):
+        by_tenant.setdefault(item.order[0], []).append(index)
+    turns: list[int] = []
+    rank = 0
+    while len(turns) < min(max_items, len(queue)):
+        turns.extend(indexes[rank] for indexes in by_tenant.values() if rank < len(indexes))
+        rank += 1
+    taken: list[int] = []
+    size = 0
+    for index in turns[:max_items]:
+        if taken and size + queue[index][2] > MAX_BATCH_BYTES:
+            break
+        taken.append(index)
+        size += queue[index][2]
+    batch = [(queue[index][0], queue[index][1]) for index in taken]
+    chosen = set(taken)
+    queue[:] = [entry for index, entry in enumerate(queue) if index not in chosen]
+    return batch
 
 
 # SQLSTATE classes that say the server or the connection went away, not that the statement was

@@ -286,9 +286,17 @@ class RunnerStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def claim(self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: list[str]) -> list[Task]:
+    async def claim(
+        self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: list[str], *,
+        tenant_share: int, held: dict[str, int],
+    ) -> list[Task]:  # fmt: skip
+        """Up to ``limit`` queued tasks, round-robin over tenants and their subjects, none taking a
+        tenant past ``tenant_share`` slots counting what it ``held`` here already."""
+        tenants, slots = list(held), list(held.values())
         async with self.db.connection() as conn:  # one statement: its own transaction
-            rows = await conn.fetch(Q["claim_tasks"], owner, owner_key, lease_ms, limit, tools)
+            rows = await conn.fetch(
+                Q["claim_tasks"], owner, owner_key, lease_ms, limit, tools, tenant_share, tenants, slots
+            )
         return [task_from_row(r) for r in rows]
 
     async def leased(self, tenant_id: str, task_id: str, owner: str) -> Task | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind
 
@@ -45,6 +47,11 @@ class TaskRequest:
     def order(self) -> tuple[str, str, str]:
         """Counters and rows are locked in (tenant, subject, task) order (see the schema)."""
         return (self.tenant_id, self.subject, self.task_id)
+
+    @property
+    def size_bytes(self) -> int:
+        """About how many bytes the item carries: what group commit sizes its batches by."""
+        return json_size(self.arguments) + json_size(self.client_capabilities)
 
 
 def lookup(caller: Caller, task_id: str, *, retrieve: bool) -> TaskRequest:
@@ -149,6 +156,10 @@ class FinishRequest:
     def order(self) -> tuple[str, str, str]:
         return (self.tenant_id, self.subject, self.task_id)
 
+    @property
+    def size_bytes(self) -> int:
+        return json_size(self.payload)
+
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequest:
@@ -167,6 +178,16 @@ class ReleaseRequest:
     @property
     def order(self) -> tuple[str, str, str]:
         return (self.tenant_id, self.subject, self.task_id)
+
+
+def json_size(value: Any) -> int:
+    """The length of ``value`` as JSON; 0 for what JSON cannot carry (the statement refuses it)."""
+    if not value:
+        return 0
+    try:
+        return len(orjson.dumps(value))
+    except TypeError:
+        return 0
 
 
 def as_items(requests: list[Any]) -> list[dict[str, Any]]:

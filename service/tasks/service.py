@@ -64,9 +64,9 @@ class TaskPolicy:
 
 
 class LocalRunner(Protocol):
-    def reserve(self, *, running: bool = False) -> rq.Lease | None: ...
+    def reserve(self, tenant_id: str, *, running: bool = False) -> rq.Lease | None: ...
 
-    def adopt(self, task: Task | None) -> None: ...
+    def adopt(self, task: Task | None, *, tenant_id: str) -> None: ...
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
 
@@ -155,7 +155,7 @@ class TaskService:
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
         # A free local slot: create the task already leased to it (no claim, no wake-up round trip).
-        lease = self.runner.reserve() if self.runner is not None else None
+        lease = self.runner.reserve(caller.principal.tenant_id) if self.runner is not None else None
         request = rq.create(
             caller,
             new_task_id(),
@@ -222,7 +222,7 @@ class TaskService:
             return CallResult(outcome=round_.outcome)
         assert runner is not None
         ctx.begin_conversion()  # a question from here on waits for the task (no round to end)
-        lease = runner.reserve(running=True)
+        lease = runner.reserve(caller.principal.tenant_id, running=True)
         if lease is None:  # shutting down: nothing is created, the client retries elsewhere
             job.cancel()
             raise Unavailable("the service is shutting down; retry")
@@ -238,7 +238,9 @@ class TaskService:
                 runner.adopt_unknown(request.tenant_id, request.task_id)  # it may exist: the runner looks
             elif (task := future.result()) is None:
                 job.cancel()
-                runner.adopt(None)  # a cap refused it: nothing was written, the slot is free
+                runner.adopt(
+                    None, tenant_id=request.tenant_id
+                )  # a cap refused it: nothing was written, the slot is free
             else:
                 runner.adopt_running(task, job, ctx.attach)
 
@@ -284,7 +286,7 @@ class TaskService:
             # The statement may have committed before its answer was lost: the runner looks.
             runner.adopt_unknown(tenant_id, task_id)
         else:
-            runner.adopt(created.result())
+            runner.adopt(created.result(), tenant_id=tenant_id)
 
     async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
         """A cap refused a create: record the denial with the counts as they stand now."""

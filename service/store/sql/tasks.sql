@@ -36,16 +36,39 @@ RETURNING *;
 -- SKIP LOCKED lets every runner of every replica claim different rows without waiting on each other.
 -- Only tasks whose tool this runner has ($5): a fleet whose processes load different tool packs (a
 -- rolling deploy adding one, a separate worker pool) leaves a task for a runner that can run it.
+-- Fair between tenants, then between a tenant's subjects (docs/decisions.md, "Fair claims"): a
+-- tenant holds at most $6 of this process's slots ($7/$8: what each tenant holds here now), so its
+-- queued rows are skipped in the index scan once it is at its share (at most the tenant cap of
+-- rows to skip); of a window of the oldest other queued rows, the picks go round-robin: each
+-- tenant's first (its subjects taking turns), then each one's second, and so on.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp())
 FROM (
-    SELECT tenant_id, task_id FROM tasks
-    WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
-      AND tool = ANY ($5::text[])
-    ORDER BY created_at
+    SELECT turns.tenant_id, turns.task_id FROM (
+        SELECT by_subject.*,
+               row_number() OVER (PARTITION BY by_subject.tenant_id
+                                  ORDER BY by_subject.subject_turn, by_subject.created_at) AS tenant_turn
+        FROM (
+            SELECT window_rows.*,
+                   row_number() OVER (PARTITION BY window_rows.tenant_id, window_rows.subject
+                                      ORDER BY window_rows.created_at) AS subject_turn
+            FROM (
+                SELECT tenant_id, task_id, subject, created_at FROM tasks
+                WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
+                  AND tool = ANY ($5::text[])
+                  AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
+                                                AS held(tenant_id, slots) WHERE held.slots >= $6))
+                ORDER BY created_at
+                LIMIT 4 * $4
+                FOR UPDATE SKIP LOCKED
+            ) window_rows
+        ) by_subject
+    ) turns
+    LEFT JOIN unnest($7::text[], $8::int[]) AS held(tenant_id, slots) ON held.tenant_id = turns.tenant_id
+    WHERE turns.tenant_turn <= $6 - coalesce(held.slots, 0)
+    ORDER BY turns.tenant_turn, turns.created_at
     LIMIT $4
-    FOR UPDATE SKIP LOCKED
 ) picked
 WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id
 RETURNING t.*;

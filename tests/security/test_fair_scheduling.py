@@ -1,0 +1,143 @@
+"""Issue 14 finding 2: one tenant flooding the runner slots cannot delay another tenant's task start
+beyond the bound SECURITY.md states ("Fair runner slots")."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import asyncpg
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from service.store.queries import Q
+from tests.conftest import make_settings, run_issuer, serve
+from tests.issuer import LocalIssuer
+from tests.rpc import RpcSession
+
+# SECURITY.md: a tenant below its share starts within one claim pass of its create; 2 s is that
+# pass with a wide margin for a loaded 2-core CI machine (before the fix it waited for a slot: 60 s).
+START_BOUND_S = 2.0
+FLOOD_PER_SUBJECT = 16  # the requestor cap's default: two subjects fill a default 32-slot process
+
+
+async def _session(http: httpx.AsyncClient, url: str, issuer: LocalIssuer, tenant: str, sub: str) -> RpcSession:
+    s = RpcSession(http, url, token=issuer.mint(url, tenant_id=tenant, sub=sub))
+    await s.initialize()
+    return s
+
+
+async def _flood(sessions: list[RpcSession]) -> None:
+    """Each session starts FLOOD_PER_SUBJECT long tasks at once."""
+    await asyncio.gather(
+        *(s.call_tool_as_task("sleep", {"seconds": 60}) for s in sessions for _ in range(FLOOD_PER_SUBJECT))
+    )
+
+
+async def _echo_done_within(victim: RpcSession, bound: float) -> float:
+    started = time.perf_counter()
+    async with asyncio.timeout(bound):
+        task_id = (await victim.call_tool_as_task("echo", {"text": "still served"}))["task"]["taskId"]
+        result = await victim.result("tasks/result", {"taskId": task_id})
+    assert result["content"] == [{"type": "text", "text": "still served"}]
+    return time.perf_counter() - started
+
+
+async def _running_by_subject(database_url: str, tenant: str) -> dict[str, int]:
+    db = await asyncpg.connect(database_url)
+    try:
+        rows = await db.fetch(
+            "SELECT subject, count(*) AS n FROM tasks WHERE tenant_id = $1 AND lease_owner IS NOT NULL GROUP BY 1",
+            tenant,
+        )
+    finally:
+        await db.close()
+    return {r["subject"]: r["n"] for r in rows}
+
+
+async def test_a_flooding_tenant_holds_at_most_its_share_of_a_runners_slots(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Issue 14 finding 2, the attack as found: two subjects of tenant A with 16 long tasks each on a
+    32-slot process, created on it (straight to free slots): A gets half the slots, and tenant B's
+    echo still starts and finishes within the bound."""
+    async with run_issuer(LocalIssuer()) as issuer:
+        settings = make_settings(database_url, auth="oauth", oauth_issuer=issuer.url, runner_concurrency=32)
+        async with serve(settings) as server:
+            flood = [await _session(http, server.url, issuer, "tenant-a", f"s{i}") for i in (1, 2)]
+            victim = await _session(http, server.url, issuer, "tenant-b", "bob")
+            await _flood(flood)
+            runner = server.app.state.core.runner
+            async with asyncio.timeout(10):  # creates that met a claim in flight are claimed next
+                while runner.held()["tenant-a"] < 16:
+                    await asyncio.sleep(0.02)
+            await _echo_done_within(victim, START_BOUND_S)
+            assert runner.held()["tenant-a"] == 16
+            assert sum((await _running_by_subject(database_url, "tenant-a")).values()) == 16
+
+
+async def test_claims_take_tenants_and_subjects_in_turn_and_skip_a_tenant_at_its_share(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Issue 14 finding 2 through the claim query: tasks created on an API-only replica are all
+    queued, the worker's claims give each of A's subjects the same number of slots, stop A at its
+    share, and claim B's newer echo past A's older queued tasks within the bound."""
+    async with run_issuer(LocalIssuer()) as issuer:
+        common = {"auth": "oauth", "oauth_issuer": issuer.url}
+        api = make_settings(database_url, runner_concurrency=0, **common)
+        worker = make_settings(database_url, runner_concurrency=32, runner_tenant_share="50%", **common)
+        async with serve(api) as front:
+            flood = [await _session(http, front.url, issuer, "tenant-a", f"s{i}") for i in (1, 2)]
+            victim = await _session(http, front.url, issuer, "tenant-b", "bob")
+            for subject in flood:  # all queued before any runner looks, s1's 16 the oldest
+                await _flood([subject])
+            async with serve(worker):
+                async with asyncio.timeout(10):
+                    while sum((await _running_by_subject(database_url, "tenant-a")).values()) < 16:
+                        await asyncio.sleep(0.05)
+                await _echo_done_within(victim, START_BOUND_S)
+                assert await _running_by_subject(database_url, "tenant-a") == {"s1": 8, "s2": 8}
+
+
+async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_url: str) -> None:
+    """Issue 14 finding 2: fairness must not cost a scan of the table. With 20,000 queued tasks of
+    200 tenants, the oldest 256 of a tenant at its share (the claim skips them), it reads
+    tasks_claimable, oldest first."""
+    db = await asyncpg.connect(database_url)
+    try:
+        await db.execute(
+            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
+                                  poll_interval_ms, expires_at, created_at)
+               SELECT CASE WHEN g <= 256 THEN 't1' ELSE 't' || (g % 200) END, 'task-' || g, 's' || (g % 3), '2025-11-25', 'echo', '{}', 60000, 100,
+                      now() + interval '1 hour', now() - (20000 - g) * interval '1 millisecond'
+               FROM generate_series(1, 20000) AS g"""
+        )
+        await db.execute("ANALYZE tasks")
+        owner = f"explain:{secrets.token_hex(4)}"
+        plan = await db.fetchval(
+            "EXPLAIN (FORMAT JSON) " + Q["claim_tasks"], owner, 1, 30_000, 16, ["echo"], 16, ["t1"], [16]
+        )
+    finally:
+        await db.close()
+    text = str(plan)
+    assert "tasks_claimable" in text
+    assert "Seq Scan" not in text
+
+
+@pytest.mark.parametrize("share", ["0%", "101%", "0", "half", "-1"])
+def test_a_share_outside_one_slot_to_all_of_them_is_refused(database_url: str, share: str) -> None:
+    """Issue 14 finding 2: MCP_TASKS_RUNNER_TENANT_SHARE is a percentage or a count of slots."""
+    with pytest.raises(ValidationError, match="MCP_TASKS_RUNNER_TENANT_SHARE"):
+        make_settings(database_url, runner_tenant_share=share)
+
+
+def test_the_share_defaults_to_half_in_hosted_mode_and_all_in_single_user_mode(database_url: str) -> None:
+    """Issue 14 finding 2: one principal needs no share; a count above the slots means all of them."""
+    hosted = {"auth": "oauth", "oauth_issuer": "https://id.example"}
+    assert make_settings(database_url, runner_concurrency=32, **hosted).effective_tenant_share == 16
+    assert make_settings(database_url, runner_concurrency=1, **hosted).effective_tenant_share == 1
+    assert make_settings(database_url, runner_concurrency=32).effective_tenant_share == 32
+    assert make_settings(database_url, runner_concurrency=32, runner_tenant_share="8").effective_tenant_share == 8
+    assert make_settings(database_url, runner_concurrency=8, runner_tenant_share="99").effective_tenant_share == 8
