@@ -35,14 +35,18 @@ RETURNING *;
 -- name: claim_tasks
 -- SKIP LOCKED lets every runner of every replica claim different rows without waiting on each other.
 -- Only tasks whose tool this runner has ($5): a fleet whose processes load different tool packs (a
--- rolling deploy adding one, a separate worker pool) leaves a task for a runner that can run it.
+-- rolling deploy adding one, a separate worker pool) leaves a task for a runner that can run it;
+-- a task accepted for a version of its tool waits for that version ($6: tool → version). A "no
+-- worker runs tool" message of the maintenance pass (mark_tasks_without_runner) no longer holds.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
-    attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp())
+    attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
+    status_message = CASE WHEN t.status_message LIKE 'queued: no connected worker %' THEN NULL
+                          ELSE t.status_message END
 FROM (
     SELECT tenant_id, task_id FROM tasks
     WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
-      AND tool = ANY ($5::text[])
+      AND tool = ANY ($5::text[]) AND (tool_version IS NULL OR tool_version = $6::jsonb ->> tool)
     ORDER BY created_at
     LIMIT $4
     FOR UPDATE SKIP LOCKED
@@ -70,7 +74,7 @@ RETURNING t.tenant_id, t.task_id;
 -- name: find_lost_leases
 -- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
 -- Not locked here: task_release_batch re-checks the owner under the row lock.
-SELECT tenant_id, task_id, subject, tool, attempts, lease_owner FROM tasks t
+SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable FROM tasks t
 WHERE lease_owner IS NOT NULL
   AND (lease_expires_at < clock_timestamp()
        OR NOT EXISTS (SELECT 1 FROM pg_locks l
