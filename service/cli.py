@@ -1,4 +1,4 @@
-"""The ``mcp-tasks`` command: serve, worker, migrate, call."""
+"""The ``mcp-tasks`` command: serve, worker, migrate, call, tasks."""
 
 from __future__ import annotations
 
@@ -397,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
         help="protocol revision to speak (default: 2026-07-28 with the Tasks extension)",
     )
     sub.add_parser("config", help="print the effective settings (secrets masked)")
+    from service.cli_tasks import add_parser as add_tasks_parser
+
+    add_tasks_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("serve", "worker"):
         log_setup.configure("INFO", "text")  # until the settings say otherwise
@@ -404,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         log_setup.configure(settings.log_level, settings.log_format)
         _load_tools(settings)
     else:
-        log_setup.configure("WARNING" if args.command in ("token", "audit") else "INFO", "text")
+        log_setup.configure("WARNING" if args.command in ("token", "audit", "tasks") else "INFO", "text")
     if args.command == "serve":
         _serve(args)
     elif args.command == "worker":
@@ -422,3 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_call_main(args)))
     elif args.command == "config":
         _config(args)
+    elif args.command == "tasks":
+        from service.cli_tasks import tasks_main
+
+        sys.exit(asyncio.run(tasks_main(args)))
