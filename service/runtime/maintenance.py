@@ -70,7 +70,8 @@ class Maintenance:
         """Issue 13, point 3: a queued task whose tool no live runner has stays queued, says so in
         its status message, and is counted per tool (mcp_tasks_tasks_without_runner)."""
         by_tool = await self.store.mark_without_runner()
-        for tool in self._tools_seen | set(by_tool):  # a tool seen before and gone now reads 0
+        # Every tool loaded here or seen before reads 0 when none of its tasks waits for a runner.
+        for tool in set(self.registry.tools) | self._tools_seen | set(by_tool):
             metrics.tasks_without_runner.labels(tool).set(by_tool.get(tool, 0))
         stranded = {tool for tool, n in by_tool.items() if n}
         for tool in sorted(stranded - self._stranded):  # once when it starts, not once per pass
