@@ -5,6 +5,7 @@ the reaper decides re-run or fail from the task's own record, not from its own t
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Awaitable, Callable
 
 import asyncpg
@@ -18,6 +19,7 @@ from service.store.db import RUNNER_ROLE, Database
 from service.tools.registry import Registry
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
+from tests.test_durability import mcp_tasks
 
 pytestmark = pytest.mark.slow
 
@@ -165,3 +167,46 @@ async def test_a_reaper_without_the_tools_pack_re_runs_a_rerunnable_task_and_fai
             await admin.close()
     assert (rows[again]["status"], rows[again]["lease_owner"]) == ("working", None)
     assert rows[once]["status"] == "failed"
+
+
+async def test_a_killed_workers_tasks_are_decided_by_their_record_on_a_replica_without_the_pack(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Issue 13, point 3, end to end: a worker with the tests pack runs slow_fail (rerunnable) and
+    hang (not) and is killed; the only reaper loads the demo pack alone. It re-queues slow_fail,
+    which then waits, told that no live runner has it, and fails hang, never to run twice."""
+    front = make_settings(database_url, runner_concurrency=0, sweep_interval_ms=600_000)  # never reaps here
+    db = await asyncpg.connect(database_url)
+    try:
+        async with serve(front) as running:
+            s = RpcSession(http, running.url)
+            await s.initialize()
+            again = (await s.call_tool_as_task("slow_fail", {"seconds": 600}))["task"]["taskId"]
+            once = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+            async with mcp_tasks("worker", database_url) as (worker, _url):
+
+                async def both_claimed() -> bool:
+                    n = await db.fetchval(
+                        "SELECT count(*) FROM tasks WHERE task_id = ANY($1) AND lease_owner IS NOT NULL", [again, once]
+                    )
+                    return bool(n == 2)
+
+                await wait_for(both_claimed)
+                worker.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(worker.wait, 10)
+            async with serve(make_settings(database_url, runner_concurrency=0, tools="service.tools.demo")):
+
+                async def decided() -> bool:
+                    a = await s.result("tasks/get", {"taskId": again})
+                    b = await s.result("tasks/get", {"taskId": once})
+                    return (
+                        a["status"] == "working"
+                        and "slow_fail" in (a.get("statusMessage") or "")
+                        and (b["status"] == "failed")
+                    )
+
+                await wait_for(decided)
+            row = await db.fetchrow("SELECT lease_owner, attempts FROM tasks WHERE task_id = $1", again)
+            assert (row["lease_owner"], row["attempts"]) == (None, 1)
+    finally:
+        await db.close()
