@@ -170,9 +170,10 @@ def _parse_arg(raw: str, *, as_json: bool = False) -> tuple[str, Any]:
 async def _ask(request: dict[str, Any]) -> dict[str, Any]:
     """One input request (elicitation) answered at the terminal: yes or no."""
     params = request.get("params", {})
-    prompt = f"{params.get('message', 'input?')} [y/N] "
+    # The prompt goes to stderr, so stdout stays the result alone (a pipe, --json).
+    print(f"{params.get('message', 'input?')} [y/N] ", end="", file=sys.stderr, flush=True)
     try:
-        answer = (await asyncio.to_thread(input, prompt)).strip().lower()
+        answer = (await asyncio.to_thread(input)).strip().lower()
     except EOFError:  # no terminal to ask: decline rather than guess
         return {"action": "decline"}
     return {"action": "accept", "content": {"ok": answer in ("y", "yes")}}

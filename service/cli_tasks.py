@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Any
 
+import httpx
+
 from service.client import McpClient, McpClientError, ModernClient
 
 NOT_FOUND, UNAUTHORIZED, UNREACHABLE = 3, 4, 5
@@ -141,15 +143,36 @@ async def _legacy(args: argparse.Namespace) -> int:
 
 
 async def _legacy_result(client: McpClient, args: argparse.Namespace) -> int:
-    """tasks/result blocks until the task ends."""
-    try:
-        result = await client.request("tasks/result", {"taskId": args.task_id}, retry_for_s=args.retry_for)
-    except McpClientError as exc:
-        if exc.error.get("code") != "connection":
-            raise
-        # The wait outlived the retry window, then the stream broke (a restart): wait again, afresh.
-        result = await client.request("tasks/result", {"taskId": args.task_id}, retry_for_s=args.retry_for)
-    return _print_result(result, args.json)
+    """tasks/result blocks until the task ends; a question the task asks meanwhile arrives on its
+    stream and is answered at the terminal, as ``mcp-tasks call`` does. A broken stream (a restart)
+    or "unavailable" is retried for ``--retry-for`` seconds from when it happened."""
+    from service.cli import _ask
+
+    loop = asyncio.get_running_loop()
+    give_up: float | None = None
+    delay = 0.25
+    while True:
+        try:
+            final: dict[str, Any] = {}
+            async for message in client.stream("tasks/result", {"taskId": args.task_id}):
+                if message.get("method") == "elicitation/create":
+                    await client.respond(message["id"], await _ask(message))
+                elif "id" in message and "method" not in message:
+                    final = message
+            if "error" in final:
+                raise McpClientError(final["error"])
+            return _print_result(final.get("result", {}), args.json)
+        except (httpx.TransportError, McpClientError) as exc:
+            lost = isinstance(exc, httpx.TransportError)
+            if isinstance(exc, McpClientError) and exc.error.get("code") not in (503, -32001):
+                raise
+            give_up = give_up if give_up is not None else loop.time() + args.retry_for
+            if loop.time() + delay > give_up:
+                if lost:
+                    raise McpClientError({"code": "connection", "message": f"{type(exc).__name__}: {exc}"}) from None
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 async def _modern(args: argparse.Namespace) -> int:

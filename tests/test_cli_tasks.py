@@ -20,14 +20,15 @@ from tests.test_durability import ROOT, mcp_tasks
 pytestmark = pytest.mark.slow
 
 
-def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+def cli(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", "tasks", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+        [sys.executable, "-m", "service", "tasks", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        input=stdin,
+    )  # fmt: skip
 
 
-async def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    done = await asyncio.to_thread(cli, *argv)
+async def run(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    done = await asyncio.to_thread(cli, *argv, stdin=stdin)
     assert "Traceback" not in done.stderr, done.stderr
     return done
 
@@ -71,6 +72,12 @@ async def test_tasks_list_get_and_cancel_work_against_a_running_server(
         assert result.stdout.strip() == "slept 1s"
         as_json = await run("get", echoes[0], "--url", url, "--result", "--json")
         assert json.loads(as_json.stdout)["content"][0]["text"] == "e0"
+
+        # A question the task asks while we wait arrives on the tasks/result stream: answered at the prompt.
+        asking = (await s.call_tool_as_task("confirm", {"prompt": "Ship it?"}))["task"]["taskId"]
+        answered = await run("get", asking, "--url", url, "--result", stdin="y\n")
+        assert answered.returncode == 0, answered.stderr
+        assert answered.stdout.strip() == "answer: ok=True"
 
         cancelled = await run("cancel", hung, "--url", url, "--json")
         assert cancelled.returncode == 0, cancelled.stderr
