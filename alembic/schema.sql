@@ -69,6 +69,12 @@ CREATE TABLE tasks (
     lease_key           bigint,
     lease_expires_at    timestamptz,
     attempts            integer     NOT NULL DEFAULT 0,
+    -- Whether the tool may run again after a lost run, and the version of the tool the task was
+    -- accepted for, both as the accepting process's registry said at create: the reaper decides
+    -- from the row, not from its own (perhaps different) tool packs. NULL: created by a release
+    -- that did not record them (the deciding process's registry decides, as it did then).
+    rerunnable          boolean,
+    tool_version        text,
     CONSTRAINT tasks_pkey PRIMARY KEY (tenant_id, task_id),
     CONSTRAINT tasks_surface_known CHECK (surface IN ('2025-11-25', '2026-07-28')),
     CONSTRAINT tasks_ttl_positive CHECK (ttl_ms > 0),
@@ -251,6 +257,31 @@ CREATE POLICY event_payloads_tenant_isolation ON event_payloads TO mcp_tasks_app
 CREATE POLICY event_payloads_runner_all_tenants ON event_payloads TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
 
+-- =================================================================================== runners ==
+-- What each runner process can run, so a task whose tool no live runner has is told so (the
+-- maintenance pass sets its status message) and counted (mcp_tasks_tasks_without_runner). A runner
+-- upserts its row at start and on every heartbeat, saying how long its word holds (live_until),
+-- and deletes it when it stops; "live" also needs its liveness lock (lease_key) held, so a runner
+-- that died is not counted for a moment longer. Not tenant data: only the runner role sees it.
+-- tools: {"<name>": {"version": <text or null>, "rerunnable": <bool>}, ...}
+CREATE TABLE runners (
+    owner       text        NOT NULL,
+    lease_key   bigint      NOT NULL,
+    tools       jsonb       NOT NULL,
+    started_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    seen_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    live_until  timestamptz NOT NULL,
+    CONSTRAINT runners_pkey PRIMARY KEY (owner),
+    CONSTRAINT runners_tools_object CHECK (jsonb_typeof(tools) = 'object')
+);
+
+GRANT SELECT, INSERT, UPDATE, DELETE ON runners TO mcp_tasks_runner;
+ALTER TABLE runners ENABLE ROW LEVEL SECURITY;
+ALTER TABLE runners FORCE ROW LEVEL SECURITY;
+CREATE POLICY runners_runner_only ON runners TO mcp_tasks_runner
+    USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+
+
 -- ============================================================================== service keys ==
 -- Server-wide secrets shared by all replicas (e.g. the tasks/list cursor key); not per tenant.
 CREATE TABLE service_keys (
@@ -403,7 +434,7 @@ CREATE TYPE task_batch_item AS (
     surface text, tool text, arguments jsonb, client_capabilities jsonb, progress_token jsonb,
     ttl_ms bigint, poll_interval_ms integer, max_per_requestor bigint, max_per_tenant bigint,
     request_id text, client_address text, detail jsonb,
-    lease_owner text, lease_key bigint, lease_ms bigint
+    lease_owner text, lease_key bigint, lease_ms bigint, rerunnable boolean, tool_version text
 );
 
 CREATE FUNCTION task_batch(p_items jsonb) RETURNS SETOF tasks
@@ -439,13 +470,15 @@ BEGIN
             IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
                 INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
-                                   expires_at, lease_owner, lease_key, lease_expires_at, attempts, started_at)
+                                   expires_at, lease_owner, lease_key, lease_expires_at, attempts, started_at,
+                                   rerunnable, tool_version)
                 VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.surface,
                         it.tool, it.arguments, it.client_capabilities, it.progress_token, it.ttl_ms,
                         it.poll_interval_ms, clock_timestamp() + it.ttl_ms * interval '1 millisecond',
                         it.lease_owner, it.lease_key, clock_timestamp() + it.lease_ms * interval '1 millisecond',
                         CASE WHEN it.lease_owner IS NULL THEN 0 ELSE 1 END,
-                        CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END)
+                        CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
+                        it.rerunnable, it.tool_version)
                 RETURNING * INTO t;
             END IF;
         ELSIF it.k IN ('retrieve', 'get') THEN

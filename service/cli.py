@@ -1,4 +1,4 @@
-"""The ``mcp-tasks`` command: serve, worker, migrate, call."""
+"""The ``mcp-tasks`` command: serve, worker, migrate, call, tasks."""
 
 from __future__ import annotations
 
@@ -170,9 +170,10 @@ def _parse_arg(raw: str, *, as_json: bool = False) -> tuple[str, Any]:
 async def _ask(request: dict[str, Any]) -> dict[str, Any]:
     """One input request (elicitation) answered at the terminal: yes or no."""
     params = request.get("params", {})
-    prompt = f"{params.get('message', 'input?')} [y/N] "
+    # The prompt goes to stderr, so stdout stays the result alone (a pipe, --json).
+    print(f"{params.get('message', 'input?')} [y/N] ", end="", file=sys.stderr, flush=True)
     try:
-        answer = (await asyncio.to_thread(input, prompt)).strip().lower()
+        answer = (await asyncio.to_thread(input)).strip().lower()
     except EOFError:  # no terminal to ask: decline rather than guess
         return {"action": "decline"}
     return {"action": "accept", "content": {"ok": answer in ("y", "yes")}}
@@ -397,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
         help="protocol revision to speak (default: 2026-07-28 with the Tasks extension)",
     )
     sub.add_parser("config", help="print the effective settings (secrets masked)")
+    from service.cli_tasks import add_parser as add_tasks_parser
+
+    add_tasks_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("serve", "worker"):
         log_setup.configure("INFO", "text")  # until the settings say otherwise
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         log_setup.configure(settings.log_level, settings.log_format)
         _load_tools(settings)
     else:
-        log_setup.configure("WARNING" if args.command in ("token", "audit") else "INFO", "text")
+        log_setup.configure("WARNING" if args.command in ("token", "audit", "tasks") else "INFO", "text")
     if args.command == "serve":
         _serve(args)
     elif args.command == "worker":
@@ -422,3 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_call_main(args)))
     elif args.command == "config":
         _config(args)
+    elif args.command == "tasks":
+        from service.cli_tasks import tasks_main
+
+        sys.exit(asyncio.run(tasks_main(args)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -41,7 +41,14 @@ class McpClient:
             h["Mcp-Session-Id"] = self.session_id
         return h
 
-    async def initialize(self, capabilities: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def initialize(
+        self, capabilities: dict[str, Any] | None = None, *, retry_for_s: float = 0.0
+    ) -> dict[str, Any]:
+        """Open the session; with ``retry_for_s``, "unavailable, retry shortly" answers and lost
+        connections are retried with backoff for that long (nothing exists before a session)."""
+        return await _retrying(lambda: self._initialize(capabilities), retry_for_s, idempotent=True)
+
+    async def _initialize(self, capabilities: dict[str, Any] | None) -> dict[str, Any]:
         params = {
             "protocolVersion": PROTOCOL_VERSION,
             "capabilities": capabilities or {"elicitation": {}},
@@ -51,8 +58,8 @@ class McpClient:
             "POST", self.url, json=self._msg("initialize", params), headers=self._headers()
         ) as r:
             if r.status_code != 200:
-                await r.aread()
-                raise McpClientError({"code": r.status_code, "message": r.text})
+                answer = _json_answer(r.status_code, await r.aread(), r.reason_phrase)
+                raise McpClientError(answer.get("error") or {"code": r.status_code, "message": r.text})
             self.session_id = r.headers.get("mcp-session-id")
             result = await self._final(r)
         await self.notify("notifications/initialized", {})
@@ -76,9 +83,14 @@ class McpClient:
                 async for message in sse_messages(r):
                     yield message
             else:
-                yield orjson.loads(await r.aread())
+                yield _json_answer(r.status_code, await r.aread(), r.reason_phrase)
 
-    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    async def request(self, method: str, params: dict[str, Any], *, retry_for_s: float = 0.0) -> dict[str, Any]:
+        """The request's result; with ``retry_for_s``, retried as ``ModernClient.request`` is."""
+        return await _retrying(lambda: self._request_once(method, params), retry_for_s,
+                               idempotent=method != "tools/call")  # fmt: skip
+
+    async def _request_once(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         final: dict[str, Any] = {}
         async for message in self.stream(method, params):
             final = message
@@ -98,6 +110,42 @@ class McpClient:
             raise McpClientError(last["error"])
         result: dict[str, Any] = last["result"]
         return result
+
+
+def _json_answer(status: int, body: bytes, reason: str) -> dict[str, Any]:
+    """A JSON-RPC answer; an HTTP refusal without one (a proxy's 502, a plain 401) as an error."""
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        message = None
+    if not isinstance(message, dict):
+        return {"error": {"code": status, "message": body.decode(errors="replace").strip() or reason}}
+    if status >= 400 and "error" in message and isinstance(message["error"], dict):
+        message["error"].setdefault("code", status)
+        message["error"]["http_status"] = status
+    return message
+
+
+async def _retrying(
+    once: Callable[[], Awaitable[dict[str, Any]]], retry_for_s: float, *, idempotent: bool
+) -> dict[str, Any]:
+    """``once()``, again after "unavailable, retry shortly" (503, -32001) and, if ``idempotent``,
+    after a lost connection, with backoff, for up to ``retry_for_s``; then the last error. A lost
+    connection is McpClientError code "connection"."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_for_s
+    delay = 0.25
+    while True:
+        try:
+            return await once()
+        except McpClientError as exc:
+            if exc.error.get("code") not in (503, -32001) or loop.time() + delay > deadline:
+                raise
+        except httpx.TransportError as exc:
+            if not idempotent or loop.time() + delay > deadline:
+                raise McpClientError({"code": "connection", "message": f"{type(exc).__name__}: {exc}"}) from None
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 async def sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -179,6 +227,8 @@ class ModernClient:
             error = dict(message["error"])
             if r.status_code == 503:
                 error.setdefault("code", 503)
+            if r.status_code >= 400:
+                error["http_status"] = r.status_code
             raise McpClientError(error)
         result: dict[str, Any] = message.get("result", {})
         return result

@@ -61,6 +61,8 @@ def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -
         max_per_requestor=max_per_requestor,
         max_per_tenant=1_000,
         lease=None,
+        rerunnable=True,
+        tool_version=None,
     )
 
 

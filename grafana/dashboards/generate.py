@@ -194,6 +194,12 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             "s",
         ),
         PanelSpec(
+            "Queued tasks no live runner can run, by tool",
+            "Queued tasks whose tool (at its version) no live runner loads: they wait, told so in their "
+            "statusMessage (alert McpTasksToolWithoutRunner). Start a worker with the tool's pack.",
+            (Query("max by (tool) (mcp_tasks_tasks_without_runner)", "{{tool}}"),),
+        ),
+        PanelSpec(
             "Time to first claim (p50, p95, p99)",
             "From creation to a runner starting the task.",
             _quantiles("mcp_tasks_task_start_delay_seconds"),

@@ -117,6 +117,8 @@ class Task:
     client_id: str = ""
     issuer: str = ""
     surface: str = Surface.LEGACY.value
+    # Whether its tool may run again after a lost run, as recorded at create (None: not recorded).
+    rerunnable: bool | None = None
 
 
 def new_task_id() -> str:

@@ -88,6 +88,11 @@ oldest_queued_seconds = Gauge(
     "mcp_tasks_oldest_queued_task_age_seconds", "Age of the oldest unclaimed task, by tool (0 when none; last sweep)",
     ["tool"], multiprocess_mode="max",
 )  # fmt: skip
+tasks_without_runner = Gauge(
+    "mcp_tasks_tasks_without_runner",
+    "Queued tasks whose tool (at its version) no live runner has, by tool (cluster-wide; last sweep)",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
 tenant_tasks_active = Gauge(
     "mcp_tasks_tenant_tasks_active", "Non-terminal tasks per tenant (only with the tenant label on; last sweep)",
     ["tenant"], multiprocess_mode="max",

@@ -38,6 +38,7 @@ class Maintenance:
         self._task: asyncio.Task[None] | None = None
         self._tools_seen: set[str] = set()
         self._tenants_seen: set[str] = set()
+        self._stranded: set[str] = set()  # tools with tasks no live runner can run, as of the last pass
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="maintenance")
@@ -61,8 +62,22 @@ class Maintenance:
     async def run_once(self) -> None:
         await self.reap_lost_leases()
         await self.delete_expired()
+        await self.flag_tasks_without_runner()
         await self.observe()
         await self.store.tidy(self.session_idle_ms, EVENT_PAYLOAD_MAX_AGE_MS)
+
+    async def flag_tasks_without_runner(self) -> None:
+        """Issue 13, point 3: a queued task whose tool no live runner has stays queued, says so in
+        its status message, and is counted per tool (mcp_tasks_tasks_without_runner)."""
+        by_tool = await self.store.mark_without_runner()
+        # Every tool loaded here or seen before reads 0 when none of its tasks waits for a runner.
+        for tool in set(self.registry.tools) | self._tools_seen | set(by_tool):
+            metrics.tasks_without_runner.labels(tool).set(by_tool.get(tool, 0))
+        stranded = {tool for tool, n in by_tool.items() if n}
+        for tool in sorted(stranded - self._stranded):  # once when it starts, not once per pass
+            log.warning("tasks of tool %r are queued and no live runner has that tool; start a worker with its pack",
+                        tool)  # fmt: skip
+        self._stranded = stranded
 
     async def observe(self) -> None:
         """Gauges read from the database and the pools (cluster-wide task counts; this process's pools)."""
@@ -96,7 +111,7 @@ class Maintenance:
         requests = sorted(
             (
                 hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
-                          owner=t.owner, why="re-running: the previous runner stopped")
+                          owner=t.owner, why="re-running: the previous runner stopped", rerunnable=t.rerunnable)
                 for t in lost
             ),
             key=lambda r: r.order,

@@ -72,7 +72,8 @@ class Runner:
         self._stopping = False
         self._draining = False
         self._database_ok = True
-        self._tools = sorted(registry.tools)  # claims take only tasks of tools loaded here
+        # Claims take only tasks of tools loaded here, at their version (name → version or None).
+        self._tools = {name: registry.tools[name].version for name in sorted(registry.tools)}
         self._finishes = Batcher(self.store.finish, name="finishes")
 
     @property
@@ -184,10 +185,12 @@ class Runner:
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
         await self.liveness.acquire()
+        await self._publish()
         self.hub.listeners.append(self._on_event)
         self._loops = [
             asyncio.create_task(self._claim_loop(), name="runner-claim"),
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
+            asyncio.create_task(self._presence_loop(), name="runner-presence"),
         ]
 
     def drain(self) -> None:
@@ -220,7 +223,28 @@ class Runner:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self._jobs, return_exceptions=True)
+        try:
+            await self.store.withdraw(self.owner)
+        except Exception as exc:  # its row lapses by itself (live_until)
+            log.warning("runner could not withdraw its tools: %s", exc)
         await self.liveness.release()
+
+    async def _publish(self) -> None:
+        """Say what this runner can run, for a lease's time (the maintenance pass tells tasks whose
+        tool no live runner has so, see runners.sql)."""
+        tools = {name: {"version": spec.version, "rerunnable": spec.rerunnable}
+                 for name, spec in self.registry.tools.items()}  # fmt: skip
+        await self.store.publish(self.owner, self.liveness.key, tools, self.lease_ms)
+
+    async def _presence_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                await self._publish()
+            except Unavailable as exc:
+                self._database_lost("published its tools", exc)
+            except Exception:
+                log.exception("runner could not publish its tools")
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, TaskCreated | Resync):
@@ -379,7 +403,7 @@ class Runner:
         """Re-queue what may run again, fail the rest (the reaper's rule, handback.py)."""
         requests: list[ReleaseRequest] = [
             hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
-                      owner=self.owner, why=why, never_started=never_started)
+                      owner=self.owner, why=why, rerunnable=t.rerunnable, never_started=never_started)
             for t in tasks
         ]  # fmt: skip
         try:

@@ -8,7 +8,7 @@ commits, and nowhere else.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -49,6 +49,7 @@ def task_from_row(row: asyncpg.Record) -> Task:
         client_id=row["client_id"],
         issuer=row["issuer"],
         surface=row["surface"],
+        rerunnable=row["rerunnable"],
     )
 
 
@@ -278,6 +279,7 @@ class LostLease:
     tool: str
     attempts: int
     owner: str
+    rerunnable: bool | None  # as recorded at create (None: by a release that did not record it)
 
 
 class RunnerStore:
@@ -287,17 +289,37 @@ class RunnerStore:
         self.db = db
 
     async def claim(
-        self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: list[str], *,
+        self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: Mapping[str, str | None], *,
         tenant_share: int, held: dict[str, int],
     ) -> list[Task]:  # fmt: skip
-        """Up to ``limit`` queued tasks, round-robin over tenants and their subjects, none taking a
-        tenant past ``tenant_share`` slots counting what it ``held`` here already."""
+        """Up to ``limit`` queued tasks of the tools loaded here (``tools``: name → version, None if
+        unversioned), round-robin over tenants and their subjects, none taking a tenant past
+        ``tenant_share`` slots counting what it ``held`` here already."""
+        versions = {name: version for name, version in tools.items() if version is not None}
         tenants, slots = list(held), list(held.values())
         async with self.db.connection() as conn:  # one statement: its own transaction
             rows = await conn.fetch(
-                Q["claim_tasks"], owner, owner_key, lease_ms, limit, tools, tenant_share, tenants, slots
-            )
+                Q["claim_tasks"], owner, owner_key, lease_ms, limit, list(tools), tenant_share, tenants, slots,
+                versions,
+            )  # fmt: skip
         return [task_from_row(r) for r in rows]
+
+    async def publish(self, owner: str, owner_key: int, tools: dict[str, dict[str, Any]], live_ms: int) -> None:
+        """This runner can run ``tools`` (name → {version, rerunnable}) for the next ``live_ms``."""
+        async with self.db.connection() as conn:
+            await conn.execute(Q["publish_runner"], owner, owner_key, tools, live_ms)
+
+    async def withdraw(self, owner: str) -> None:
+        async with self.db.connection() as conn:
+            await conn.execute(Q["withdraw_runner"], owner)
+
+    async def mark_without_runner(self) -> dict[str, int]:
+        """Queued tasks whose tool no live runner has get a status message saying so (cleared
+        once one has it); per queued tool, how many such tasks there are."""
+        async with self.db.connection() as conn:
+            await conn.execute(Q["delete_gone_runners"])
+            rows = await conn.fetch(Q["mark_tasks_without_runner"])
+        return {r["tool"]: int(r["without_runner"]) for r in rows}
 
     async def leased(self, tenant_id: str, task_id: str, owner: str) -> Task | None:
         """An active task leased to ``owner`` (after a create whose answer was lost)."""
@@ -357,7 +379,8 @@ class RunnerStore:
         re-checks the owner under the row lock)."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["find_lost_leases"], limit)
-        return [LostLease(r["tenant_id"], r["task_id"], r["subject"], r["tool"], r["attempts"], r["lease_owner"])
+        return [LostLease(r["tenant_id"], r["task_id"], r["subject"], r["tool"], r["attempts"], r["lease_owner"],
+                          r["rerunnable"])
                 for r in rows]  # fmt: skip
 
     async def delete_expired(self, limit: int) -> int:

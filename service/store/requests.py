@@ -42,6 +42,8 @@ class TaskRequest:
     lease_owner: str | None = None
     lease_key: int | None = None
     lease_ms: int | None = None
+    rerunnable: bool | None = None
+    tool_version: str | None = None
 
     @property
     def order(self) -> tuple[str, str, str]:
@@ -93,7 +95,11 @@ def create(
     max_per_requestor: int,
     max_per_tenant: int,
     lease: Lease | None,
+    rerunnable: bool,
+    tool_version: str | None,
 ) -> TaskRequest:
+    """``rerunnable`` and ``tool_version``: the tool's, from this process's registry, recorded with
+    the task so the reaper and the claims of other processes decide by them, not by their own packs."""
     p: Principal = caller.principal
     return TaskRequest(
         "create",
@@ -118,6 +124,8 @@ def create(
         lease_owner=lease.owner if lease else None,
         lease_key=lease.key if lease else None,
         lease_ms=lease.ms if lease else None,
+        rerunnable=rerunnable,
+        tool_version=tool_version,
     )
 
 

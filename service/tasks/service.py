@@ -149,7 +149,7 @@ class TaskService:
         surface: Surface = Surface.LEGACY,
     ) -> Task:
         """Check the caps and insert under the tenant's create lock, so no replica can overshoot."""
-        _spec, valid = self.check_call(tool, arguments, as_task=True)
+        spec, valid = self.check_call(tool, arguments, as_task=True)
         if ttl_ms is not None and ttl_ms < 0:
             raise InvalidArguments("the task's ttl must be a non-negative integer (milliseconds)")
         p = self.policy
@@ -170,6 +170,8 @@ class TaskService:
             max_per_requestor=p.max_active_per_requestor,
             max_per_tenant=p.max_active_per_tenant,
             lease=lease,
+            rerunnable=spec.rerunnable,
+            tool_version=spec.version,
         )
         created = self._writes.enqueue(request)
         try:
@@ -203,7 +205,7 @@ class TaskService:
         runner = self.runner
         if mode is not CallMode.SYNC and runner is None:
             # No runner here to adopt a running call: the task is queued for one at once.
-            return CallResult(task=await self._queue_for_call(caller, spec.name, valid, client_capabilities))
+            return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
         ctx = InlineCallContext(
             responses=responses,
             progress_token=progress_token,
@@ -226,7 +228,7 @@ class TaskService:
         if lease is None:  # shutting down: nothing is created, the client retries elsewhere
             job.cancel()
             raise Unavailable("the service is shutting down; retry")
-        request = self._extension_request(caller, spec.name, valid, client_capabilities, lease)
+        request = self._extension_request(caller, spec, valid, client_capabilities, lease)
         created = self._writes.enqueue(request)
 
         def settle(future: asyncio.Future[Task | None]) -> None:
@@ -253,27 +255,28 @@ class TaskService:
         return CallResult(task=task)
 
     def _extension_request(
-        self, caller: Caller, tool: str, arguments: dict[str, Any], client_capabilities: dict[str, Any],
+        self, caller: Caller, spec: ToolSpec, arguments: dict[str, Any], client_capabilities: dict[str, Any],
         lease: rq.Lease | None,
     ) -> rq.TaskRequest:  # fmt: skip
         """The create of a 2026-07-28 call becoming a task: the server chooses the TTL (X-TTL-8)
         and there is no progress for tasks (X-NOTIF-8)."""
         p = self.policy
         return rq.create(
-            caller, new_task_id(), tool=tool, arguments=arguments, surface=Surface.EXTENSION.value,
+            caller, new_task_id(), tool=spec.name, arguments=arguments, surface=Surface.EXTENSION.value,
             session_id=None, client_capabilities=client_capabilities, progress_token=None,
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=p.max_active_per_requestor, max_per_tenant=p.max_active_per_tenant, lease=lease,
+            rerunnable=spec.rerunnable, tool_version=spec.version,
         )  # fmt: skip
 
     async def _queue_for_call(
-        self, caller: Caller, tool: str, arguments: dict[str, Any], client_capabilities: dict[str, Any]
+        self, caller: Caller, spec: ToolSpec, arguments: dict[str, Any], client_capabilities: dict[str, Any]
     ) -> Task:
         """No runner here to adopt a running call: the task is created unleased, for any runner."""
-        request = self._extension_request(caller, tool, arguments, client_capabilities, None)
+        request = self._extension_request(caller, spec, arguments, client_capabilities, None)
         task = await asyncio.shield(self._writes.enqueue(request))
         if task is None:
-            raise await self._refuse_capacity(caller, tool)
+            raise await self._refuse_capacity(caller, spec.name)
         return task
 
     def _settle_lease(self, tenant_id: str, task_id: str, created: asyncio.Future[Task | None]) -> None:

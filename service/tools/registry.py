@@ -30,6 +30,10 @@ class ToolSpec:
     title: str | None = None
     annotations: dict[str, Any] | None = None
     model: type[pydantic.BaseModel] | None = None
+    # Bumped by the pack's author when tasks accepted for the old version must not run on the new
+    # one (arguments or meaning changed): a runner claims a task only with the version it was
+    # accepted for (docs/decisions.md, "Tool versions"). None: any runner with the tool will do.
+    version: str | None = None
 
     def to_wire(self, *, with_execution: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -137,7 +141,11 @@ class ToolPack:
         output_schema: dict[str, Any] | None = None,
         title: str | None = None,
         annotations: dict[str, Any] | None = None,
+        version: str | None = None,
     ) -> Callable[[ToolFn], ToolFn]:
+        if version is not None and not version.strip():
+            raise ValueError("a tool's version is a non-empty string, or None for an unversioned tool")
+
         def register(fn: ToolFn) -> ToolFn:
             model: type[pydantic.BaseModel] | None = None
             schema = input_schema
@@ -155,6 +163,7 @@ class ToolPack:
                     title=title,
                     annotations=annotations,
                     model=model,
+                    version=version,
                 )
             )
             return fn

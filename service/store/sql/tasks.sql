@@ -40,10 +40,14 @@ RETURNING *;
 -- tenant holds at most $6 of this process's slots ($7/$8: what each tenant holds here now), so its
 -- queued rows are skipped in the index scan once it is at its share (at most the tenant cap of
 -- rows to skip); of a window of the oldest other queued rows, the picks go round-robin: each
--- tenant's first (its subjects taking turns), then each one's second, and so on.
+-- tenant's first (its subjects taking turns), then each one's second, and so on. A task accepted
+-- for a version of its tool waits for that version ($9: tool → version). A "no worker runs tool"
+-- message of the maintenance pass (mark_tasks_without_runner) no longer holds.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
-    attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp())
+    attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
+    status_message = CASE WHEN t.status_message LIKE 'queued: no connected worker %' THEN NULL
+                          ELSE t.status_message END
 FROM (
     SELECT turns.tenant_id, turns.task_id FROM (
         SELECT by_subject.*,
@@ -56,7 +60,7 @@ FROM (
             FROM (
                 SELECT tenant_id, task_id, subject, created_at FROM tasks
                 WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
-                  AND tool = ANY ($5::text[])
+                  AND tool = ANY ($5::text[]) AND (tool_version IS NULL OR tool_version = $9::jsonb ->> tool)
                   AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
                                                 AS held(tenant_id, slots) WHERE held.slots >= $6))
                 ORDER BY created_at
@@ -93,7 +97,7 @@ RETURNING t.tenant_id, t.task_id;
 -- name: find_lost_leases
 -- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
 -- Not locked here: task_release_batch re-checks the owner under the row lock.
-SELECT tenant_id, task_id, subject, tool, attempts, lease_owner FROM tasks t
+SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable FROM tasks t
 WHERE lease_owner IS NOT NULL
   AND (lease_expires_at < clock_timestamp()
        OR NOT EXISTS (SELECT 1 FROM pg_locks l
