@@ -117,6 +117,8 @@ class Task:
     client_id: str = ""
     issuer: str = ""
     surface: str = Surface.LEGACY.value
+    # With the runner's owner name, the fencing token of the lease this copy was read under.
+    lease_epoch: int = 0
 
 
 def new_task_id() -> str:

@@ -1,4 +1,11 @@
-"""Runner: claims tasks with SKIP LOCKED under a lease, runs their tools, records outcomes."""
+"""Runner: claims tasks with SKIP LOCKED under a lease, runs their tools, records outcomes.
+
+Fencing (docs/decisions.md, "Fencing"): each run keeps the fencing token it was given (this
+runner's owner name and the task's lease epoch), and every write of the run (outcome, hand-back,
+renewal, question) lands only while that token still holds the lease. A run whose lease this runner
+could not renew for ``FENCE_AFTER`` of the lease has its tool stopped before the lease can run out
+and another runner take the task; its outcome is not written.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,14 @@ import os
 import secrets
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from service.domain.errors import Unavailable
-from service.domain.task import FailureReason, Outcome, Task
+from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
 from service.runtime.context import TaskRunContext, TaskSink
 from service.runtime.handback import hand_back
@@ -31,6 +40,26 @@ log = logging.getLogger(__name__)
 
 TaskKey = tuple[str, str]
 CLAIM_BATCH = 16
+# Leases are renewed every sixth of the lease, and a quarter of that apart while renewals fail; a
+# run not renewed for three quarters of its lease is fenced (its tool stopped), a quarter of the
+# lease before the reaper could take the task. A database blip of up to half the lease, whatever
+# its phase, changes nothing.
+RENEW_EVERY = 1 / 6
+RETRY_EVERY = RENEW_EVERY / 4
+FENCE_AFTER = 3 / 4
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    """One task this runner executes, with the lease it holds for it."""
+
+    task: Task  # its lease_epoch and the runner's owner name are the run's fencing token
+    job: asyncio.Task[None]
+    # Monotonic time at which the last statement that set the lease (claim, create, renewal) was
+    # sent: the database set the expiry later than this plus the lease, never earlier.
+    renewed_at: float
+    tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
+    fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
 
 
 class Runner:
@@ -53,10 +82,18 @@ class Runner:
         self.lease_ms = lease_ms
         self.poll_s = poll_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.liveness = LivenessLock(db.dsn)
-        self._running: dict[TaskKey, asyncio.Task[None]] = {}
+        self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, lease_ms / 1000 * RENEW_EVERY))
+        lease_s = lease_ms / 1000
+        self._renew_every = lease_s * RENEW_EVERY
+        self._retry_every = lease_s * RETRY_EVERY
+        self._fence_after = lease_s * FENCE_AFTER
+        self._running: dict[TaskKey, Run] = {}
+        # Fenced runs whose leases we still hold: handed back once the database answers again.
+        self._fenced: dict[TaskKey, tuple[Task, float]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
-        self._jobs: set[asyncio.Task[None]] = set()
+        # When each reservation of a create was made (its lease's start is later): see _reserved_since.
+        self._reserved_at: deque[float] = deque()
+        self._jobs: set[asyncio.Task[object]] = set()
         self._wake = asyncio.Event()
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
         # freed slot trigger a claim (otherwise the claim loop's poll finds stragglers).
@@ -82,7 +119,13 @@ class Runner:
         if not running and self.busy + self._reserved >= self.concurrency:
             return None
         self._reserved += 1
+        self._reserved_at.append(time.monotonic())
         return Lease(self.owner, self.liveness.key, self.lease_ms)
+
+    def _reserved_since(self) -> float:
+        """A time no later than the start of the lease of the create being adopted: the oldest
+        outstanding reservation (its own is among them)."""
+        return self._reserved_at.popleft() if self._reserved_at else time.monotonic()
 
     def _sink(self, task: Task) -> TaskSink:
         return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
@@ -92,19 +135,19 @@ class Runner:
         from now on its events and questions go through the task, and its outcome is recorded
         like any other run's."""
         self._reserved -= 1
+        since = self._reserved_since()
         if self._stopping:  # too late to run it here: stop it and give it back like any other
             job.cancel()
             self._background(self._hand_back([task], "re-queued: the runner was shut down"))
             return
         attach(task.task_id, self._sink(task))
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        key = (task.tenant_id, task.task_id)
-        self._running[key] = asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}")
-        metrics.runner_slots_in_use.set(self.busy)
+        self._start(task, since, job)
 
     def adopt(self, task: Task | None) -> None:
         """Run a task created under a reserved lease (None: a cap refused it, nothing was written)."""
         self._reserved -= 1
+        since = self._reserved_since()
         if task is None:
             if self._backlog:  # the slot it held is free again
                 self._wake.set()
@@ -115,7 +158,7 @@ class Runner:
             )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task)
+        self._start(task, since)
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
         """The create under a reserved lease failed without an answer (cancelled, connection lost):
@@ -131,24 +174,32 @@ class Runner:
         self.adopt(task)
 
     async def _cancel_if_not_ours(self, key: TaskKey) -> None:
-        """Stop a running task whose row no longer gives it to us (cancelled, expired, taken)."""
+        """Stop a running tool whose row no longer gives it to us (cancelled, expired, taken)."""
         try:
             still = await self.store.leased(key[0], key[1], self.owner)
         except Exception as exc:  # the heartbeat's renewal decides next time
             log.warning("could not re-read task %s after a cancel event: %s", key[1][:8], exc)
             return
-        job = self._running.get(key)
-        if still is None and job is not None:
-            job.cancel()
+        run = self._running.get(key)
+        if run is not None and (still is None or still.lease_epoch != run.task.lease_epoch):
+            self._stop_tool(run)
 
-    def _background(self, job: Coroutine[Any, Any, None]) -> None:
+    @staticmethod
+    def _stop_tool(run: Run) -> None:
+        """The lease is no longer ours: stop the tool. An outcome already in hand is still offered
+        to the database, whose fencing check refuses it (a refused write is final)."""
+        if not run.tool_done:
+            run.job.cancel()
+
+    def _background(self, job: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(job)
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
-    def _start(self, task: Task) -> None:
+    def _start(self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None) -> None:
         key = (task.tenant_id, task.task_id)
-        self._running[key] = asyncio.create_task(self._execute(task), name=f"task-{task.task_id[:8]}")
+        run = Run(task, asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}"), leased_at)
+        self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
 
     async def start(self) -> None:
@@ -158,6 +209,7 @@ class Runner:
         self._loops = [
             asyncio.create_task(self._claim_loop(), name="runner-claim"),
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
+            asyncio.create_task(self._fence_loop(), name="runner-fence"),
         ]
 
     def drain(self) -> None:
@@ -170,7 +222,7 @@ class Runner:
         """Stop claiming; let running tasks finish until ``deadline`` (loop time), then hand what
         is left back (re-queue or fail) so none stays working."""
         self.drain()
-        running = list(self._running.values())
+        running = [run.job for run in self._running.values()]
         if running and deadline is not None:
             timeout = deadline - asyncio.get_running_loop().time()
             if timeout > 0:
@@ -185,7 +237,7 @@ class Runner:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
-        running = list(self._running.values())
+        running = [run.job for run in self._running.values()]
         for job in running:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)
@@ -239,41 +291,120 @@ class Runner:
         await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
         self._reserved += want  # creates meanwhile must not promise these slots too
+        sent = time.monotonic()
         try:
-            tasks = await self.store.claim(self.owner, self.liveness.key, self.lease_ms, want, self._tools)
+            # Bounded: a claim answered late would start runs whose leases are already old.
+            tasks = await asyncio.wait_for(
+                self.store.claim(self.owner, self.liveness.key, self.lease_ms, want, self._tools),
+                timeout=self._renew_every,
+            )
+        except TimeoutError as exc:
+            raise Unavailable(f"the claim got no answer within {self._renew_every:.1f} s") from exc
         finally:
             self._reserved -= want
         self._backlog = len(tasks) == want  # a full claim: there may be more
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
-            self._start(task)
+            self._start(task, sent)
         return len(tasks)
 
     async def _heartbeat_loop(self) -> None:
+        ok = True
         while True:
-            await asyncio.sleep(self.lease_ms / 3000)
-            # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
-            running = list(self._running)
-            if not running:
+            await asyncio.sleep(self._renew_every if ok else self._retry_every)
+            ok = await self._renew()
+            if ok and self._fenced:
+                await self._hand_back_fenced()
+
+    async def _renew(self) -> bool:
+        """Renew the lease of every run still going under the epoch it was given; stop the tools of
+        those the database no longer gives us. False when the database did not answer in time."""
+        # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
+        held_by = [(key, run.task.lease_epoch) for key, run in self._running.items() if not run.fenced]
+        if not held_by:
+            return True
+        sent = time.monotonic()
+        try:
+            # Bounded: an answer that does not come must not hold up the next attempt.
+            held = await asyncio.wait_for(
+                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self._renew_every / 2
+            )
+        except TimeoutError:
+            self._database_lost("renewed its leases", Unavailable(f"no answer within {self._renew_every / 2:.1f} s"))
+            return False
+        except Unavailable as exc:
+            self._database_lost("renewed its leases", exc)
+            return False
+        except Exception:
+            log.exception("runner lease renewal failed")
+            return False
+        self._database_back()
+        for key, epoch in held_by:
+            run = self._running.get(key)
+            if run is None or run.task.lease_epoch != epoch:
                 continue
-            try:
-                await self.liveness.ensure()
-                held = await self.store.renew(self.owner, self.lease_ms, running)
-            except Unavailable as exc:
-                self._database_lost("renewed its leases", exc)
-                continue
-            except Exception:
-                log.exception("runner lease renewal failed")
-                continue
-            for key in running:
-                job = self._running.get(key)
-                if job is not None and key not in held:  # cancelled, expired, or the lease was taken
-                    job.cancel()
+            if key in held:
+                run.renewed_at = max(run.renewed_at, sent)
+            else:  # cancelled, expired, or the lease was taken
+                self._stop_tool(run)
+        return True
+
+    async def _fence_loop(self) -> None:
+        """Stop the tools of runs whose lease could not be renewed for FENCE_AFTER of it, before
+        the reaper could take their tasks: this process may not count on those leases any more.
+        It needs the database for nothing, so a database that does not answer cannot delay it."""
+        while True:
+            now = time.monotonic()
+            wake = self._fence_after / 8
+            fenced: list[Run] = []
+            for run in self._running.values():
+                if run.tool_done or run.fenced:
+                    continue
+                left = run.renewed_at + self._fence_after - now
+                if left <= 0:
+                    fenced.append(run)
+                else:
+                    wake = min(wake, left)
+            for run in fenced:
+                run.fenced = True
+                run.job.cancel()
+            if fenced:
+                metrics.runner_fenced.inc(len(fenced))
+                log.warning(
+                    "runner could not renew the leases of %d task(s) for %.1f s: their tools are stopped and "
+                    "their outcomes will not be written; the tasks go back (re-run or failed) once the database "
+                    "answers or their leases run out",
+                    len(fenced),
+                    self._fence_after,
+                )
+            await asyncio.sleep(max(wake, 0.01))
+
+    async def _hand_back_fenced(self) -> None:
+        """The database answers again: give back the fenced runs' tasks at once (under their epochs;
+        those the reaper took meanwhile are refused and dropped). Older than two leases: the reaper's."""
+        now = time.monotonic()
+        for key, (_task, at) in list(self._fenced.items()):
+            if now - at > 2 * self._fence_after:
+                del self._fenced[key]
+        tasks = [task for task, _at in self._fenced.values()]
+        if not tasks:
+            return
+        try:
+            answered = await asyncio.wait_for(
+                self._hand_back(tasks, "re-queued: the runner lost the database"), timeout=self._renew_every
+            )
+        except TimeoutError:
+            return
+        if not answered:
+            return
+        for task in tasks:
+            self._fenced.pop((task.tenant_id, task.task_id), None)
 
     async def _execute(self, task: Task, job: asyncio.Task[Outcome] | None = None) -> None:
         """Run the task's tool (or await ``job``, the call already running) and record its outcome."""
         key = (task.tenant_id, task.task_id)
+        run = self._running[key]  # _start put it there before this first ran
         started = time.perf_counter()
         try:
             if job is None:
@@ -282,17 +413,23 @@ class Runner:
                 )
             else:
                 outcome = await job  # cancelling us cancels it
+            if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
+                raise asyncio.CancelledError
+            run.tool_done = True
             metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if self._stopping:
                 await self._hand_back([task], "re-queued: the runner was shut down")
+            elif run.fenced:
+                self._fenced[key] = (task, time.monotonic())
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
             await self._record_unstorable(task, ref)
         finally:
-            self._running.pop(key, None)
+            if self._running.get(key) is run:
+                del self._running[key]
             metrics.runner_slots_in_use.set(self.busy)
             if self._backlog:
                 self._wake.set()
@@ -301,17 +438,19 @@ class Runner:
         """Record the outcome (group commit: with its audit event and wake-up, in one statement with
         the outcomes of other tasks finishing meanwhile). A finished tool's outcome is kept and its
         write retried while the database is away: a task never fails because its result could not
-        be stored once (the lease check in the statement keeps a late write from a taken-over task)."""
-        request = FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, outcome)
+        be stored once. The write lands only under this run's fencing token (owner and epoch): once
+        another runner took the task over it is refused, and a refusal is final."""
+        request = FinishRequest.of(
+            task.tenant_id, task.task_id, task.subject, self.owner, outcome, epoch=task.lease_epoch
+        )
         delay = 0.25
         while True:
             finishing = self._finishes.enqueue(request)
             try:
-                await asyncio.shield(finishing)
-                return
+                landed = await asyncio.shield(finishing)
             except asyncio.CancelledError:
-                # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
-                # before anything else (a hand-back) touches the task, however often we are cancelled.
+                # Shutdown while the outcome is on its way: it lands or not, but before anything else
+                # (a hand-back) touches the task, however often we are cancelled.
                 while not finishing.done():
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.shield(finishing)
@@ -322,6 +461,31 @@ class Runner:
                 self._database_lost("recorded an outcome", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                continue
+            if landed is None:
+                await self._refused("finish", task)
+            return
+
+    async def _refused(self, op: str, task: Task) -> None:
+        """A write of this run changed nothing. Counted and logged only when another runner took the
+        task over (cancelled, expired, or our own earlier write whose answer was lost are not)."""
+        try:
+            state = await self.store.lease_state(task.tenant_id, task.task_id)
+        except Exception:  # the write was refused all the same; only its reason is unknown
+            return
+        if state is None or state.status is TaskStatus.CANCELLED:
+            return
+        if state.epoch == task.lease_epoch and state.owner is None and state.status.is_terminal:
+            return  # our write landed before: its answer was lost, and the retry found it done
+        metrics.fenced_writes.labels(op).inc()
+        log.warning(
+            "runner's %s of task %s was refused: the task was taken over (lease epoch %d, now %d): "
+            "nothing of this run was written",
+            op,
+            task.task_id[:8],
+            task.lease_epoch,
+            state.epoch,
+        )
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""
@@ -330,19 +494,29 @@ class Runner:
         )
         try:
             await self._finishes.submit(
-                FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, failure)
+                FinishRequest.of(
+                    task.tenant_id, task.task_id, task.subject, self.owner, failure, epoch=task.lease_epoch
+                )
             )
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
 
-    async def _hand_back(self, tasks: list[Task], why: str, *, never_started: bool = False) -> None:
-        """Re-queue what may run again, fail the rest (the reaper's rule, handback.py)."""
+    async def _hand_back(self, tasks: list[Task], why: str, *, never_started: bool = False) -> bool:
+        """Re-queue what may run again, fail the rest (the reaper's rule, handback.py), under each
+        run's fencing token. False when the database did not answer."""
         requests: list[ReleaseRequest] = [
             hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
-                      owner=self.owner, why=why, never_started=never_started)
+                      owner=self.owner, epoch=t.lease_epoch, why=why, never_started=never_started)
             for t in tasks
         ]  # fmt: skip
+        by_key = {(t.tenant_id, t.task_id): t for t in tasks}
+        ordered = sorted(requests, key=lambda r: r.order)
         try:
-            await self.store.release(sorted(requests, key=lambda r: r.order))
-        except Exception as exc:  # the reaper takes them over once our liveness lock is gone
+            moved = await self.store.release(ordered)
+        except Exception as exc:  # the reaper takes them over once their leases run out
             log.warning("could not hand back %d task(s): %s", len(requests), exc)
+            return False
+        for request, task in zip(ordered, moved, strict=True):
+            if task is None:
+                await self._refused("release", by_key[(request.tenant_id, request.task_id)])
+        return True

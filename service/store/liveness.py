@@ -1,7 +1,10 @@
-"""A runner proves it is alive by holding a session-level advisory lock on its own connection.
+"""A runner holds a session-level advisory lock on its own connection while it is connected.
 
-When the process dies, PostgreSQL closes that connection and releases the lock at once, so the
-reaper can fail or re-queue the runner's tasks without waiting for the lease to run out.
+Its key is stamped on every task the runner leases (tasks.lease_key). The lock no longer decides
+anything: a lock that is gone does not prove the runner dead (a runner cut off from the database
+loses it too, and still runs), so the reaper waits for the lease to run out (docs/decisions.md,
+"Fencing"). It is still held so that a previous release's reaper, which reaps tasks whose lock is
+gone, leaves this runner's tasks alone during a rolling upgrade.
 """
 
 from __future__ import annotations
@@ -10,24 +13,43 @@ import secrets
 
 import asyncpg
 
+from service.domain.errors import Unavailable
+
+_LOST = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError)
+
 
 class LivenessLock:
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, timeout_s: float = 10.0) -> None:
         self._dsn = dsn
+        self._timeout_s = timeout_s
         # A positive signed 64-bit key, stored with each leased task (tasks.lease_key).
         self.key = secrets.randbits(62) + 1
         self._conn: asyncpg.Connection | None = None
 
     async def acquire(self) -> None:
-        self._conn = await asyncpg.connect(self._dsn, server_settings={"application_name": "mcp-tasks-runner"})
-        await self._conn.execute("SELECT pg_advisory_lock($1)", self.key)
+        """Connect and take the lock, within the timeout (a database that does not answer must not
+        hold the runner up)."""
+        conn: asyncpg.Connection | None = None
+        try:
+            conn = await asyncpg.connect(
+                self._dsn,
+                timeout=self._timeout_s,
+                command_timeout=self._timeout_s,
+                server_settings={"application_name": "mcp-tasks-runner"},
+            )
+            await conn.execute("SELECT pg_advisory_lock($1)", self.key)
+        except _LOST as exc:
+            if conn is not None:
+                conn.terminate()
+            raise Unavailable(f"cannot take the runner's liveness lock: {exc}") from exc
+        self._conn = conn
 
     @property
     def held(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
 
     async def ensure(self) -> None:
-        """Re-take the lock after the connection dropped (e.g. a database restart)."""
+        """Re-take the lock after the connection dropped (a database restart, a network cut)."""
         if not self.held:
             await self.acquire()
 
