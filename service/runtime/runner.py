@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 TaskKey = tuple[str, str]
 CLAIM_BATCH = 16
-# Leases are renewed every sixth of the lease, and a quarter of that apart while renewals fail; a
-# run not renewed for three quarters of its lease is fenced (its tool stopped), a quarter of the
-# lease before the reaper could take the task. A database blip of up to half the lease, whatever
-# its phase, changes nothing.
-RENEW_EVERY = 1 / 6
+# Leases are renewed every eighth of the lease (an attempt waits as long for its answer), and a
+# quarter of that apart while renewals fail; a run not renewed for three quarters of its lease is
+# fenced (its tool stopped), a quarter of the lease before the reaper could take the task. So a
+# database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about 45 %) of the lease changes nothing, whatever
+# its phase (docs/decisions.md, "Fencing").
+RENEW_EVERY = 1 / 8
 RETRY_EVERY = RENEW_EVERY / 4
 FENCE_AFTER = 3 / 4
 
@@ -293,13 +294,14 @@ class Runner:
         self._reserved += want  # creates meanwhile must not promise these slots too
         sent = time.monotonic()
         try:
-            # Bounded: a claim answered late would start runs whose leases are already old.
+            # Bounded: a claim answered late would start runs whose leases are already old (one
+            # answered in time leaves them at least half the lease before the fence).
             tasks = await asyncio.wait_for(
                 self.store.claim(self.owner, self.liveness.key, self.lease_ms, want, self._tools),
-                timeout=self._renew_every,
+                timeout=self._fence_after / 3,
             )
         except TimeoutError as exc:
-            raise Unavailable(f"the claim got no answer within {self._renew_every:.1f} s") from exc
+            raise Unavailable(f"the claim got no answer within {self._fence_after / 3:.1f} s") from exc
         finally:
             self._reserved -= want
         self._backlog = len(tasks) == want  # a full claim: there may be more
@@ -328,10 +330,10 @@ class Runner:
         try:
             # Bounded: an answer that does not come must not hold up the next attempt.
             held = await asyncio.wait_for(
-                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self._renew_every / 2
+                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self._renew_every
             )
         except TimeoutError:
-            self._database_lost("renewed its leases", Unavailable(f"no answer within {self._renew_every / 2:.1f} s"))
+            self._database_lost("renewed its leases", Unavailable(f"no answer within {self._renew_every:.1f} s"))
             return False
         except Unavailable as exc:
             self._database_lost("renewed its leases", exc)
