@@ -43,7 +43,7 @@ CLAIM_BATCH = 16
 # Leases are renewed every eighth of the lease (an attempt waits as long for its answer), and a
 # quarter of that apart while renewals fail; a run not renewed for three quarters of its lease is
 # fenced (its tool stopped), a quarter of the lease before the reaper could take the task. So a
-# database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about 45 %) of the lease changes nothing, whatever
+# database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about 47 %) of the lease changes nothing, whatever
 # its phase (docs/decisions.md, "Fencing").
 RENEW_EVERY = 1 / 8
 RETRY_EVERY = RENEW_EVERY / 4
@@ -243,6 +243,8 @@ class Runner:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self._jobs, return_exceptions=True)
+        if self._fenced:  # give them back now rather than leave them to the reaper
+            await self._hand_back_fenced()
         await self.liveness.release()
 
     def _on_event(self, event: Event) -> None:
@@ -289,7 +291,8 @@ class Runner:
         if free <= 0:
             self._backlog = True  # whatever woke us waits for a slot
             return 0
-        await self.liveness.ensure()
+        with contextlib.suppress(Unavailable):  # best effort: the lock decides nothing (liveness.py)
+            await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
         self._reserved += want  # creates meanwhile must not promise these slots too
         sent = time.monotonic()
