@@ -6,12 +6,18 @@ suite (tests/faults/test_partition.py) cuts a real process off its database."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import asyncpg
+import httpx
 import pytest
+from prometheus_client import REGISTRY as METRICS
 
+from service.domain.inputs import InputKind, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
 from service.runtime.handback import hand_back
@@ -20,7 +26,11 @@ from service.store import requests as rq
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.repository import RunnerStore, TaskStore
 from service.tools.registry import Registry
+from tests.conftest import make_settings, serve
+from tests.faults.proxy import tcp_proxy
+from tests.rpc import RpcSession
 from tests.test_audit import audit_rows
+from tests.toolpack import signal
 
 OWNER = "runner-1"
 RESULT = Outcome(OutcomeKind.RESULT, {"content": [{"type": "text", "text": "late"}], "isError": False})
@@ -163,6 +173,21 @@ async def test_a_renewal_with_a_stale_epoch_extends_nothing(
     assert (await row(db, task_id))["lease_expires_at"] > before
 
 
+async def test_a_question_from_a_stale_run_is_not_asked(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
+) -> None:
+    """A run whose task was taken over cannot put it in input_required (nor store its question)."""
+    tasks, runner = stores
+    task_id = await queued(tasks)
+    first = await claim_one(runner)
+    second = await taken_over_by_the_same_runner(runner, first)
+    question = PendingInput(secrets.token_hex(8), InputKind.ELICITATION, {"message": "go on?"})
+    assert await runner.ask(first, OWNER, question) is False
+    assert (await row(db, task_id))["status"] == "working"
+    assert await db.fetchval("SELECT count(*) FROM task_messages WHERE task_id = $1", task_id) == 0
+    assert await runner.ask(second, OWNER, question) is True
+
+
 async def test_the_reaper_leaves_a_lease_whose_lock_is_gone_until_its_time_runs_out(
     stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection, database_url: str
 ) -> None:
@@ -199,3 +224,40 @@ async def test_the_reapers_release_rechecks_under_the_row_lock_that_the_lease_ra
     assert await runner.release([release(task, only_if_lapsed=True)]) == [None]
     after = await row(db, task_id)
     assert (after["status"], after["lease_owner"], after["lease_epoch"]) == ("working", OWNER, task.lease_epoch)
+
+
+def fenced_tasks() -> float:
+    return METRICS.get_sample_value("mcp_tasks_runner_fenced_tasks_total") or 0.0
+
+
+async def test_a_runner_cut_off_its_database_stops_its_tool_before_its_lease_runs_out(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """Issue 13, point 2 (self-fencing), in one process: with every connection of the service cut
+    (a proxy that blackholes them), the runner cancels the tool of a task whose lease it cannot
+    renew before that lease can run out, and gives the task back once the database answers."""
+    key = secrets.token_hex(4)
+    parts = urlsplit(database_url)
+    async with tcp_proxy(upstream_port=parts.port or 5432) as proxy:
+        user = parts.netloc.rsplit("@", 1)[0]
+        through = parts._replace(netloc=f"{user}@127.0.0.1:{proxy.port}").geturl()
+        async with serve(make_settings(through, lease_ms=2_000)) as running:
+            s = RpcSession(http, running.url)
+            await s.initialize()
+            task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+            async with asyncio.timeout(10):
+                await signal(key, "started").wait()
+            before = fenced_tasks()
+            proxy.cut()
+            cut_at = time.monotonic()
+            async with asyncio.timeout(10):
+                await signal(key, "cancelled").wait()
+            stopped_after = time.monotonic() - cut_at
+            assert stopped_after < 2.0, "the tool must stop before the lease can run out"
+            assert fenced_tasks() == before + 1
+            proxy.heal()
+            async with asyncio.timeout(10):  # handed back under its epoch: hang may not re-run
+                while (await row(db, task_id))["status"] != "failed":
+                    await asyncio.sleep(0.05)
+    after = await row(db, task_id)
+    assert (after["lease_owner"], after["lease_epoch"], after["attempts"]) == (None, 1, 1)
