@@ -1,10 +1,8 @@
 """Runner: claims tasks with SKIP LOCKED under a lease, runs their tools, records outcomes.
 
-Fencing (docs/decisions.md, "Fencing"): each run keeps the fencing token it was given (this
-runner's owner name and the task's lease epoch), and every write of the run (outcome, hand-back,
-renewal, question) lands only while that token still holds the lease. A run whose lease this runner
-could not renew for ``FENCE_AFTER`` of the lease has its tool stopped before the lease can run out
-and another runner take the task; its outcome is not written.
+Every write of a run (outcome, hand-back, renewal, question) carries its fencing token and lands
+only while that still holds the lease; a run whose lease could not be renewed in time has its
+tool stopped before another runner may take the task (fencing.py).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,6 +23,7 @@ from service.domain.errors import Unavailable
 from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
 from service.runtime.context import TaskRunContext, TaskSink
+from service.runtime.fencing import LeaseTimes, Run, overdue
 from service.runtime.handback import hand_back
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -40,27 +38,6 @@ log = logging.getLogger(__name__)
 
 TaskKey = tuple[str, str]
 CLAIM_BATCH = 16
-# Leases are renewed every eighth of the lease (an attempt waits as long for its answer), and a
-# quarter of that apart while renewals fail; a run not renewed for three quarters of its lease is
-# fenced (its tool stopped), a quarter of the lease before the reaper could take the task. So a
-# database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about 47 %) of the lease changes nothing, whatever
-# its phase (docs/decisions.md, "Fencing").
-RENEW_EVERY = 1 / 8
-RETRY_EVERY = RENEW_EVERY / 4
-FENCE_AFTER = 3 / 4
-
-
-@dataclass(slots=True, eq=False)
-class Run:
-    """One task this runner executes, with the lease it holds for it."""
-
-    task: Task  # its lease_epoch and the runner's owner name are the run's fencing token
-    job: asyncio.Task[None]
-    # Monotonic time at which the last statement that set the lease (claim, create, renewal) was
-    # sent: the database set the expiry later than this plus the lease, never earlier.
-    renewed_at: float
-    tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
-    fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
 
 
 class Runner:
@@ -83,11 +60,8 @@ class Runner:
         self.lease_ms = lease_ms
         self.poll_s = poll_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, lease_ms / 1000 * RENEW_EVERY))
-        lease_s = lease_ms / 1000
-        self._renew_every = lease_s * RENEW_EVERY
-        self._retry_every = lease_s * RETRY_EVERY
-        self._fence_after = lease_s * FENCE_AFTER
+        self.times = LeaseTimes.of(lease_ms)
+        self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, self.times.renew_every))
         self._running: dict[TaskKey, Run] = {}
         # Fenced runs whose leases we still hold: handed back once the database answers again.
         self._fenced: dict[TaskKey, tuple[Task, float]] = {}
@@ -297,14 +271,13 @@ class Runner:
         self._reserved += want  # creates meanwhile must not promise these slots too
         sent = time.monotonic()
         try:
-            # Bounded: a claim answered late would start runs whose leases are already old (one
-            # answered in time leaves them at least half the lease before the fence).
+            # Bounded: a claim answered late would start runs whose leases are already old.
             tasks = await asyncio.wait_for(
                 self.store.claim(self.owner, self.liveness.key, self.lease_ms, want, self._tools),
-                timeout=self._fence_after / 3,
+                timeout=self.times.claim_timeout,
             )
         except TimeoutError as exc:
-            raise Unavailable(f"the claim got no answer within {self._fence_after / 3:.1f} s") from exc
+            raise Unavailable(f"the claim got no answer within {self.times.claim_timeout:.1f} s") from exc
         finally:
             self._reserved -= want
         self._backlog = len(tasks) == want  # a full claim: there may be more
@@ -317,7 +290,7 @@ class Runner:
     async def _heartbeat_loop(self) -> None:
         ok = True
         while True:
-            await asyncio.sleep(self._renew_every if ok else self._retry_every)
+            await asyncio.sleep(self.times.renew_every if ok else self.times.retry_every)
             ok = await self._renew()
             if ok and self._fenced:
                 await self._hand_back_fenced()
@@ -333,10 +306,10 @@ class Runner:
         try:
             # Bounded: an answer that does not come must not hold up the next attempt.
             held = await asyncio.wait_for(
-                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self._renew_every
+                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self.times.renew_every
             )
         except TimeoutError:
-            self._database_lost("renewed its leases", Unavailable(f"no answer within {self._renew_every:.1f} s"))
+            self._database_lost("renewed its leases", Unavailable(f"no answer within {self.times.renew_every:.1f} s"))
             return False
         except Unavailable as exc:
             self._database_lost("renewed its leases", exc)
@@ -356,21 +329,11 @@ class Runner:
         return True
 
     async def _fence_loop(self) -> None:
-        """Stop the tools of runs whose lease could not be renewed for FENCE_AFTER of it, before
-        the reaper could take their tasks: this process may not count on those leases any more.
-        It needs the database for nothing, so a database that does not answer cannot delay it."""
+        """Stop the tools of runs whose lease could not be renewed in time, before the reaper could
+        take their tasks: this process may not count on those leases any more. It needs the
+        database for nothing, so a database that does not answer cannot delay it."""
         while True:
-            now = time.monotonic()
-            wake = self._fence_after / 8
-            fenced: list[Run] = []
-            for run in self._running.values():
-                if run.tool_done or run.fenced:
-                    continue
-                left = run.renewed_at + self._fence_after - now
-                if left <= 0:
-                    fenced.append(run)
-                else:
-                    wake = min(wake, left)
+            fenced, wake = overdue(self._running.values(), time.monotonic(), self.times)
             for run in fenced:
                 run.fenced = True
                 run.job.cancel()
@@ -381,23 +344,23 @@ class Runner:
                     "their outcomes will not be written; the tasks go back (re-run or failed) once the database "
                     "answers or their leases run out",
                     len(fenced),
-                    self._fence_after,
+                    self.times.fence_after,
                 )
-            await asyncio.sleep(max(wake, 0.01))
+            await asyncio.sleep(wake)
 
     async def _hand_back_fenced(self) -> None:
         """The database answers again: give back the fenced runs' tasks at once (under their epochs;
         those the reaper took meanwhile are refused and dropped). Older than two leases: the reaper's."""
         now = time.monotonic()
         for key, (_task, at) in list(self._fenced.items()):
-            if now - at > 2 * self._fence_after:
+            if now - at > 2 * self.times.fence_after:
                 del self._fenced[key]
         tasks = [task for task, _at in self._fenced.values()]
         if not tasks:
             return
         try:
             answered = await asyncio.wait_for(
-                self._hand_back(tasks, "re-queued: the runner lost the database"), timeout=self._renew_every
+                self._hand_back(tasks, "re-queued: the runner lost the database"), timeout=self.times.renew_every
             )
         except TimeoutError:
             return
