@@ -1,7 +1,7 @@
 """Fencing of runners (issue 13, point 2): every outcome write carries the runner's fencing token.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 
 - ``tasks.lease_epoch``: with ``lease_owner`` the fencing token. It grows whenever the lease changes
   hands: a claim (claim_tasks) and a hand-back (task_release_batch, by a runner or the reaper).
@@ -15,8 +15,8 @@ Revises: 0002
 
 from service.store.sqlscript import run_script
 
-revision = "0003"
-down_revision = "0002"
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
