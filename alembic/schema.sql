@@ -75,6 +75,10 @@ CREATE TABLE tasks (
     -- that did not record them (the deciding process's registry decides, as it did then).
     rerunnable          boolean,
     tool_version        text,
+    -- The fencing token is (lease_owner, lease_epoch): the epoch grows whenever the lease changes
+    -- hands (a claim, a hand-back), and a runner's finish, release, renewal and questions act only
+    -- while both still match what it was given (docs/decisions.md, "Fencing").
+    lease_epoch         bigint      NOT NULL DEFAULT 0,
     CONSTRAINT tasks_pkey PRIMARY KEY (tenant_id, task_id),
     CONSTRAINT tasks_surface_known CHECK (surface IN ('2025-11-25', '2026-07-28')),
     CONSTRAINT tasks_ttl_positive CHECK (ttl_ms > 0),
@@ -516,9 +520,10 @@ END
 $$;
 
 -- One runner outcome of a batch.
+-- epoch: the lease_epoch the runner was given; NULL (a release before fencing) checks the owner only.
 CREATE TYPE task_finish_item AS (
     tenant_id text, task_id text, owner text, status task_status, outcome text, payload jsonb,
-    status_message text, detail jsonb
+    status_message text, detail jsonb, epoch bigint
 );
 
 CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
@@ -548,7 +553,7 @@ BEGIN
             last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
             lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
         WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
-          AND task_status_active(status)
+          AND (it.epoch IS NULL OR lease_epoch = it.epoch) AND task_status_active(status)
         RETURNING * INTO done;
         done_tasks[i] := done;
     END LOOP;
@@ -576,9 +581,11 @@ GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
 -- A runner gave a task back (it stopped, or its lease was lost and the reaper found it): run it
 -- again if its tool may re-run and attempts remain, else fail it. The one hand-back path, for
 -- the reaper and a stopping runner alike; rows locked first in the caller's order, as finishes.
+-- epoch: the lease_epoch the releaser saw (NULL: the owner only, as before fencing);
+-- only_if_lapsed: the reaper's release, which acts only on a lease whose time has run out.
 CREATE TYPE task_release_item AS (
     tenant_id text, task_id text, owner text, rerunnable boolean, max_attempts integer,
-    requeue_message text, failure jsonb
+    requeue_message text, failure jsonb, epoch bigint, only_if_lapsed boolean
 );
 
 CREATE FUNCTION task_release_batch(p_items jsonb) RETURNS SETOF tasks
@@ -604,8 +611,11 @@ BEGIN
         requeued[i] := false;
         UPDATE tasks
         SET status = 'working', status_message = format('%s (attempt %s)', it.requeue_message, attempts + 1),
-            last_updated_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+            last_updated_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL,
+            lease_epoch = lease_epoch + 1
         WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
+          AND (it.epoch IS NULL OR lease_epoch = it.epoch)
+          AND (it.only_if_lapsed IS NOT TRUE OR lease_expires_at < clock_timestamp())
           AND task_status_active(status) AND it.rerunnable AND attempts < it.max_attempts
         RETURNING * INTO t;
         IF t.task_id IS NOT NULL THEN
@@ -618,8 +628,10 @@ BEGIN
             SET status = 'failed', outcome = 'failure', payload = it.failure,
                 status_message = it.failure ->> 'message',
                 last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-                lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+                lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1
             WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
+              AND (it.epoch IS NULL OR lease_epoch = it.epoch)
+              AND (it.only_if_lapsed IS NOT TRUE OR lease_expires_at < clock_timestamp())
               AND task_status_active(status)
             RETURNING * INTO t;
         END IF;

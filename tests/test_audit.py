@@ -427,8 +427,12 @@ async def test_a_task_whose_runner_stopped_records_complete_failed_T_SEC_10(
         async with asyncio.timeout(15), superuser(database_url) as conn:
             while await conn.fetchval("SELECT count(*) FROM tasks WHERE lease_owner IS NOT NULL") < 2:
                 await asyncio.sleep(0.05)
-            # The reaper's view of a runner that died: the liveness lock named by the lease is not held.
-            await conn.execute("UPDATE tasks SET lease_key = 4242424242 WHERE task_id = $1", reaped)
+            # The reaper's view of a runner that died: a lease of another owner, run out.
+            await conn.execute(
+                "UPDATE tasks SET lease_owner = 'a-runner-that-died', lease_expires_at = now() - interval '1 second'"
+                " WHERE task_id = $1",
+                reaped,
+            )
         await wait_status(s, reaped, "failed")
     # Leaving the block shut the server down, which hands back (fails) the task it was still running.
     events = await audit_rows(database_url, "local")

@@ -36,7 +36,7 @@ async def mcp_tasks(command: str, database_url: str, **env: str) -> AsyncIterato
         "MCP_TASKS_TOOLS": "service.tools.demo,tests.toolpack",
         "MCP_TASKS_POLL_INTERVAL_MS": "100",
         "MCP_TASKS_SWEEP_INTERVAL_MS": "200",
-        "MCP_TASKS_LEASE_MS": "60000",  # long: recovery must not wait for lease expiry
+        "MCP_TASKS_LEASE_MS": "60000",  # long: a test about lease expiry sets its own
         "MCP_TASKS_LOG_LEVEL": "WARNING",
         "MCP_TASKS_SHUTDOWN_GRACE_S": "0",  # tests that drain set it
         **env,
@@ -72,9 +72,11 @@ async def wait_for(predicate: object, timeout: float = 20) -> None:
 async def test_sigkill_while_tasks_run_leaves_no_task_stuck_in_working(
     database_url: str, http: httpx.AsyncClient
 ) -> None:
+    """A killed process's tasks are taken over once their leases run out (issue 13, point 2: a lock
+    that is gone no longer proves a runner dead), so its lease is short here."""
     db = await asyncpg.connect(database_url)
     try:
-        async with mcp_tasks("serve", database_url) as (proc, url):
+        async with mcp_tasks("serve", database_url, MCP_TASKS_LEASE_MS="3000") as (proc, url):
             s = RpcSession(http, url)
             await s.initialize()
             rerunnable = (await s.call_tool_as_task("sleep", {"seconds": 600}))["task"]["taskId"]

@@ -75,7 +75,7 @@ def lookup(owner: Principal, task_id: str, *, retrieve: bool) -> rq.TaskRequest:
 
 
 def finish(task: Task, owner: str, outcome: Outcome) -> rq.FinishRequest:
-    return rq.FinishRequest.of(task.tenant_id, task.task_id, task.subject, owner, outcome)
+    return rq.FinishRequest.of(task.tenant_id, task.task_id, task.subject, owner, outcome, epoch=task.lease_epoch)
 
 
 class Recorded:

@@ -144,10 +144,11 @@ async def test_a_reaper_without_the_tools_pack_re_runs_a_rerunnable_task_and_fai
         once = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         admin = await asyncpg.connect(database_url)
         try:
-            # A runner claimed both and died: its lease key's advisory lock is held by no one.
+            # A runner claimed both and died: its leases ran out (only then does the reaper take them,
+            # docs/decisions.md "Fencing").
             await admin.execute(
                 "UPDATE tasks SET lease_owner = 'dead-runner', lease_key = 4242, attempts = 1,"
-                " lease_expires_at = clock_timestamp() + interval '1 hour' WHERE task_id = ANY($1)",
+                " lease_expires_at = clock_timestamp() - interval '1 second' WHERE task_id = ANY($1)",
                 [again, once],
             )
             db = Database(database_url, pool_size=2, role=RUNNER_ROLE)
@@ -183,7 +184,8 @@ async def test_a_killed_workers_tasks_are_decided_by_their_record_on_a_replica_w
             await s.initialize()
             again = (await s.call_tool_as_task("slow_fail", {"seconds": 600}))["task"]["taskId"]
             once = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
-            async with mcp_tasks("worker", database_url) as (worker, _url):
+            # A short lease: the reaper takes a dead runner's tasks once their leases ran out (Fencing).
+            async with mcp_tasks("worker", database_url, MCP_TASKS_LEASE_MS="3000") as (worker, _url):
 
                 async def both_claimed() -> bool:
                     n = await db.fetchval(

@@ -119,6 +119,8 @@ class Task:
     surface: str = Surface.LEGACY.value
     # Whether its tool may run again after a lost run, as recorded at create (None: not recorded).
     rerunnable: bool | None = None
+    # With the runner's owner name, the fencing token of the lease this copy was read under.
+    lease_epoch: int = 0
 
 
 def new_task_id() -> str:

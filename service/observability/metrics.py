@@ -112,6 +112,16 @@ runner_slots_in_use = Gauge(
 lease_losses = Counter(
     "mcp_tasks_lease_losses_total", "Tasks whose runner stopped, by what was done with them", ["action"]
 )
+fenced_writes = Counter(
+    "mcp_tasks_fenced_writes_total",
+    "Runner writes (finish, release) refused because the task had been taken over meanwhile: its lease "
+    "owner or epoch had changed, so the write changed nothing",
+    ["op"],
+)  # fmt: skip
+runner_fenced = Counter(
+    "mcp_tasks_runner_fenced_tasks_total",
+    "Tasks whose tool this runner stopped because it could not renew their lease in time (outcome not written)",
+)  # fmt: skip
 sweeper_deleted = Counter("mcp_tasks_sweeper_deleted_total", "Expired tasks deleted")
 db_pool_connections = Gauge(
     "mcp_tasks_db_pool_connections", "Database pool connections (as of the last sweep; mcp_tasks_db_pool_in_use is exact)",

@@ -11,10 +11,11 @@ MAX_ATTEMPTS = 3
 
 
 def hand_back(
-    registry: Registry, *, tenant_id: str, task_id: str, subject: str, tool: str, owner: str, why: str,
-    rerunnable: bool | None, never_started: bool = False,
+    registry: Registry, *, tenant_id: str, task_id: str, subject: str, tool: str, owner: str, epoch: int,
+    why: str, rerunnable: bool | None, never_started: bool = False, only_if_lapsed: bool = False,
 ) -> ReleaseRequest:  # fmt: skip
-    """Run it again if its tool is safe to re-run (or it never started), else fail it.
+    """Run it again if its tool is safe to re-run (or it never started), else fail it; only while
+    (owner, epoch) still holds its lease, and for the reaper (``only_if_lapsed``) once that ran out.
 
     ``rerunnable`` is the task's own record, written at create by the process that accepted it: the
     one giving it back (a reaper, perhaps without the tool's pack) decides by it, not by its own
@@ -32,4 +33,6 @@ def hand_back(
         requeue_message=why,
         failure=runner_stopped(tool).payload,
         subject=subject,
+        epoch=epoch,
+        only_if_lapsed=only_if_lapsed,
     )

@@ -104,14 +104,16 @@ class Maintenance:
             metrics.db_pool_connections.labels(name, "idle").set(size - in_use)
 
     async def reap_lost_leases(self) -> int:
-        """Tasks whose runner died or lost its lease go back (re-run) or fail, as on shutdown."""
+        """Tasks whose lease ran out go back (re-run) or fail, as on shutdown. Only a lapsed lease:
+        its runner has stopped their tools by then, or died (docs/decisions.md, "Fencing")."""
         lost = await self.store.lost_leases(BATCH)
         if not lost:
             return 0
         requests = sorted(
             (
                 hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
-                          owner=t.owner, why="re-running: the previous runner stopped", rerunnable=t.rerunnable)
+                          owner=t.owner, epoch=t.epoch, why="re-running: the previous runner stopped",
+                          rerunnable=t.rerunnable, only_if_lapsed=True)
                 for t in lost
             ),
             key=lambda r: r.order,

@@ -1,4 +1,9 @@
-"""Runner: claims tasks with SKIP LOCKED under a lease, runs their tools, records outcomes."""
+"""Runner: claims tasks with SKIP LOCKED under a lease, runs their tools, records outcomes.
+
+Every write of a run (outcome, hand-back, renewal, question) carries its fencing token and lands
+only while that still holds the lease; a run whose lease could not be renewed in time has its
+tool stopped before another runner may take the task (fencing.py).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,16 @@ import os
 import secrets
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
 from service.domain.errors import Unavailable
-from service.domain.task import FailureReason, Outcome, Task
+from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
 from service.runtime.context import TaskRunContext, TaskSink
+from service.runtime.fencing import LeaseTimes, Run, overdue
 from service.runtime.handback import hand_back
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -57,13 +63,18 @@ class Runner:
         self.lease_ms = lease_ms
         self.poll_s = poll_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.liveness = LivenessLock(db.dsn)
-        self._running: dict[TaskKey, asyncio.Task[None]] = {}
+        self.times = LeaseTimes.of(lease_ms)
+        self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, self.times.renew_every))
+        self._running: dict[TaskKey, Run] = {}
+        # Fenced runs whose leases we still hold: handed back once the database answers again.
+        self._fenced: dict[TaskKey, tuple[Task, float]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
         # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
         self._claiming: tuple[dict[str, int], int] | None = None
-        self._jobs: set[asyncio.Task[None]] = set()
+        # When each reservation of a create was made (its lease's start is later): see _reserved_since.
+        self._reserved_at: deque[float] = deque()
+        self._jobs: set[asyncio.Task[object]] = set()
         self._wake = asyncio.Event()
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
         # freed slot trigger a claim (otherwise the claim loop's poll finds stragglers).
@@ -106,13 +117,21 @@ class Runner:
             return None
         self._reserved += 1
         self._reserved_by_tenant[tenant_id] += 1
+        self._reserved_at.append(time.monotonic())
         return Lease(self.owner, self.liveness.key, self.lease_ms)
 
-    def _unreserve(self, tenant_id: str) -> None:
+    def _unreserve(self, tenant_id: str) -> float:
+        """Give a create's reserved slot back; a time no later than the start of its lease."""
         self._reserved -= 1
         self._reserved_by_tenant[tenant_id] -= 1
         if self._reserved_by_tenant[tenant_id] <= 0:
             del self._reserved_by_tenant[tenant_id]
+        return self._reserved_since()
+
+    def _reserved_since(self) -> float:
+        """A time no later than the start of the lease of the create being adopted: the oldest
+        outstanding reservation (its own is among them)."""
+        return self._reserved_at.popleft() if self._reserved_at else time.monotonic()
 
     def _sink(self, task: Task) -> TaskSink:
         return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
@@ -121,21 +140,19 @@ class Runner:
         """A call that began inside its request became ``task`` (created under a reserved lease):
         from now on its events and questions go through the task, and its outcome is recorded
         like any other run's."""
-        self._unreserve(task.tenant_id)
+        since = self._unreserve(task.tenant_id)
         if self._stopping:  # too late to run it here: stop it and give it back like any other
             job.cancel()
             self._background(self._hand_back([task], "re-queued: the runner was shut down"))
             return
         attach(task.task_id, self._sink(task))
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        key = (task.tenant_id, task.task_id)
-        self._running[key] = asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}")
-        metrics.runner_slots_in_use.set(self.busy)
+        self._start(task, since, job)
 
     def adopt(self, task: Task | None, *, tenant_id: str) -> None:
         """Run a task of ``tenant_id`` created under a reserved lease (None: a cap refused it,
         nothing was written)."""
-        self._unreserve(tenant_id)
+        since = self._unreserve(tenant_id)
         if task is None:
             if self._backlog:  # the slot it held is free again
                 self._wake.set()
@@ -146,7 +163,7 @@ class Runner:
             )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task)
+        self._start(task, since)
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
         """The create under a reserved lease failed without an answer (cancelled, connection lost):
@@ -162,24 +179,32 @@ class Runner:
         self.adopt(task, tenant_id=tenant_id)
 
     async def _cancel_if_not_ours(self, key: TaskKey) -> None:
-        """Stop a running task whose row no longer gives it to us (cancelled, expired, taken)."""
+        """Stop a running tool whose row no longer gives it to us (cancelled, expired, taken)."""
         try:
             still = await self.store.leased(key[0], key[1], self.owner)
         except Exception as exc:  # the heartbeat's renewal decides next time
             log.warning("could not re-read task %s after a cancel event: %s", key[1][:8], exc)
             return
-        job = self._running.get(key)
-        if still is None and job is not None:
-            job.cancel()
+        run = self._running.get(key)
+        if run is not None and (still is None or still.lease_epoch != run.task.lease_epoch):
+            self._stop_tool(run)
 
-    def _background(self, job: Coroutine[Any, Any, None]) -> None:
+    @staticmethod
+    def _stop_tool(run: Run) -> None:
+        """The lease is no longer ours: stop the tool. An outcome already in hand is still offered
+        to the database, whose fencing check refuses it (a refused write is final)."""
+        if not run.tool_done:
+            run.job.cancel()
+
+    def _background(self, job: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(job)
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
-    def _start(self, task: Task) -> None:
+    def _start(self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None) -> None:
         key = (task.tenant_id, task.task_id)
-        self._running[key] = asyncio.create_task(self._execute(task), name=f"task-{task.task_id[:8]}")
+        run = Run(task, asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}"), leased_at)
+        self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
 
     async def start(self) -> None:
@@ -191,6 +216,7 @@ class Runner:
             asyncio.create_task(self._claim_loop(), name="runner-claim"),
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
             asyncio.create_task(self._presence_loop(), name="runner-presence"),
+            asyncio.create_task(self._fence_loop(), name="runner-fence"),
         ]
 
     def drain(self) -> None:
@@ -203,7 +229,7 @@ class Runner:
         """Stop claiming; let running tasks finish until ``deadline`` (loop time), then hand what
         is left back (re-queue or fail) so none stays working."""
         self.drain()
-        running = list(self._running.values())
+        running = [run.job for run in self._running.values()]
         if running and deadline is not None:
             timeout = deadline - asyncio.get_running_loop().time()
             if timeout > 0:
@@ -218,11 +244,13 @@ class Runner:
         for loop in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
-        running = list(self._running.values())
+        running = [run.job for run in self._running.values()]
         for job in running:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self._jobs, return_exceptions=True)
+        if self._fenced:  # give them back now rather than leave them to the reaper
+            await self._hand_back_fenced()
         try:
             await self.store.withdraw(self.owner)
         except Exception as exc:  # its row lapses by itself (live_until)
@@ -290,16 +318,24 @@ class Runner:
         if free <= 0:
             self._backlog = True  # whatever woke us waits for a slot
             return 0
-        await self.liveness.ensure()
+        with contextlib.suppress(Unavailable):  # best effort: the lock decides nothing (liveness.py)
+            await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
         held = dict(self.held())
         self._reserved += want  # creates meanwhile must not promise these slots too
         self._claiming = (held, want)  # nor take a tenant past its share with what this claim brings
+        sent = time.monotonic()
         try:
-            tasks = await self.store.claim(
-                self.owner, self.liveness.key, self.lease_ms, want, self._tools,
-                tenant_share=self.tenant_share, held=held,
+            # Bounded: a claim answered late would start runs whose leases are already old.
+            tasks = await asyncio.wait_for(
+                self.store.claim(
+                    self.owner, self.liveness.key, self.lease_ms, want, self._tools,
+                    tenant_share=self.tenant_share, held=held,
+                ),
+                timeout=self.times.claim_timeout,
             )  # fmt: skip
+        except TimeoutError as exc:
+            raise Unavailable(f"the claim got no answer within {self.times.claim_timeout:.1f} s") from exc
         finally:
             self._reserved -= want
             self._claiming = None
@@ -311,33 +347,95 @@ class Runner:
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
-            self._start(task)
+            self._start(task, sent)
         return len(tasks)
 
     async def _heartbeat_loop(self) -> None:
+        ok = True
         while True:
-            await asyncio.sleep(self.lease_ms / 3000)
-            # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
-            running = list(self._running)
-            if not running:
+            await asyncio.sleep(self.times.renew_every if ok else self.times.retry_every)
+            ok = await self._renew()
+            if ok and self._fenced:
+                await self._hand_back_fenced()
+
+    async def _renew(self) -> bool:
+        """Renew the lease of every run still going under the epoch it was given; stop the tools of
+        those the database no longer gives us. False when the database did not answer in time."""
+        # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
+        held_by = [(key, run.task.lease_epoch) for key, run in self._running.items() if not run.fenced]
+        if not held_by:
+            return True
+        sent = time.monotonic()
+        try:
+            # Bounded: an answer that does not come must not hold up the next attempt.
+            held = await asyncio.wait_for(
+                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self.times.renew_every
+            )
+        except TimeoutError:
+            self._database_lost("renewed its leases", Unavailable(f"no answer within {self.times.renew_every:.1f} s"))
+            return False
+        except Unavailable as exc:
+            self._database_lost("renewed its leases", exc)
+            return False
+        except Exception:
+            log.exception("runner lease renewal failed")
+            return False
+        self._database_back()
+        for key, epoch in held_by:
+            run = self._running.get(key)
+            if run is None or run.task.lease_epoch != epoch:
                 continue
-            try:
-                await self.liveness.ensure()
-                held = await self.store.renew(self.owner, self.lease_ms, running)
-            except Unavailable as exc:
-                self._database_lost("renewed its leases", exc)
-                continue
-            except Exception:
-                log.exception("runner lease renewal failed")
-                continue
-            for key in running:
-                job = self._running.get(key)
-                if job is not None and key not in held:  # cancelled, expired, or the lease was taken
-                    job.cancel()
+            if key in held:
+                run.renewed_at = max(run.renewed_at, sent)
+            else:  # cancelled, expired, or the lease was taken
+                self._stop_tool(run)
+        return True
+
+    async def _fence_loop(self) -> None:
+        """Stop the tools of runs whose lease could not be renewed in time, before the reaper could
+        take their tasks: this process may not count on those leases any more. It needs the
+        database for nothing, so a database that does not answer cannot delay it."""
+        while True:
+            fenced, wake = overdue(self._running.values(), time.monotonic(), self.times)
+            for run in fenced:
+                run.fenced = True
+                run.job.cancel()
+            if fenced:
+                metrics.runner_fenced.inc(len(fenced))
+                log.warning(
+                    "runner could not renew the leases of %d task(s) for %.1f s: their tools are stopped and "
+                    "their outcomes will not be written; the tasks go back (re-run or failed) once the database "
+                    "answers or their leases run out",
+                    len(fenced),
+                    self.times.fence_after,
+                )
+            await asyncio.sleep(wake)
+
+    async def _hand_back_fenced(self) -> None:
+        """The database answers again: give back the fenced runs' tasks at once (under their epochs;
+        those the reaper took meanwhile are refused and dropped). Older than two leases: the reaper's."""
+        now = time.monotonic()
+        for key, (_task, at) in list(self._fenced.items()):
+            if now - at > 2 * self.times.fence_after:
+                del self._fenced[key]
+        tasks = [task for task, _at in self._fenced.values()]
+        if not tasks:
+            return
+        try:
+            answered = await asyncio.wait_for(
+                self._hand_back(tasks, "re-queued: the runner lost the database"), timeout=self.times.renew_every
+            )
+        except TimeoutError:
+            return
+        if not answered:
+            return
+        for task in tasks:
+            self._fenced.pop((task.tenant_id, task.task_id), None)
 
     async def _execute(self, task: Task, job: asyncio.Task[Outcome] | None = None) -> None:
         """Run the task's tool (or await ``job``, the call already running) and record its outcome."""
         key = (task.tenant_id, task.task_id)
+        run = self._running[key]  # _start put it there before this first ran
         started = time.perf_counter()
         try:
             if job is None:
@@ -346,17 +444,23 @@ class Runner:
                 )
             else:
                 outcome = await job  # cancelling us cancels it
+            if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
+                raise asyncio.CancelledError
+            run.tool_done = True
             metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if self._stopping:
                 await self._hand_back([task], "re-queued: the runner was shut down")
+            elif run.fenced:
+                self._fenced[key] = (task, time.monotonic())
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
             await self._record_unstorable(task, ref)
         finally:
-            self._running.pop(key, None)
+            if self._running.get(key) is run:
+                del self._running[key]
             metrics.runner_slots_in_use.set(self.busy)
             if self._backlog:
                 self._wake.set()
@@ -365,17 +469,19 @@ class Runner:
         """Record the outcome (group commit: with its audit event and wake-up, in one statement with
         the outcomes of other tasks finishing meanwhile). A finished tool's outcome is kept and its
         write retried while the database is away: a task never fails because its result could not
-        be stored once (the lease check in the statement keeps a late write from a taken-over task)."""
-        request = FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, outcome)
+        be stored once. The write lands only under this run's fencing token (owner and epoch): once
+        another runner took the task over it is refused, and a refusal is final."""
+        request = FinishRequest.of(
+            task.tenant_id, task.task_id, task.subject, self.owner, outcome, epoch=task.lease_epoch
+        )
         delay = 0.25
         while True:
             finishing = self._finishes.enqueue(request)
             try:
-                await asyncio.shield(finishing)
-                return
+                landed = await asyncio.shield(finishing)
             except asyncio.CancelledError:
-                # Shutdown or a cancel event while the outcome is on its way: it lands or not, but
-                # before anything else (a hand-back) touches the task, however often we are cancelled.
+                # Shutdown while the outcome is on its way: it lands or not, but before anything else
+                # (a hand-back) touches the task, however often we are cancelled.
                 while not finishing.done():
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.shield(finishing)
@@ -386,6 +492,31 @@ class Runner:
                 self._database_lost("recorded an outcome", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                continue
+            if landed is None:
+                await self._refused("finish", task)
+            return
+
+    async def _refused(self, op: str, task: Task) -> None:
+        """A write of this run changed nothing. Counted and logged only when another runner took the
+        task over (cancelled, expired, or our own earlier write whose answer was lost are not)."""
+        try:
+            state = await self.store.lease_state(task.tenant_id, task.task_id)
+        except Exception:  # the write was refused all the same; only its reason is unknown
+            return
+        if state is None or state.status is TaskStatus.CANCELLED:
+            return
+        if state.epoch == task.lease_epoch and state.owner is None and state.status.is_terminal:
+            return  # our write landed before: its answer was lost, and the retry found it done
+        metrics.fenced_writes.labels(op).inc()
+        log.warning(
+            "runner's %s of task %s was refused: the task was taken over (lease epoch %d, now %d): "
+            "nothing of this run was written",
+            op,
+            task.task_id[:8],
+            task.lease_epoch,
+            state.epoch,
+        )
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""
@@ -394,19 +525,30 @@ class Runner:
         )
         try:
             await self._finishes.submit(
-                FinishRequest.of(task.tenant_id, task.task_id, task.subject, self.owner, failure)
+                FinishRequest.of(
+                    task.tenant_id, task.task_id, task.subject, self.owner, failure, epoch=task.lease_epoch
+                )
             )
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
 
-    async def _hand_back(self, tasks: list[Task], why: str, *, never_started: bool = False) -> None:
-        """Re-queue what may run again, fail the rest (the reaper's rule, handback.py)."""
+    async def _hand_back(self, tasks: list[Task], why: str, *, never_started: bool = False) -> bool:
+        """Re-queue what may run again, fail the rest (the reaper's rule, handback.py), under each
+        run's fencing token. False when the database did not answer."""
         requests: list[ReleaseRequest] = [
             hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
-                      owner=self.owner, why=why, rerunnable=t.rerunnable, never_started=never_started)
+                      owner=self.owner, epoch=t.lease_epoch, why=why, rerunnable=t.rerunnable,
+                      never_started=never_started)
             for t in tasks
         ]  # fmt: skip
+        by_key = {(t.tenant_id, t.task_id): t for t in tasks}
+        ordered = sorted(requests, key=lambda r: r.order)
         try:
-            await self.store.release(sorted(requests, key=lambda r: r.order))
-        except Exception as exc:  # the reaper takes them over once our liveness lock is gone
+            moved = await self.store.release(ordered)
+        except Exception as exc:  # the reaper takes them over once their leases run out
             log.warning("could not hand back %d task(s): %s", len(requests), exc)
+            return False
+        for request, task in zip(ordered, moved, strict=True):
+            if task is None:
+                await self._refused("release", by_key[(request.tenant_id, request.task_id)])
+        return True

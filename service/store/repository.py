@@ -50,6 +50,7 @@ def task_from_row(row: asyncpg.Record) -> Task:
         issuer=row["issuer"],
         surface=row["surface"],
         rerunnable=row["rerunnable"],
+        lease_epoch=row["lease_epoch"],
     )
 
 
@@ -280,6 +281,14 @@ class LostLease:
     attempts: int
     owner: str
     rerunnable: bool | None  # as recorded at create (None: by a release that did not record it)
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseState:
+    status: TaskStatus
+    owner: str | None
+    epoch: int
 
 
 class RunnerStore:
@@ -326,15 +335,26 @@ class RunnerStore:
         async with self.db.connection() as conn:
             return _task_or_none(await conn.fetchrow(Q["get_leased_task"], tenant_id, task_id, owner))
 
-    async def renew(self, owner: str, lease_ms: int, running: list[tuple[str, str]]) -> set[tuple[str, str]]:
-        tenants, task_ids = [k[0] for k in running], [k[1] for k in running]
+    async def renew(
+        self, owner: str, lease_ms: int, running: list[tuple[tuple[str, str], int]]
+    ) -> set[tuple[str, str]]:
+        """Extend the leases ``owner`` holds under the given epochs; the keys still held come back."""
+        tenants, task_ids, epochs = [k[0] for k, _ in running], [k[1] for k, _ in running], [e for _, e in running]
         async with self.db.connection() as conn:
-            rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids)
+            rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids, epochs)
         return {(r["tenant_id"], r["task_id"]) for r in rows}
 
+    async def lease_state(self, tenant_id: str, task_id: str) -> LeaseState | None:
+        """Where a task stands after a runner's write was refused (None: it is gone)."""
+        async with self.db.connection() as conn:
+            row = await conn.fetchrow(Q["lease_state"], tenant_id, task_id)
+        if row is None:
+            return None
+        return LeaseState(TaskStatus(row["status"]), row["lease_owner"], row["lease_epoch"])
+
     async def finish(self, requests: list[FinishRequest]) -> list[Task | None]:
-        """Outcomes (only where the owner still holds the lease of an active task), their audit
-        events and wake-ups, in one statement; None where the task was no longer the owner's."""
+        """Outcomes (only where owner and epoch still hold the lease of an active task), their audit
+        events and wake-ups, in one statement; None where the task was no longer theirs."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["finish_task_batch"], as_items(requests))
         tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
@@ -360,7 +380,7 @@ class RunnerStore:
     async def ask(self, task: Task, owner: str, question: PendingInput) -> bool:
         """Store a question and go input_required, while the lease is ours (False: it is not)."""
         async with self.db.transaction() as conn:
-            moved = await conn.fetchval(Q["ask_input"], task.tenant_id, task.task_id, owner)
+            moved = await conn.fetchval(Q["ask_input"], task.tenant_id, task.task_id, owner, task.lease_epoch)
             if moved is None:
                 return False
             await conn.execute(
@@ -375,12 +395,12 @@ class RunnerStore:
         return InputResponse.from_stored(stored) if stored is not None else None
 
     async def lost_leases(self, limit: int) -> list[LostLease]:
-        """Leases whose time ran out or whose owner's liveness lock is gone (not locked: the release
-        re-checks the owner under the row lock)."""
+        """Leases whose time ran out (not locked: the release re-checks owner, epoch and expiry under
+        the row lock)."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["find_lost_leases"], limit)
         return [LostLease(r["tenant_id"], r["task_id"], r["subject"], r["tool"], r["attempts"], r["lease_owner"],
-                          r["rerunnable"])
+                          r["rerunnable"], r["lease_epoch"])
                 for r in rows]  # fmt: skip
 
     async def delete_expired(self, limit: int) -> int:

@@ -131,7 +131,8 @@ def create(
 
 @dataclass(frozen=True, slots=True)
 class FinishRequest:
-    """An item of ``task_finish_batch`` (task_finish_item): a runner's outcome, under its lease."""
+    """An item of ``task_finish_batch`` (task_finish_item): a runner's outcome, under its lease:
+    it lands only while ``owner`` and ``epoch`` (the fencing token it was given) still hold it."""
 
     tenant_id: str
     task_id: str
@@ -142,9 +143,12 @@ class FinishRequest:
     status_message: str | None
     detail: dict[str, Any]
     subject: str = ""  # orders the batch; not a field of the SQL type (ignored there)
+    epoch: int | None = None  # None: the owner alone decides (as a release before fencing did)
 
     @classmethod
-    def of(cls, tenant_id: str, task_id: str, subject: str, owner: str, outcome: Outcome) -> FinishRequest:
+    def of(
+        cls, tenant_id: str, task_id: str, subject: str, owner: str, outcome: Outcome, *, epoch: int | None
+    ) -> FinishRequest:
         detail: dict[str, Any] = {"kind": outcome.kind.value}
         if outcome.kind is OutcomeKind.FAILURE:
             detail["reason"] = outcome.payload.get("reason")
@@ -158,6 +162,7 @@ class FinishRequest:
             outcome.status_message,
             detail,
             subject,
+            epoch,
         )
 
     @property
@@ -172,7 +177,8 @@ class FinishRequest:
 @dataclass(frozen=True, slots=True)
 class ReleaseRequest:
     """An item of ``task_release_batch`` (task_release_item): a runner gives a task back; it runs
-    again if ``rerunnable`` and attempts remain, else it fails with ``failure``."""
+    again if ``rerunnable`` and attempts remain, else it fails with ``failure``. Only while
+    ``owner`` and ``epoch`` hold the lease; ``only_if_lapsed`` (the reaper): only once its time ran out."""
 
     tenant_id: str
     task_id: str
@@ -182,6 +188,8 @@ class ReleaseRequest:
     requeue_message: str
     failure: dict[str, Any]
     subject: str = ""
+    epoch: int | None = None
+    only_if_lapsed: bool = False
 
     @property
     def order(self) -> tuple[str, str, str]:

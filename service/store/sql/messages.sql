@@ -1,8 +1,9 @@
 -- name: ask_input
 -- A running task is about to ask its client: input_required, only while the runner holds its lease
--- (no row back: cancelled, expired or taken over). The row lock orders concurrent questions.
+-- (no row back: cancelled, expired or taken over: another owner or epoch). The row lock orders
+-- concurrent questions.
 UPDATE tasks SET status = 'input_required', status_message = 'waiting for input', last_updated_at = clock_timestamp()
-WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_active(status)
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND lease_epoch = $4 AND task_status_active(status)
 RETURNING task_id;
 
 -- name: insert_question

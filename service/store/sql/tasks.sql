@@ -43,9 +43,11 @@ RETURNING *;
 -- tenant's first (its subjects taking turns), then each one's second, and so on. A task accepted
 -- for a version of its tool waits for that version ($9: tool → version). A "no worker runs tool"
 -- message of the maintenance pass (mark_tasks_without_runner) no longer holds.
+-- A new epoch: a runner that held this task before (even this one) can no longer write its outcome.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
+    lease_epoch = t.lease_epoch + 1,
     status_message = CASE WHEN t.status_message LIKE 'queued: no connected worker %' THEN NULL
                           ELSE t.status_message END
 FROM (
@@ -78,16 +80,17 @@ WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id
 RETURNING t.*;
 
 -- name: renew_leases
--- Heartbeat for the tasks this runner is executing now; rows gone, cancelled or taken are not returned.
+-- Heartbeat for the tasks this runner is executing now, under the epoch it was given ($5); rows
+-- gone, cancelled or taken (another owner or epoch) are not returned.
 -- Leases of tasks it no longer executes are left to lapse, so the reaper handles them.
 -- Rows are locked in (tenant, subject, task) order, as a batch of finishes locks them.
 UPDATE tasks t
 SET lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond'
 FROM (
     SELECT h.tenant_id, h.task_id FROM tasks h
-    JOIN unnest($3::text[], $4::text[]) AS running(tenant_id, task_id)
+    JOIN unnest($3::text[], $4::text[], $5::bigint[]) AS running(tenant_id, task_id, epoch)
       ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
-    WHERE h.lease_owner = $1 AND task_status_active(h.status)
+    WHERE h.lease_owner = $1 AND h.lease_epoch = running.epoch AND task_status_active(h.status)
     ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
     FOR NO KEY UPDATE OF h
 ) held
@@ -95,17 +98,18 @@ WHERE t.tenant_id = held.tenant_id AND t.task_id = held.task_id
 RETURNING t.tenant_id, t.task_id;
 
 -- name: find_lost_leases
--- Leases whose time ran out, or whose owner's session-level advisory lock is gone (process died).
--- Not locked here: task_release_batch re-checks the owner under the row lock.
-SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable FROM tasks t
-WHERE lease_owner IS NOT NULL
-  AND (lease_expires_at < clock_timestamp()
-       OR NOT EXISTS (SELECT 1 FROM pg_locks l
-                      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                        AND l.classid::bigint = ((t.lease_key >> 32) & 4294967295)
-                        AND l.objid::bigint = (t.lease_key & 4294967295)))
+-- Leases whose time ran out: only then can the owner no longer hold them (it stops its tools before,
+-- see docs/decisions.md "Fencing"). An owner's liveness lock that is gone proves nothing: a runner
+-- cut off from the database loses it too, and still runs. Not locked here: task_release_batch
+-- re-checks owner, epoch and expiry under the row lock.
+SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable, lease_epoch FROM tasks
+WHERE lease_owner IS NOT NULL AND lease_expires_at < clock_timestamp()
 ORDER BY lease_expires_at
 LIMIT $1;
+
+-- name: lease_state
+-- What became of a task after the runner's write was refused (cancelled, gone, or taken over).
+SELECT status, lease_owner, lease_epoch FROM tasks WHERE tenant_id = $1 AND task_id = $2;
 
 -- name: delete_expired_tasks
 -- One sweeper batch; SKIP LOCKED keeps concurrent sweepers from blocking each other.

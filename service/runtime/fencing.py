@@ -1,0 +1,70 @@
+"""A runner's reckoning of its leases: when to renew, when to give up on them (docs/decisions.md, "Fencing").
+
+Each run keeps the fencing token it was given (the runner's owner name and the task's lease
+epoch); the database accepts its writes only while that token holds the lease. The runner's own
+part is time: it renews every eighth of the lease (an attempt waits as long for its answer, and
+attempts come a quarter of that apart while they fail), and a run not renewed for three quarters
+of its lease is fenced (its tool stopped, nothing of it written), a quarter of the lease before
+the reaper could take the task. So a database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about 47 %)
+of the lease changes nothing, whatever its phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from service.domain.task import Task
+
+RENEW_EVERY = 1 / 8
+RETRY_EVERY = RENEW_EVERY / 4
+FENCE_AFTER = 3 / 4
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTimes:
+    """The runner's intervals, in seconds, for a lease of ``lease_ms``."""
+
+    renew_every: float
+    retry_every: float
+    fence_after: float
+
+    @classmethod
+    def of(cls, lease_ms: int) -> LeaseTimes:
+        lease_s = lease_ms / 1000
+        return cls(lease_s * RENEW_EVERY, lease_s * RETRY_EVERY, lease_s * FENCE_AFTER)
+
+    @property
+    def claim_timeout(self) -> float:
+        """A claim answered within this leaves its runs at least half the lease before the fence."""
+        return self.fence_after / 3
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    """One task a runner executes, with the lease it holds for it."""
+
+    task: Task  # its lease_epoch and the runner's owner name are the run's fencing token
+    job: asyncio.Task[None]
+    # Monotonic time at which the last statement that set the lease (claim, create, renewal) was
+    # sent: the database set the expiry later than this plus the lease, never earlier.
+    renewed_at: float
+    tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
+    fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
+
+
+def overdue(runs: Iterable[Run], now: float, times: LeaseTimes) -> tuple[list[Run], float]:
+    """The runs whose tools must stop now, and how long until the next one might (at most an
+    eighth of the fence time, so a run started meanwhile is looked at soon enough)."""
+    due: list[Run] = []
+    wake = times.fence_after / 8
+    for run in runs:
+        if run.tool_done or run.fenced:
+            continue
+        left = run.renewed_at + times.fence_after - now
+        if left <= 0:
+            due.append(run)
+        else:
+            wake = min(wake, left)
+    return due, max(wake, 0.01)
