@@ -288,7 +288,7 @@ class EventHub:
             return
         if not isinstance(stored, dict) or stored.get("tenant_id") != tenant_id:
             return
-        if (event := decode(stored)) is not None and event.KIND == body.get("k"):
+        if (event := decode(stored)) is not None and body.get("k") == event.KIND:
             self.dispatch(event)
 
     def dispatch(self, event: Event) -> None:
