@@ -128,6 +128,10 @@ CREATE POLICY tasks_inserted_working ON tasks AS RESTRICTIVE FOR INSERT TO mcp_t
     WITH CHECK (status = 'working' AND outcome IS NULL AND payload IS NULL AND finished_at IS NULL);
 CREATE POLICY tasks_deleted_expired ON tasks AS RESTRICTIVE FOR DELETE TO mcp_tasks_app, mcp_tasks_runner
     USING (expires_at <= clock_timestamp());
+-- A finished task is not changed by the service's roles at all (nor locked for update), until it
+-- has expired and the sweeper deletes it.
+CREATE POLICY tasks_finished_unchanged ON tasks AS RESTRICTIVE FOR UPDATE TO mcp_tasks_app, mcp_tasks_runner
+    USING (task_status_active(status) OR expires_at <= clock_timestamp()) WITH CHECK (true);
 GRANT SELECT, UPDATE ON tasks TO mcp_tasks_record;
 ALTER TABLE tasks ENABLE ROW LEVEL SECURITY;
 ALTER TABLE tasks FORCE ROW LEVEL SECURITY;

@@ -60,6 +60,10 @@ CREATE POLICY tasks_inserted_working ON tasks AS RESTRICTIVE FOR INSERT TO mcp_t
     WITH CHECK (status = 'working' AND outcome IS NULL AND payload IS NULL AND finished_at IS NULL);
 CREATE POLICY tasks_deleted_expired ON tasks AS RESTRICTIVE FOR DELETE TO mcp_tasks_app, mcp_tasks_runner
     USING (expires_at <= clock_timestamp());
+-- A finished task is not changed by the service's roles at all (nor locked for update), until it
+-- has expired and the sweeper deletes it.
+CREATE POLICY tasks_finished_unchanged ON tasks AS RESTRICTIVE FOR UPDATE TO mcp_tasks_app, mcp_tasks_runner
+    USING (task_status_active(status) OR expires_at <= clock_timestamp()) WITH CHECK (true);
 GRANT SELECT, UPDATE ON tasks TO mcp_tasks_record;
 GRANT SELECT, INSERT, UPDATE ON active_tasks TO mcp_tasks_record;
 GRANT SELECT, DELETE ON task_messages TO mcp_tasks_record;
@@ -300,6 +304,7 @@ DROP POLICY task_messages_record ON task_messages;
 DROP POLICY active_tasks_record ON active_tasks;
 DROP POLICY tasks_record ON tasks;
 REVOKE ALL ON tasks, active_tasks, task_messages FROM mcp_tasks_record;
+DROP POLICY tasks_finished_unchanged ON tasks;
 DROP POLICY tasks_deleted_expired ON tasks;
 DROP POLICY tasks_inserted_working ON tasks;
 REVOKE UPDATE (status, status_message, last_updated_at, finished_at, lease_owner, lease_key, lease_expires_at)
