@@ -37,12 +37,6 @@ async def service(closed_db: ClosedDatabase) -> AsyncIterator[str]:
         yield url
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
-        yield client
-
-
 @contextlib.asynccontextmanager
 async def listening(conn: asyncpg.Connection) -> AsyncIterator[list[str]]:
     heard: list[str] = []
