@@ -37,6 +37,16 @@ BEGIN
 END
 $$;
 GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_record;
+-- The schema owner hands functions to mcp_tasks_record: it must be able to act as that role (a
+-- superuser can; a CREATEROLE owner grants itself membership), and the role may own objects here.
+DO $$
+BEGIN
+    IF NOT pg_has_role(current_user, 'mcp_tasks_record', 'MEMBER') THEN
+        EXECUTE format('GRANT mcp_tasks_record TO %I', current_user);
+    END IF;
+END
+$$;
+GRANT CREATE ON SCHEMA public TO mcp_tasks_record;
 
 -- A closed event bus: only the service's roles may connect to its database (so LISTEN, NOTIFY and
 -- advisory locks are theirs alone), and nobody may create temporary tables.

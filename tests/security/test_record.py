@@ -7,6 +7,7 @@ database credentials can do."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,10 +17,11 @@ import httpx
 import orjson
 import pytest
 
+from service.store import migrate
 from service.store.db import APP_ROLE, RUNNER_ROLE
-from tests.conftest import make_settings, serve
+from tests.conftest import _with_db, make_settings, serve
 from tests.rpc import RpcSession
-from tests.security.conftest import ClosedDatabase
+from tests.security.conftest import ClosedDatabase, as_user
 from tests.test_audit import broken, mcp_tasks_audit
 
 ROLES = [APP_ROLE, RUNNER_ROLE]
@@ -249,4 +251,34 @@ async def test_verify_reports_a_chain_whose_time_goes_back(closed_db: ClosedData
         assert broken(done.stdout) == {("backdated", 2)}
         assert "time goes back" in done.stdout
     finally:
+        await admin.close()
+
+
+async def test_a_schema_owner_that_is_not_a_superuser_migrates_and_hands_the_record_to_its_role(
+    admin_dsn: str,
+) -> None:
+    """docs/operations.md: migrations run as the database's owner (CREATEROLE, not a superuser). It
+    may give the record's functions to mcp_tasks_record: the migration makes it a member first."""
+    tag = secrets.token_hex(4)
+    owner, name = f"mcp_tasks_owner_{tag}", f"mcp_tasks_own_{tag}"
+    admin = await asyncpg.connect(admin_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE {owner} LOGIN CREATEROLE")
+        await admin.execute(f'CREATE DATABASE "{name}" OWNER {owner}')
+        url = as_user(_with_db(admin_dsn, name), owner)
+        await asyncio.to_thread(migrate.upgrade, url)
+        conn = await asyncpg.connect(url)
+        try:
+            owners = await conn.fetch(
+                """SELECT proname, pg_get_userbyid(proowner) AS owner, prosecdef FROM pg_proc
+                   WHERE proname IN ('audit_append', 'audit_purge', 'task_finish_batch', 'task_release_batch')"""
+            )
+        finally:
+            await conn.close()
+        assert {(r["owner"], r["prosecdef"]) for r in owners} == {("mcp_tasks_record", True)}
+        assert len(owners) == 4
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.execute(f"DROP OWNED BY {owner}")
+        await admin.execute(f"DROP ROLE IF EXISTS {owner}")
         await admin.close()
