@@ -18,6 +18,7 @@ import pytest
 
 from service.mcp.jsonrpc import SERVICE_UNAVAILABLE
 from service.store.db import APP_ROLE, RUNNER_ROLE
+from tests import toolpack
 from tests.conftest import make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession, sse_messages
@@ -189,3 +190,34 @@ async def test_a_held_create_lock_answers_503_quickly_and_other_tenants_create_o
             finally:
                 await holder.close()
                 await stranger.close()
+
+
+async def test_a_forged_cancel_event_does_not_stop_a_running_task(
+    closed_db: ClosedDatabase, http: httpx.AsyncClient
+) -> None:
+    """Finding 3: a forged ``cancel`` event made a runner cancel a task without re-reading its row.
+    The runner re-reads the row (still leased to it: it keeps running); a real cancel stops it."""
+    key = f"forged-cancel-{id(closed_db)}"
+    async with serve(make_settings(closed_db.service_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await toolpack.signal(key, "started").wait()
+        forger = await closed_db.connect_as(APP_ROLE)
+        try:
+            admin = await asyncpg.connect(closed_db.admin_url)
+            try:
+                tenant = await admin.fetchval("SELECT tenant_id FROM tasks WHERE task_id = $1", task_id)
+            finally:
+                await admin.close()
+            forged = {"v": 1, "k": "cancel", "tenant_id": tenant, "task_id": task_id}
+            await forger.execute("SELECT pg_notify($1, $2)", CHANNEL, orjson.dumps(forged).decode())
+        finally:
+            await forger.close()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(toolpack.signal(key, "cancelled").wait(), timeout=1.0)
+        assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "working"
+        assert (await s.result("tasks/cancel", {"taskId": task_id}))["status"] == "cancelled"
+        async with asyncio.timeout(10):
+            await toolpack.signal(key, "cancelled").wait()
