@@ -30,7 +30,7 @@ FIELDS = {
     "task_id", "request_id", "client_address", "detail", "prev_hash", "hash",
 }  # fmt: skip
 APP_ROLE, RUNNER_ROLE = "mcp_tasks_app", "mcp_tasks_runner"
-# Owns audit_append: the only role that writes events (migration 0003).
+# Owns audit_append: the only role that writes events (migration 0005).
 RECORD_ROLE = "mcp_tasks_record"
 TRIGGER = "audit_events_no_update_delete"
 

@@ -1,7 +1,7 @@
 """A closed event bus, and a record the service's own database credentials cannot forge.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0005
+Revises: 0004
 
 Issue 14, findings 3, 5 and 7:
 - CONNECT and TEMPORARY on the service's database are revoked from PUBLIC; the service's roles get
@@ -20,8 +20,8 @@ Issue 14, findings 3, 5 and 7:
 
 from service.store.sqlscript import run_script
 
-revision = "0003"
-down_revision = "0002"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
@@ -133,7 +133,7 @@ BEGIN
             USING ERRCODE = 'insufficient_privilege';
     END IF;
     -- A finished task's result handed out again: recorded once per requestor per interval, the
-    -- repeats counted into the next event (migration 0003, docs/decisions.md).
+    -- repeats counted into the next event (migration 0005, docs/decisions.md).
     IF p_action = 'retrieve' AND p_task_id IS NOT NULL THEN
         every_s := coalesce(nullif(current_setting('mcp_tasks.audit_retrieve_interval_s', true), ''), '3600')::double precision;
         IF every_s > 0 THEN
