@@ -20,6 +20,9 @@
 -- `role` startup parameter). Policies apply to members of a role too, so every all-tenants policy
 -- also requires current_user to be the runner role: a login user that merely inherits it sees
 -- nothing. FORCE ROW LEVEL SECURITY makes the policies apply to the tables' owner too.
+-- A third NOLOGIN role, mcp_tasks_record, owns the functions that write the record (the audit
+-- chain, task outcomes); the login user is never a member of it, so the service's credentials
+-- reach the record only through those functions (SECURITY.md: what the credentials can do).
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_app') THEN
@@ -28,9 +31,31 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_runner') THEN
         CREATE ROLE mcp_tasks_runner NOLOGIN NOBYPASSRLS;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_record') THEN
+        CREATE ROLE mcp_tasks_record NOLOGIN NOBYPASSRLS;
+    END IF;
 END
 $$;
-GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner;
+GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_record;
+-- The schema owner hands functions to mcp_tasks_record: it must be able to act as that role (a
+-- superuser can; a CREATEROLE owner grants itself membership), and the role may own objects here.
+DO $$
+BEGIN
+    IF NOT pg_has_role(current_user, 'mcp_tasks_record', 'MEMBER') THEN
+        EXECUTE format('GRANT mcp_tasks_record TO %I', current_user);
+    END IF;
+END
+$$;
+GRANT CREATE ON SCHEMA public TO mcp_tasks_record;
+
+-- A closed event bus: only the service's roles may connect to its database (so LISTEN, NOTIFY and
+-- advisory locks are theirs alone), and nobody may create temporary tables.
+DO $$
+BEGIN
+    EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO mcp_tasks_app, mcp_tasks_runner', current_database());
+END
+$$;
 
 
 -- ===================================================================================== tasks ==
@@ -110,7 +135,24 @@ CREATE INDEX tasks_expiry ON tasks (expires_at);
 -- counters): a count over every active task's row grew with the tasks running.
 CREATE INDEX tasks_input_required ON tasks (tenant_id) WHERE status = 'input_required';
 
-GRANT SELECT, INSERT, UPDATE, DELETE ON tasks TO mcp_tasks_app, mcp_tasks_runner;
+GRANT SELECT, INSERT, DELETE ON tasks TO mcp_tasks_app, mcp_tasks_runner;
+-- Task outcomes: written only through task_finish_batch and task_release_batch (which check the
+-- lease and run as mcp_tasks_record). The service's roles update only the columns their
+-- statements set; a task is inserted working, and deleted only once expired.
+GRANT UPDATE (status, status_message, last_updated_at, finished_at, lease_owner, lease_key, lease_expires_at)
+    ON tasks TO mcp_tasks_app;
+GRANT UPDATE (status, status_message, last_updated_at, lease_owner, lease_key, lease_expires_at, attempts,
+              started_at, lease_epoch)
+    ON tasks TO mcp_tasks_runner;
+CREATE POLICY tasks_inserted_working ON tasks AS RESTRICTIVE FOR INSERT TO mcp_tasks_app, mcp_tasks_runner
+    WITH CHECK (status = 'working' AND outcome IS NULL AND payload IS NULL AND finished_at IS NULL);
+CREATE POLICY tasks_deleted_expired ON tasks AS RESTRICTIVE FOR DELETE TO mcp_tasks_app, mcp_tasks_runner
+    USING (expires_at <= clock_timestamp());
+-- A finished task is not changed by the service's roles at all (nor locked for update), until it
+-- has expired and the sweeper deletes it.
+CREATE POLICY tasks_finished_unchanged ON tasks AS RESTRICTIVE FOR UPDATE TO mcp_tasks_app, mcp_tasks_runner
+    USING (task_status_active(status) OR expires_at <= clock_timestamp()) WITH CHECK (true);
+GRANT SELECT, UPDATE ON tasks TO mcp_tasks_record;
 ALTER TABLE tasks ENABLE ROW LEVEL SECURITY;
 ALTER TABLE tasks FORCE ROW LEVEL SECURITY;
 CREATE POLICY tasks_tenant_isolation ON tasks TO mcp_tasks_app
@@ -118,6 +160,8 @@ CREATE POLICY tasks_tenant_isolation ON tasks TO mcp_tasks_app
     WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
 CREATE POLICY tasks_runner_all_tenants ON tasks TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+CREATE POLICY tasks_record ON tasks TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 
 -- Active (working or input_required) tasks per requestor, kept by the triggers below, so the caps
 -- read counters instead of counting a tenant's active tasks on every create. The tenant's total
@@ -173,6 +217,7 @@ CREATE TRIGGER tasks_count_deleted AFTER DELETE ON tasks REFERENCING OLD TABLE A
     FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_deleted();
 
 GRANT SELECT, INSERT, UPDATE, DELETE ON active_tasks TO mcp_tasks_app, mcp_tasks_runner;
+GRANT SELECT, INSERT, UPDATE ON active_tasks TO mcp_tasks_record;
 ALTER TABLE active_tasks ENABLE ROW LEVEL SECURITY;
 ALTER TABLE active_tasks FORCE ROW LEVEL SECURITY;
 CREATE POLICY active_tasks_tenant_isolation ON active_tasks TO mcp_tasks_app
@@ -180,6 +225,8 @@ CREATE POLICY active_tasks_tenant_isolation ON active_tasks TO mcp_tasks_app
     WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
 CREATE POLICY active_tasks_runner_all_tenants ON active_tasks TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+CREATE POLICY active_tasks_record ON active_tasks TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 
 -- Questions a task asks its client and the client's answers, wire-neutral: a key (unique for the
 -- task's life and the tenant), the kind of question and its own fields; the answer is
@@ -205,6 +252,7 @@ CREATE TABLE task_messages (
 );
 
 GRANT SELECT, INSERT, UPDATE, DELETE ON task_messages TO mcp_tasks_app, mcp_tasks_runner;
+GRANT SELECT, DELETE ON task_messages TO mcp_tasks_record;
 ALTER TABLE task_messages ENABLE ROW LEVEL SECURITY;
 ALTER TABLE task_messages FORCE ROW LEVEL SECURITY;
 CREATE POLICY task_messages_tenant_isolation ON task_messages TO mcp_tasks_app
@@ -212,6 +260,8 @@ CREATE POLICY task_messages_tenant_isolation ON task_messages TO mcp_tasks_app
     WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
 CREATE POLICY task_messages_runner_all_tenants ON task_messages TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+CREATE POLICY task_messages_record ON task_messages TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 
 
 -- ================================================================================== sessions ==
@@ -304,8 +354,10 @@ GRANT SELECT, INSERT ON service_keys TO mcp_tasks_app, mcp_tasks_runner;
 -- sha256(prev_hash || canonical(row)), where canonical(row) is the jsonb text of the row's fields
 -- (jsonb text output is deterministic: sorted keys, fixed formatting; times are rendered in UTC).
 -- audit_heads holds each tenant's last seq and hash; appending locks that row, so a tenant's
--- events are numbered without gaps even with many replicas. The service's roles may only INSERT
--- and SELECT events; a trigger refuses UPDATE, DELETE and TRUNCATE for everyone.
+-- events are numbered without gaps even with many replicas. The service's roles may only SELECT
+-- events and heads and call the functions below, which run as mcp_tasks_record: audit_append takes
+-- the time itself (never earlier than the chain's last event) and computes the hash. A trigger
+-- refuses UPDATE and TRUNCATE for everyone, and DELETE to all but audit_purge (retention).
 CREATE TABLE audit_events (
     tenant_id      text        NOT NULL,
     seq            bigint      NOT NULL,
@@ -323,18 +375,44 @@ CREATE TABLE audit_events (
     hash           bytea       NOT NULL,
     CONSTRAINT audit_events_pkey PRIMARY KEY (tenant_id, seq),
     CONSTRAINT audit_events_action_known CHECK (action IN
-        ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny', 'requeue')),
+        ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny', 'requeue', 'purge')),
     CONSTRAINT audit_events_seq_positive CHECK (seq > 0),
     CONSTRAINT audit_events_hash_size CHECK (octet_length(hash) = 32 AND octet_length(prev_hash) = 32)
 );
 CREATE INDEX audit_events_time ON audit_events (tenant_id, at);
 
+-- Besides the last seq and hash: the time of the last event (no event is dated before it), how
+-- far `mcp-tasks audit export` has read the chain from its start (exported_seq), and the last row
+-- a purge removed (purged_seq, purged_hash: the checkpoint the first remaining row links to).
 CREATE TABLE audit_heads (
-    tenant_id text   NOT NULL,
-    seq       bigint NOT NULL,
-    hash      bytea  NOT NULL,
-    CONSTRAINT audit_heads_pkey PRIMARY KEY (tenant_id)
+    tenant_id    text        NOT NULL,
+    seq          bigint      NOT NULL,
+    hash         bytea       NOT NULL,
+    at           timestamptz,
+    exported_seq bigint      NOT NULL DEFAULT 0,
+    purged_seq   bigint      NOT NULL DEFAULT 0,
+    purged_hash  bytea       NOT NULL DEFAULT decode(repeat('00', 32), 'hex'),
+    CONSTRAINT audit_heads_pkey PRIMARY KEY (tenant_id),
+    CONSTRAINT audit_heads_purged_after_export CHECK (purged_seq <= exported_seq AND exported_seq <= seq)
 );
+
+-- When each requestor was last audited retrieving a finished task, and how often since: repeated
+-- retrievals are recorded once per interval (docs/decisions.md). Gone with the task.
+CREATE TABLE audit_retrievals (
+    tenant_id  text        NOT NULL,
+    task_id    text        NOT NULL,
+    subject    text        NOT NULL,
+    audited_at timestamptz NOT NULL,
+    repeats    bigint      NOT NULL DEFAULT 0,
+    CONSTRAINT audit_retrievals_pkey PRIMARY KEY (tenant_id, task_id, subject),
+    CONSTRAINT audit_retrievals_task_fkey FOREIGN KEY (tenant_id, task_id)
+        REFERENCES tasks (tenant_id, task_id) ON DELETE CASCADE
+);
+GRANT SELECT, INSERT, UPDATE ON audit_retrievals TO mcp_tasks_record;
+ALTER TABLE audit_retrievals ENABLE ROW LEVEL SECURITY;
+ALTER TABLE audit_retrievals FORCE ROW LEVEL SECURITY;
+CREATE POLICY audit_retrievals_record ON audit_retrievals TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 
 -- The canonical text of an event, hashed into the chain; also used by `mcp-tasks audit verify`.
 -- PL/pgSQL, not SQL: a SQL function called from PL/pgSQL is parsed and planned again in every
@@ -358,32 +436,110 @@ CREATE FUNCTION audit_append(
     p_tenant text, p_action text, p_outcome text, p_subject text, p_client_id text, p_issuer text,
     p_task_id text, p_request_id text, p_client_address text, p_detail jsonb
 ) RETURNS bigint
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
 DECLARE
     head audit_heads;
     e audit_events;
+    seen audit_retrievals;
+    every_s double precision;
 BEGIN
+    -- Row-level security held the request role to its tenant; this function runs as its owner.
+    IF current_setting('role') = 'mcp_tasks_app' AND p_tenant IS DISTINCT FROM current_setting('app.tenant_id', true) THEN
+        RAISE EXCEPTION 'audit_append: % is not the transaction''s tenant', p_tenant
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    -- A finished task's result handed out again: recorded once per requestor per interval, the
+    -- repeats counted into the next event (migration 0003, docs/decisions.md).
+    IF p_action = 'retrieve' AND p_task_id IS NOT NULL THEN
+        every_s := coalesce(nullif(current_setting('mcp_tasks.audit_retrieve_interval_s', true), ''), '3600')::double precision;
+        IF every_s > 0 THEN
+            PERFORM 1 FROM tasks WHERE tenant_id = p_tenant AND task_id = p_task_id FOR KEY SHARE;
+        END IF;
+        IF every_s > 0 AND FOUND THEN
+            INSERT INTO audit_retrievals (tenant_id, task_id, subject, audited_at, repeats)
+            VALUES (p_tenant, p_task_id, coalesce(p_subject, ''), '-infinity', 0)
+            ON CONFLICT (tenant_id, task_id, subject) DO NOTHING;
+            SELECT * INTO seen FROM audit_retrievals
+            WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = coalesce(p_subject, '') FOR UPDATE;
+            IF seen.audited_at > clock_timestamp() - every_s * interval '1 second' THEN
+                UPDATE audit_retrievals SET repeats = repeats + 1
+                WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = coalesce(p_subject, '');
+                RETURN NULL;
+            END IF;
+            UPDATE audit_retrievals SET audited_at = clock_timestamp(), repeats = 0
+            WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = coalesce(p_subject, '');
+            IF seen.repeats > 0 THEN
+                p_detail := coalesce(p_detail, '{}') || jsonb_build_object('repeats_before', seen.repeats);
+            END IF;
+        END IF;
+    END IF;
     SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
     IF NOT FOUND THEN  -- the tenant's first event
         INSERT INTO audit_heads (tenant_id, seq, hash) VALUES (p_tenant, 0, decode(repeat('00', 32), 'hex'))
             ON CONFLICT (tenant_id) DO NOTHING;
         SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
     END IF;
-    e.tenant_id := p_tenant; e.seq := head.seq + 1; e.at := clock_timestamp();
+    e.tenant_id := p_tenant; e.seq := head.seq + 1; e.at := greatest(clock_timestamp(), head.at);
     e.action := p_action; e.outcome := p_outcome;
     e.subject := coalesce(p_subject, ''); e.client_id := coalesce(p_client_id, '');
     e.issuer := coalesce(p_issuer, ''); e.task_id := p_task_id; e.request_id := p_request_id;
     e.client_address := p_client_address; e.detail := p_detail; e.prev_hash := head.hash;
     e.hash := sha256(head.hash || convert_to(audit_canonical(e), 'UTF8'));
     INSERT INTO audit_events VALUES (e.*);
-    UPDATE audit_heads SET seq = e.seq, hash = e.hash WHERE tenant_id = p_tenant;
+    UPDATE audit_heads SET seq = e.seq, hash = e.hash, at = e.at WHERE tenant_id = p_tenant;
     RETURN e.seq;
 END
 $$;
+ALTER FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb) OWNER TO mcp_tasks_record;
+
+-- `mcp-tasks audit export` read a tenant's chain from its start up to p_seq: those rows may be purged.
+CREATE FUNCTION audit_mark_exported(p_tenant text, p_seq bigint) RETURNS bigint
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, public
+BEGIN ATOMIC
+    UPDATE audit_heads SET exported_seq = greatest(exported_seq, least(p_seq, seq))
+    WHERE tenant_id = p_tenant
+    RETURNING exported_seq;
+END;
+ALTER FUNCTION audit_mark_exported(text, bigint) OWNER TO mcp_tasks_record;
+
+-- Retention: a tenant's exported events older than p_before go. The chain stays verifiable: the
+-- head keeps the last purged row's seq and hash (the next row links to it), and the purge itself
+-- is an event of the chain.
+CREATE FUNCTION audit_purge(p_tenant text, p_before timestamptz) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+DECLARE
+    head audit_heads;
+    last_gone audit_events;
+    removed bigint;
+BEGIN
+    SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    SELECT * INTO last_gone FROM audit_events
+    WHERE tenant_id = p_tenant AND seq > head.purged_seq AND seq <= head.exported_seq AND at < p_before
+    ORDER BY seq DESC LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM audit_events WHERE tenant_id = p_tenant AND seq <= last_gone.seq;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    UPDATE audit_heads SET purged_seq = last_gone.seq, purged_hash = last_gone.hash WHERE tenant_id = p_tenant;
+    PERFORM audit_append(p_tenant, 'purge', 'ok', '', '', '', NULL, NULL, NULL,
+                         jsonb_build_object('through_seq', last_gone.seq, 'rows', removed,
+                                            'before', to_char(p_before AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')));
+    RETURN removed;
+END
+$$;
+ALTER FUNCTION audit_purge(text, timestamptz) OWNER TO mcp_tasks_record;
+
 
 CREATE FUNCTION audit_events_append_only() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
+    IF TG_OP = 'DELETE' AND current_user = 'mcp_tasks_record' THEN
+        RETURN OLD;
+    END IF;
     RAISE EXCEPTION 'audit_events is append-only: % is not allowed', TG_OP
         USING ERRCODE = 'insufficient_privilege';
 END
@@ -393,10 +549,14 @@ CREATE TRIGGER audit_events_no_update_delete BEFORE UPDATE OR DELETE ON audit_ev
 CREATE TRIGGER audit_events_no_truncate BEFORE TRUNCATE ON audit_events
     FOR EACH STATEMENT EXECUTE FUNCTION audit_events_append_only();
 
-GRANT SELECT, INSERT ON audit_events TO mcp_tasks_app, mcp_tasks_runner;
-GRANT SELECT, INSERT, UPDATE ON audit_heads TO mcp_tasks_app, mcp_tasks_runner;
+GRANT SELECT ON audit_events, audit_heads TO mcp_tasks_app, mcp_tasks_runner;
+GRANT SELECT, INSERT, DELETE ON audit_events TO mcp_tasks_record;
+GRANT SELECT, INSERT, UPDATE ON audit_heads TO mcp_tasks_record;
+REVOKE ALL ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
+    audit_mark_exported(text, bigint), audit_purge(text, timestamptz) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
     audit_canonical(audit_events) TO mcp_tasks_app, mcp_tasks_runner;
+GRANT EXECUTE ON FUNCTION audit_mark_exported(text, bigint), audit_purge(text, timestamptz) TO mcp_tasks_runner;
 
 ALTER TABLE audit_events ENABLE ROW LEVEL SECURITY;
 ALTER TABLE audit_events FORCE ROW LEVEL SECURITY;
@@ -412,6 +572,10 @@ CREATE POLICY audit_heads_tenant_isolation ON audit_heads TO mcp_tasks_app
     WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
 CREATE POLICY audit_heads_runner_all_tenants ON audit_heads TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+CREATE POLICY audit_events_record ON audit_events TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
+CREATE POLICY audit_heads_record ON audit_heads TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 
 
 -- ================================================================= hot paths: group commit ==
@@ -576,6 +740,10 @@ GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
 GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
 GRANT USAGE ON TYPE task_batch_item TO mcp_tasks_app;
 GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
+-- Outcomes are the record: the function runs as mcp_tasks_record, the only role that may write a
+-- task's outcome columns; the lease check in its body decides which rows it may finish.
+ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
+ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
 
 -- ================================================================ hot paths: hand-back ==
 -- A runner gave a task back (it stopped, or its lease was lost and the reaper found it): run it
@@ -662,3 +830,5 @@ $$;
 REVOKE ALL ON FUNCTION task_release_batch(jsonb) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION task_release_batch(jsonb) TO mcp_tasks_runner;
 GRANT USAGE ON TYPE task_release_item TO mcp_tasks_runner;
+ALTER FUNCTION task_release_batch(jsonb) OWNER TO mcp_tasks_record;
+ALTER FUNCTION task_release_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;

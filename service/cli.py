@@ -334,13 +334,31 @@ async def _audit_main(args: argparse.Namespace) -> int:
             scope = f"tenant {args.tenant}" if args.tenant else "all tenants"
             print(f"audit chain of {scope}: {'intact' if not problems else f'{len(problems)} problem(s)'}")
             return 1 if problems else 0
-        try:
-            since = datetime.fromisoformat(args.since) if args.since else None
-        except ValueError:
-            print(f"--since {args.since!r} is not an ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00", file=sys.stderr)
+        times: dict[str, datetime | None] = {}
+        for option in ("since", "purge_before"):
+            text = getattr(args, option)
+            try:
+                times[option] = datetime.fromisoformat(text) if text else None
+            except ValueError:
+                flag = "--" + option.replace("_", "-")
+                print(f"{flag} {text!r} is not an ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00", file=sys.stderr)
+                return 2
+        before = times["purge_before"]
+        if before is not None and (times["since"] is not None or before.tzinfo is None):
+            print("--purge-before needs a time with its UTC offset, and no --since: only rows written out from "
+                  "the start of their chain may be purged", file=sys.stderr)  # fmt: skip
             return 2
-        async for event in audit.export(args.tenant, since):
+        written: dict[str, int] = {}
+        async for event in audit.export(args.tenant, times["since"], written=written):
             sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+        # Written out from the start of each chain: retention may now purge these rows (and only these).
+        if times["since"] is None:
+            await audit.mark_exported(written)
+        if before is not None:
+            for tenant_id, n in (await audit.purge(before, sorted(written))).items():
+                print(f"purged {n} audit event(s) of tenant {tenant_id} dated before {before.isoformat()}",
+                      file=sys.stderr)  # fmt: skip
         return 0
     finally:
         await db.close()
@@ -381,6 +399,11 @@ def main(argv: list[str] | None = None) -> None:
     export = audit_sub.add_parser("export", help="write events as JSON lines, in chain order")
     export.add_argument("--tenant", default=None)
     export.add_argument("--since", default=None, help="ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00")
+    export.add_argument(
+        "--purge-before",
+        default=None,
+        help="after writing, delete the written events dated before this time (the chain keeps a checkpoint)",
+    )
     sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
     call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
     call.add_argument("tool")

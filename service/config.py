@@ -96,6 +96,13 @@ class Settings(BaseSettings):
     sse_keepalive_ms: int = Field(default=15_000, ge=50, le=300_000)
     result_grace_ms: int = Field(default=1_000, ge=0, le=60_000)
     db_pool_size: int = Field(default=10, ge=1, le=1_000)
+    # A request's wait for a lock (e.g. a tenant's create lock) ends with a retryable 503 after this,
+    # so one held lock cannot stall every tenant's batch (issue 14, finding 3).
+    db_lock_timeout_ms: int = Field(default=1_000, ge=10, le=60_000)
+    # Audit rows older than this many days are purged by the maintenance pass once exported; None keeps all.
+    audit_retention_days: int | None = Field(default=None, ge=1, le=36_500)
+    # Repeated tasks/result retrievals of a finished task: one audit row per requestor per interval (0: every one).
+    audit_retrieve_interval_s: int = Field(default=3_600, ge=0, le=2_592_000)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["json", "text"] = "json"
     metrics_tenant_label: bool = False

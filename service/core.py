@@ -64,6 +64,16 @@ class Core:
         metrics.process_exiting()
 
 
+def request_session_settings(settings: Settings) -> dict[str, str]:
+    """Session defaults of the request pool: bounded lock waits (a held create lock answers 503
+    instead of stalling every tenant's batch), and how often the schema's audit_append records a
+    requestor's repeated retrieval of a finished task (issue 14, findings 3 and 7)."""
+    return {
+        "lock_timeout": f"{settings.db_lock_timeout_ms}ms",
+        "mcp_tasks.audit_retrieve_interval_s": str(settings.audit_retrieve_interval_s),
+    }
+
+
 async def check_schema(dsn: str) -> None:
     """Fail fast, saying what to do, when the database is unreachable or not at this version's schema."""
     head = migrate.head_revision()
@@ -93,7 +103,7 @@ async def resolve_database(settings: Settings) -> tuple[str, Callable[[], None] 
 async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     registry = Registry.load(settings.tool_packs)
     dsn, stop_database = await resolve_database(settings)
-    db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE)
+    db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
     runner_db = Database(
         dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
@@ -132,6 +142,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         interval_s=settings.sweep_interval_ms / 1000,
         session_idle_ms=settings.session_idle_ms,
         pools={"app": db, "runner": runner_db},
+        audit_retention_days=settings.audit_retention_days,
     )
     await maintenance.start()
     return Core(

@@ -30,6 +30,8 @@ FIELDS = {
     "task_id", "request_id", "client_address", "detail", "prev_hash", "hash",
 }  # fmt: skip
 APP_ROLE, RUNNER_ROLE = "mcp_tasks_app", "mcp_tasks_runner"
+# Owns audit_append: the only role that writes events (migration 0005).
+RECORD_ROLE = "mcp_tasks_record"
 TRIGGER = "audit_events_no_update_delete"
 
 
@@ -471,7 +473,7 @@ async def test_a_change_whose_audit_event_cannot_be_written_is_not_made_T_SEC_10
     database_url = server.settings.database_url or ""
     hanging = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
     async with superuser(database_url) as conn:
-        await conn.execute(f"REVOKE INSERT ON audit_events FROM {APP_ROLE}")
+        await conn.execute(f"REVOKE INSERT ON audit_events FROM {RECORD_ROLE}")
         try:
             r, created = await post(s, "tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": {}}, "r1")
             assert r.status_code != 500
@@ -485,7 +487,7 @@ async def test_a_change_whose_audit_event_cannot_be_written_is_not_made_T_SEC_10
             assert await conn.fetchval("SELECT count(*) FROM tasks") == 1  # no task without its create event
             assert await conn.fetchval("SELECT status::text FROM tasks WHERE task_id = $1", hanging) == "working"
         finally:
-            await conn.execute(f"GRANT INSERT ON audit_events TO {APP_ROLE}")
+            await conn.execute(f"GRANT INSERT ON audit_events TO {RECORD_ROLE}")
     assert [e["action"] for e in await audit_rows(database_url)] == ["create"]
     # With the grant back the same request goes through, with its event.
     assert (await s.result("tasks/cancel", {"taskId": hanging}))["status"] == "cancelled"
@@ -511,7 +513,7 @@ async def as_tenant(conn: asyncpg.Connection, tenant: str, sql: str) -> Any:
 
 
 @pytest.mark.parametrize("role", [APP_ROLE, RUNNER_ROLE])
-async def test_the_service_roles_may_read_and_append_but_never_change_or_remove_events_T_SEC_10(
+async def test_the_service_roles_may_read_but_never_insert_change_or_remove_events_T_SEC_10(
     role: str, chain_of_four: str
 ) -> None:
     database_url = chain_of_four
@@ -524,8 +526,9 @@ async def test_the_service_roles_may_read_and_append_but_never_change_or_remove_
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await as_tenant(conn, "local", sql)
             assert await conn.fetchval("SELECT has_table_privilege($1, 'audit_events', $2)", role, verb) is False
-        for verb in ("SELECT", "INSERT"):
-            assert await conn.fetchval("SELECT has_table_privilege($1, 'audit_events', $2)", role, verb) is True
+        # Appending goes through audit_append only (issue 14, finding 5): no direct INSERT.
+        assert await conn.fetchval("SELECT has_table_privilege($1, 'audit_events', 'SELECT')", role) is True
+        assert await conn.fetchval("SELECT has_table_privilege($1, 'audit_events', 'INSERT')", role) is False
     finally:
         await conn.close()
     assert await audit_rows(database_url) == before

@@ -323,8 +323,8 @@ async def test_counters_sum_a_statement_that_changes_many_tasks_of_many_requesto
             """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
                                   expires_at)
                SELECT 'acme', 't' || i, 'user-' || (i % 3), '2025-11-25', 'echo', '{}', 60000, 100,
-                      now() + interval '1 minute'
-               FROM generate_series(1, 9) AS i"""
+                      now() - interval '1 second'
+               FROM generate_series(1, 9) AS i"""  # expired: the service's roles delete only those
         )
         counts = "SELECT subject, active FROM active_tasks WHERE tenant_id = 'acme' ORDER BY subject"
         assert [tuple(r) for r in await db.fetch(counts)] == [("user-0", 3), ("user-1", 3), ("user-2", 3)]

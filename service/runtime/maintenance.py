@@ -1,16 +1,19 @@
-"""Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions."""
+"""Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions,
+purge exported audit events past their retention."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
+from datetime import UTC, datetime, timedelta
 
 from service.domain.errors import Unavailable
 from service.observability import metrics
 from service.runtime.handback import hand_back
 from service.store.db import Database
-from service.store.repository import RunnerStore
+from service.store.repository import AuditStore, RunnerStore
 from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -18,6 +21,8 @@ log = logging.getLogger(__name__)
 BATCH = 500
 # Events sent by reference are read at once by every listener; their payloads go after this.
 EVENT_PAYLOAD_MAX_AGE_MS = 60_000
+# Retention deletes in bulk: once in this many seconds is plenty (the first pass runs at start).
+AUDIT_PURGE_EVERY_S = 600.0
 
 
 class Maintenance:
@@ -29,8 +34,12 @@ class Maintenance:
         interval_s: float,
         session_idle_ms: int,
         pools: dict[str, Database] | None = None,
+        audit_retention_days: int | None = None,
     ) -> None:
         self.store = RunnerStore(db)
+        self.audit = AuditStore(db)
+        self.audit_retention_days = audit_retention_days
+        self._audit_purged_at: float | None = None
         self.pools = pools or {"runner": db}
         self.registry = registry
         self.interval_s = interval_s
@@ -65,6 +74,24 @@ class Maintenance:
         await self.flag_tasks_without_runner()
         await self.observe()
         await self.store.tidy(self.session_idle_ms, EVENT_PAYLOAD_MAX_AGE_MS)
+        now = time.monotonic()
+        if self._audit_purged_at is None or now - self._audit_purged_at >= AUDIT_PURGE_EVERY_S:
+            self._audit_purged_at = now
+            await self.purge_audit()
+
+    async def purge_audit(self) -> int:
+        """Retention (issue 14, finding 7): audit events older than the retention go, but only those
+        ``mcp-tasks audit export`` has written out; each purge leaves a checkpoint and a ``purge`` event."""
+        if self.audit_retention_days is None:
+            return 0
+        before = datetime.now(UTC) - timedelta(days=self.audit_retention_days)
+        total = 0
+        for tenant_id in await self.audit.purgeable_tenants():
+            if removed := await self.audit.purge(tenant_id, before):
+                log.info("purged %d exported audit event(s) of a tenant older than %d days", removed,
+                         self.audit_retention_days)  # fmt: skip
+                total += removed
+        return total
 
     async def flag_tasks_without_runner(self) -> None:
         """Issue 13, point 3: a queued task whose tool no live runner has stays queued, says so in

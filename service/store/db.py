@@ -40,6 +40,11 @@ _UNAVAILABLE = (
 )
 
 
+# A lock wait that ran past lock_timeout (e.g. a tenant's create lock held elsewhere): the request
+# is retried, like an outage, rather than holding its batch (and every tenant in it) any longer.
+_LOCK_WAIT = asyncpg.LockNotAvailableError
+
+
 # Input PostgreSQL refuses to store (e.g. U+0000 in text or jsonb): the caller's fault, not ours.
 _UNSTORABLE = (asyncpg.CharacterNotInRepertoireError, asyncpg.UntranslatableCharacterError)
 
@@ -82,9 +87,13 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 class Database:
     """Owns the asyncpg pool; hands out transactions."""
 
-    def __init__(self, dsn: str, *, pool_size: int, role: str | None = None) -> None:
+    def __init__(
+        self, dsn: str, *, pool_size: int, role: str | None = None, settings: dict[str, str] | None = None
+    ) -> None:
         self.dsn = dsn
         self.role = role
+        # Session defaults of every pooled connection (startup parameters, e.g. lock_timeout).
+        self.settings = dict(settings or {})
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         # Metric label: the names the rest of the service uses for its two pools.
@@ -103,7 +112,11 @@ class Database:
                 command_timeout=60,
                 # The role is a startup parameter, so it is the session default and survives the
                 # pool's RESET ALL: every statement runs as this role, under its RLS policies.
-                server_settings={"application_name": "mcp-tasks", **({"role": self.role} if self.role else {})},
+                server_settings={
+                    "application_name": "mcp-tasks",
+                    **self.settings,
+                    **({"role": self.role} if self.role else {}),
+                },
             )
         except _UNAVAILABLE as exc:
             self._up.set(0)
@@ -157,6 +170,8 @@ class Database:
         except _UNAVAILABLE as exc:
             self._up.set(0)
             raise Unavailable(f"database unavailable: {exc}") from exc
+        except _LOCK_WAIT as exc:
+            raise Unavailable(f"a lock wait timed out: {exc}") from exc
         except _UNSTORABLE as exc:
             raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
 
@@ -192,6 +207,8 @@ class Database:
         except _UNAVAILABLE as exc:
             self._up.set(0)
             raise Unavailable(f"database unavailable: {exc}") from exc
+        except _LOCK_WAIT as exc:
+            raise Unavailable(f"a lock wait timed out: {exc}") from exc
         except _UNSTORABLE as exc:
             raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
 

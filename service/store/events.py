@@ -6,9 +6,12 @@ the form ``TaskCreated`` and ``TaskChanged`` define. Events are hints: every wai
 database and also polls on a timer, so a lost LISTEN connection slows things down but never loses
 a task.
 
-Nothing is trimmed: NOTIFY takes at most 8000 bytes, so an event whose payload is larger is
-stored in ``event_payloads`` and sent by reference (``{"v", "k", "tenant_id", "ref"}``); the
-receiving hub reads it back, under the tenant's row-level security, before dispatching it.
+Only ids travel over NOTIFY (issue 14, finding 3): an event that carries what a client or a tool
+said (progress and log text, a plain call's answer) is always stored in ``event_payloads`` and sent
+by reference (``{"v", "k", "tenant_id", "ref"}``), and so is any event larger than NOTIFY takes
+(8000 bytes). The receiving hub reads it back, under the tenant's row-level security, before
+dispatching it; such an event arriving inline, or a reference to no stored row of that tenant, is
+dropped. Every receiver of an id-only event re-reads the row it names before acting.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ MAX_FETCHES = 8
 @dataclass(frozen=True, slots=True)
 class Event:
     KIND: ClassVar[str] = ""
+    # Carries text from a client or a tool: never inline over NOTIFY, only by reference.
+    BY_REFERENCE: ClassVar[bool] = False
     tenant_id: str
 
     def topics(self) -> list[Topic]:
@@ -100,6 +105,7 @@ class InputAnswered(TaskEvent):
 @dataclass(frozen=True, slots=True)
 class TaskProgress(TaskEvent):
     KIND: ClassVar[str] = "progress"
+    BY_REFERENCE: ClassVar[bool] = True
     session_id: str | None
     token: str | int
     progress: float
@@ -113,6 +119,7 @@ class TaskProgress(TaskEvent):
 @dataclass(frozen=True, slots=True)
 class TaskLog(TaskEvent):
     KIND: ClassVar[str] = "log"
+    BY_REFERENCE: ClassVar[bool] = True
     session_id: str | None
     level: str
     data: Any
@@ -127,6 +134,7 @@ class PlainAnswer(Event):
     """A client's answer to a question of a plain (non-task) call, for whichever process runs it."""
 
     KIND: ClassVar[str] = "plain_answer"
+    BY_REFERENCE: ClassVar[bool] = True
     subject: str
     key: str
     response: dict[str, Any]
@@ -168,12 +176,13 @@ def encode(event: Event) -> bytes:
     return orjson.dumps(body)
 
 
-def decode(body: dict[str, Any]) -> Event | None:
-    """The event of a payload, or None for one this version does not know (a newer replica's)."""
+def decode(body: dict[str, Any], *, inline: bool = False) -> Event | None:
+    """The event of a payload, or None for one this version does not know (a newer replica's), or
+    for one that came ``inline`` over NOTIFY but is only ever sent by reference (a forgery)."""
     if body.get("v", VERSION) != VERSION:
         return None
     cls = _KINDS.get(str(body.get("k")))
-    if cls is None:
+    if cls is None or (inline and cls.BY_REFERENCE):
         return None
     names = {f.name for f in dataclasses.fields(cls)}
     fields = {k: v for k, v in body.items() if k in names}
@@ -190,7 +199,7 @@ def decode(body: dict[str, Any]) -> Event | None:
 async def notify(conn: asyncpg.Connection, event: Event) -> None:
     """Queue an event on this connection's transaction (sent at commit); large ones by reference."""
     raw = encode(event)
-    if len(raw) > MAX_INLINE:
+    if event.BY_REFERENCE or len(raw) > MAX_INLINE:
         ref = await conn.fetchval(Q["store_event_payload"], event.tenant_id, orjson.loads(raw))
         raw = orjson.dumps({"v": VERSION, "k": event.KIND, "tenant_id": event.tenant_id, "ref": ref})
     await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, raw.decode())
@@ -262,18 +271,24 @@ class EventHub:
             self._fetches.add(job)
             job.add_done_callback(self._fetches.discard)
             return
-        if (event := decode(body)) is not None:
+        if (event := decode(body, inline=True)) is not None:
             self.dispatch(event)
 
     async def _fetch(self, body: dict[str, Any]) -> None:
-        """An event sent by reference: read it back (as its tenant) and dispatch it."""
+        """An event sent by reference: read it back (as its tenant) and dispatch it. A reference to
+        no stored row of that tenant (forged, or already tidied away) is dropped."""
+        tenant_id = body.get("tenant_id")
+        if not isinstance(tenant_id, str):
+            return
         try:
-            async with self._fetch_slots, self._db.transaction(str(body.get("tenant_id"))) as conn:
+            async with self._fetch_slots, self._db.transaction(tenant_id) as conn:
                 stored = await conn.fetchval(Q["get_event_payload"], int(body["ref"]))
         except Exception as exc:  # a hint lost: waiters poll
             log.warning("could not read an event sent by reference: %s", exc)
             return
-        if isinstance(stored, dict) and (event := decode(stored)) is not None:
+        if not isinstance(stored, dict) or stored.get("tenant_id") != tenant_id:
+            return
+        if (event := decode(stored)) is not None and body.get("k") == event.KIND:
             self.dispatch(event)
 
     def dispatch(self, event: Event) -> None:

@@ -519,6 +519,21 @@ class AuditStore:
             rows = await conn.fetch(Q["audit_events"], tenant_id, since, after[0], after[1], limit)
         return [dict(r) for r in rows]
 
+    async def mark_exported(self, tenant_id: str, seq: int) -> None:
+        """Events up to ``seq`` of the tenant's chain are written out: retention may purge them."""
+        async with self.db.transaction() as conn:
+            await conn.execute(Q["mark_audit_exported"], tenant_id, seq)
+
+    async def purgeable_tenants(self) -> list[str]:
+        async with self.db.transaction() as conn:
+            return [r["tenant_id"] for r in await conn.fetch(Q["audit_purgeable_tenants"])]
+
+    async def purge(self, tenant_id: str, before: datetime) -> int:
+        """The tenant's exported events dated before ``before`` go (one transaction); how many."""
+        async with self.db.transaction() as conn:
+            removed: int = await conn.fetchval(Q["purge_audit"], tenant_id, before)
+        return removed
+
 
 async def service_key(db: Database, name: str) -> bytes:
     """A 32-byte secret shared by every replica, created by whichever starts first."""

@@ -53,13 +53,32 @@ class AuditLog:
         """Every break in the hash chains (all tenants unless one is named)."""
         return await self._audit.problems(tenant_id)
 
-    async def export(self, tenant_id: str | None, since: datetime | None) -> AsyncIterator[dict[str, Any]]:
-        """Events in chain order, as JSON-ready dicts, fetched a page at a time."""
+    async def export(
+        self, tenant_id: str | None, since: datetime | None, *, written: dict[str, int] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Events in chain order, as JSON-ready dicts, fetched a page at a time. ``written`` gets
+        each tenant's last seq handed out (for ``mark_exported`` once they are safely stored)."""
         after: tuple[str, int] = ("", 0)
         while True:
             rows = await self._audit.events(tenant_id, since, after, EXPORT_PAGE)
             for event in rows:
                 yield {**event, "at": event["at"].isoformat()}
+                if written is not None:
+                    written[event["tenant_id"]] = event["seq"]
             if len(rows) < EXPORT_PAGE:
                 return
             after = (rows[-1]["tenant_id"], rows[-1]["seq"])
+
+    async def mark_exported(self, written: dict[str, int]) -> None:
+        """Record how far each tenant's chain was written out from its first remaining row."""
+        for tenant_id, seq in sorted(written.items()):
+            await self._audit.mark_exported(tenant_id, seq)
+
+    async def purge(self, before: datetime, tenants: list[str] | None = None) -> dict[str, int]:
+        """Retention: every tenant's (or the named ones') exported events dated before ``before``
+        go; the chain keeps a checkpoint and records the purge. Rows removed per tenant."""
+        removed: dict[str, int] = {}
+        for tenant_id in tenants if tenants is not None else await self._audit.purgeable_tenants():
+            if n := await self._audit.purge(tenant_id, before):
+                removed[tenant_id] = n
+        return removed

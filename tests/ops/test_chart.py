@@ -26,6 +26,7 @@ SAMPLES: dict[str, Any] = {
     "oauth_audience": "https://tasks.example.com/mcp", "oauth_introspection_url": "https://id.example.com/introspect",
     "oauth_client_id": "mcp-tasks", "default_ttl_ms": 600_000, "max_ttl_ms": 3_600_000, "metrics_port": 9100,
     "runner_tenant_share": "50%",
+    "audit_retention_days": 400,
 }  # fmt: skip
 MINIMAL = values_of(CHART / "ci" / "minimal-values.yaml")
 WORKERS = values_of(CHART / "ci" / "workers-values.yaml")

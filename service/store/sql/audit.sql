@@ -14,12 +14,16 @@ LIMIT $5;
 
 -- name: audit_chain_problems
 -- Every way a chain can be broken: a changed row (hash), a removed or reordered row (seq gap,
--- prev_hash not the previous row's hash), or a removed tail (the head is ahead of the last row).
+-- prev_hash not the previous row's hash), a removed tail (the head is ahead of the last row), or a
+-- row dated before the one it follows. After a purge the first remaining row links to the
+-- checkpoint the head keeps (purged_seq, purged_hash).
 WITH chain AS (
-    SELECT e.tenant_id, e.seq, e.hash, e.prev_hash,
+    SELECT e.tenant_id, e.seq, e.hash, e.prev_hash, e.at,
            sha256(e.prev_hash || convert_to(audit_canonical(e), 'UTF8')) AS expected,
-           lag(e.seq) OVER w AS prev_seq, lag(e.hash) OVER w AS prev_row_hash
-    FROM audit_events e
+           coalesce(lag(e.seq) OVER w, h.purged_seq, 0) AS prev_seq,
+           coalesce(lag(e.hash) OVER w, h.purged_hash, decode(repeat('00', 32), 'hex')) AS prev_row_hash,
+           lag(e.at) OVER w AS prev_at
+    FROM audit_events e LEFT JOIN audit_heads h ON h.tenant_id = e.tenant_id
     WHERE $1::text IS NULL OR e.tenant_id = $1
     WINDOW w AS (PARTITION BY e.tenant_id ORDER BY e.seq)
 )
@@ -27,15 +31,18 @@ SELECT tenant_id, seq, 'row changed: its hash does not match its content' AS pro
 FROM chain WHERE hash <> expected
 UNION ALL
 SELECT tenant_id, seq, 'row missing before this one (sequence gap)'
-FROM chain WHERE seq <> coalesce(prev_seq, 0) + 1
+FROM chain WHERE seq <> prev_seq + 1
 UNION ALL
 SELECT tenant_id, seq, 'chain broken: prev_hash is not the previous row''s hash'
-FROM chain WHERE prev_hash <> coalesce(prev_row_hash, decode(repeat('00', 32), 'hex'))
+FROM chain WHERE prev_hash <> prev_row_hash
+UNION ALL
+SELECT tenant_id, seq, 'time goes back: dated before the previous row'
+FROM chain WHERE at < prev_at
 UNION ALL
 SELECT h.tenant_id, h.seq, 'rows missing at the end (the head is ahead of the last row)'
 FROM audit_heads h
 WHERE ($1::text IS NULL OR h.tenant_id = $1)
-  AND h.seq > coalesce((SELECT max(seq) FROM audit_events e WHERE e.tenant_id = h.tenant_id), 0)
+  AND h.seq > coalesce((SELECT max(seq) FROM audit_events e WHERE e.tenant_id = h.tenant_id), h.purged_seq)
 UNION ALL
 SELECT e.tenant_id, e.seq, 'row beyond the chain head (appended outside audit_append)'
 FROM audit_events e JOIN audit_heads h ON h.tenant_id = e.tenant_id
@@ -45,3 +52,15 @@ SELECT h.tenant_id, h.seq, 'chain head does not match the last row''s hash'
 FROM audit_heads h JOIN audit_events e ON e.tenant_id = h.tenant_id AND e.seq = h.seq
 WHERE ($1::text IS NULL OR h.tenant_id = $1) AND e.hash <> h.hash
 ORDER BY 1, 2;
+
+-- name: mark_audit_exported
+-- `mcp-tasks audit export` wrote a tenant's chain from its first remaining row up to seq $2.
+SELECT audit_mark_exported($1, $2);
+
+-- name: audit_purgeable_tenants
+-- Tenants with exported events not purged yet (retention), in the order heads are locked everywhere.
+SELECT tenant_id FROM audit_heads WHERE exported_seq > purged_seq ORDER BY tenant_id COLLATE "C";
+
+-- name: purge_audit
+-- Retention: the tenant's exported events older than $2 go; returns how many (audit_purge, migration 0003).
+SELECT audit_purge($1, $2);

@@ -1,0 +1,57 @@
+"""Fixtures for the attacks of issue 14: a database migrated the way production is (so its
+database-level grants hold, which a copy of the test template would not keep), a login user set up
+as docs/operations.md says (a member of the service's roles, nothing else), and a stranger: a
+login role with no grants at all."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from service.store import migrate
+from service.store.db import APP_ROLE, RUNNER_ROLE
+from tests.conftest import _with_db
+
+
+def as_user(url: str, user: str) -> str:
+    """``url`` for another login role, without a password (the test server trusts loopback)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
+@dataclass(frozen=True)
+class ClosedDatabase:
+    admin_url: str  # the migration user (a superuser here): the schema's owner
+    service_url: str  # the service's login user: a member of mcp_tasks_app and mcp_tasks_runner
+    stranger_url: str  # a login role with no grants
+
+    async def connect_as(self, role: str | None) -> asyncpg.Connection:
+        """A connection of the service's login user acting as ``role``, as the service's pools do."""
+        return await asyncpg.connect(self.service_url, server_settings={"role": role} if role else {})
+
+
+@pytest.fixture(scope="module")
+async def closed_db(admin_dsn: str) -> AsyncIterator[ClosedDatabase]:
+    tag = secrets.token_hex(4)
+    name, service, stranger = f"mcp_tasks_sec_{tag}", f"mcp_tasks_svc_{tag}", f"mcp_tasks_stranger_{tag}"
+    admin = await asyncpg.connect(admin_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        await admin.execute(f"CREATE ROLE {service} LOGIN")
+        await admin.execute(f"CREATE ROLE {stranger} LOGIN")
+        url = _with_db(admin_dsn, name)
+        await asyncio.to_thread(migrate.upgrade, url)
+        await admin.execute(f"GRANT {APP_ROLE}, {RUNNER_ROLE} TO {service}")
+        yield ClosedDatabase(url, as_user(url, service), as_user(url, stranger))
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for role in (service, stranger):
+            await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
