@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     http_keepalive_timeout_s: int = Field(default=5, ge=1, le=3_600)
     max_connections: int = Field(default=1_024, ge=1, le=1_000_000)
     max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
+    # Bounds on what a client makes the service store or hold (issue 14 §4, §7).
+    max_sessions_per_principal: int = Field(default=64, ge=1, le=100_000)
+    max_client_capabilities_bytes: int = Field(default=16_384, ge=256, le=1_048_576)
+    max_client_info_bytes: int = Field(default=4_096, ge=256, le=1_048_576)
+    max_get_streams_per_session: int = Field(default=4, ge=1, le=10_000)
+    max_get_streams_per_principal: int = Field(default=32, ge=1, le=100_000)
     lease_ms: int = Field(default=30_000, ge=1_000)
     sweep_interval_ms: int = Field(default=5_000, ge=100)
     session_idle_ms: int = Field(default=86_400_000, ge=60_000)

@@ -17,12 +17,12 @@ from typing import Any
 
 import httptools
 import uvicorn
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from service.config import Settings
 from service.mcp.http import send_json
-from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("service.http")
 
@@ -129,7 +129,9 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             self._disarm_header_timer()
             path = httptools.parse_url(self.url).path.decode("ascii", "replace")
             if len(self.tasks) >= max_requests and path not in UNCAPPED_PATHS:
-                log.warning("refused a request: %d requests in progress (MCP_TASKS_MAX_CONCURRENT_REQUESTS)", max_requests)
+                log.warning(
+                    "refused a request: %d requests in progress (MCP_TASKS_MAX_CONCURRENT_REQUESTS)", max_requests
+                )
                 real, self.app = self.app, busy
                 try:
                     super().on_headers_complete()

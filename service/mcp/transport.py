@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -54,6 +56,39 @@ class _RpcRefusal(Exception):
         self.error: dict[str, Any] = {"code": code, "message": message}
         if data is not None:
             self.error["data"] = data
+
+
+class StreamCounts:
+    """Open GET streams per session and per principal in this process (issue 14 §7: only the rate
+    limit stopped a client holding 1,198 streams on one session)."""
+
+    def __init__(self, per_session: int, per_principal: int) -> None:
+        self.per_session = per_session
+        self.per_principal = per_principal
+        self.sessions: dict[tuple[str, str], int] = {}
+        self.principals: dict[tuple[str, str], int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, session: tuple[str, str], principal: tuple[str, str]) -> Iterator[None]:
+        if self.sessions.get(session, 0) >= self.per_session:
+            # As the official SDKs answer a second GET stream on a session (H-MULTI-1 is a MAY).
+            raise HttpError(
+                409, INVALID_REQUEST, f"Conflict: this session already has {self.per_session} open GET stream(s)"
+            )
+        if self.principals.get(principal, 0) >= self.per_principal:
+            raise HttpError(
+                429, RATE_LIMITED, f"too many open GET streams for this principal (at most {self.per_principal})",
+                {"Retry-After": "5"},
+            )  # fmt: skip
+        for counts, key in ((self.sessions, session), (self.principals, principal)):
+            counts[key] = counts.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            for counts, key in ((self.sessions, session), (self.principals, principal)):
+                counts[key] -= 1
+                if counts[key] == 0:
+                    del counts[key]
 
 
 def _throttled(limited: RateLimited, extra: dict[str, str] | None = None) -> HttpError:
@@ -140,6 +175,7 @@ class McpEndpoint:
         self._public_host = (public.hostname or "").lower()
         self._public_origin = f"{public.scheme}://{public.netloc}".lower()
         self._keepalive_s = settings.sse_keepalive_ms / 1000
+        self._get_streams = StreamCounts(settings.max_get_streams_per_session, settings.max_get_streams_per_principal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -427,7 +463,11 @@ class McpEndpoint:
                 version = self.surface.negotiate(params)
                 wire["wire"] = version
                 caps = params.get("capabilities") or {}
+                if not isinstance(caps, dict):
+                    raise RpcFailure(INVALID_PARAMS, "capabilities must be an object")
                 info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None
+                jsonrpc.check_client_data("capabilities", caps, self.settings.max_client_capabilities_bytes)
+                jsonrpc.check_client_data("clientInfo", info, self.settings.max_client_info_bytes)
                 session = await self.sessions.open(caller.principal, version, caps, info)
                 extra["Mcp-Session-Id"] = session.session_id
                 reply: Any = self.surface.initialize_result(version)
@@ -511,15 +551,17 @@ class McpEndpoint:
             raise HttpError(406, INVALID_REQUEST, "Not Acceptable: GET needs Accept: text/event-stream")
         session = await self._session(headers, caller.principal)
         call = Call(caller, session, "", {})
-        # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
-        async with self.tasks.session_events(caller.principal, session.session_id) as events:
+        p = caller.principal
+        with self._get_streams.hold((p.tenant_id, session.session_id), (p.tenant_id, p.subject)):
+            # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
+            async with self.tasks.session_events(caller.principal, session.session_id) as events:
 
-            async def messages() -> Any:
-                async for event in events:
-                    if (message := Surface.follow_message(call, event)) is not None:
-                        yield message
+                async def messages() -> Any:
+                    async for event in events:
+                        if (message := Surface.follow_message(call, event)) is not None:
+                            yield message
 
-            await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
+                await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
 
     async def _delete(self, send: Send, headers: Headers, principal: Principal) -> None:
         """H-SESS-6: end the session; its tasks live on, bound to the principal."""

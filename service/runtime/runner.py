@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -276,6 +277,9 @@ class Runner:
         key = (task.tenant_id, task.task_id)
         started = time.perf_counter()
         try:
+            if job is None and task.session_id is not None and not task.client_capabilities:
+                caps = await self.store.session_capabilities(task.tenant_id, task.session_id)
+                task = dataclasses.replace(task, client_capabilities=caps)
             if job is None:
                 outcome = await run_tool(
                     self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task))

@@ -162,7 +162,9 @@ class TaskService:
             arguments=valid,
             surface=surface.value,
             session_id=session_id,
-            client_capabilities=client_capabilities,
+            # A session's capabilities are stored once, with the session, not copied into each of
+            # its tasks (issue 14 §4); the runner reads them there when the task starts.
+            client_capabilities={} if session_id is not None else client_capabilities,
             progress_token=progress_token,
             ttl_ms=granted,
             poll_interval_ms=p.poll_interval_ms,
