@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     max_client_info_bytes: int = Field(default=4_096, ge=256, le=1_048_576)
     max_get_streams_per_session: int = Field(default=4, ge=1, le=10_000)
     max_get_streams_per_principal: int = Field(default=32, ge=1, le=100_000)
+    # 2025-11-25: a plain call whose client disconnected is cancelled after this (docs/decisions.md).
+    plain_call_disconnect_grace_s: float = Field(default=30.0, ge=0, le=3_600)
     lease_ms: int = Field(default=30_000, ge=1_000)
     sweep_interval_ms: int = Field(default=5_000, ge=100)
     session_idle_ms: int = Field(default=86_400_000, ge=60_000)

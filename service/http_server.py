@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from typing import Any
 
 import httptools
@@ -27,7 +28,15 @@ from service.mcp.http import send_json
 log = logging.getLogger("service.http")
 
 # Paths no request cap refuses: the liveness probe must not fail because the service is busy.
-UNCAPPED_PATHS = frozenset({"/healthz"})
+UNCAPPED_PATHS = frozenset({b"/healthz"})
+
+
+def _warn_now_and_then(what: str, last: dict[str, float] = {}) -> None:  # noqa: B006 - the shared memory is the point
+    """A refusal is logged at most every 10 s per kind: a flood must not flood the logs too."""
+    now = time.monotonic()
+    if now - last.get(what, -1e9) >= 10:
+        last[what] = now
+        log.warning("refusing %s (logged at most every 10 s)", what)
 
 
 class HeadersTooLarge(Exception):
@@ -66,6 +75,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections:
                 # Refused before it is counted: existing connections keep their requests going.
+                _warn_now_and_then(f"connections beyond MCP_TASKS_MAX_CONNECTIONS ({max_connections})")
                 self._refused = True
                 self.transport = transport
                 transport.write(_plain_response("503 Service Unavailable", "too many connections", busy_headers))
@@ -127,11 +137,8 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             self._in_headers = False
             self._phase_bytes = 0
             self._disarm_header_timer()
-            path = httptools.parse_url(self.url).path.decode("ascii", "replace")
-            if len(self.tasks) >= max_requests and path not in UNCAPPED_PATHS:
-                log.warning(
-                    "refused a request: %d requests in progress (MCP_TASKS_MAX_CONCURRENT_REQUESTS)", max_requests
-                )
+            if len(self.tasks) >= max_requests and httptools.parse_url(self.url).path not in UNCAPPED_PATHS:
+                _warn_now_and_then(f"requests beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS ({max_requests})")
                 real, self.app = self.app, busy
                 try:
                     super().on_headers_complete()

@@ -9,7 +9,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -30,6 +30,7 @@ from service.mcp.errors import to_rpc
 from service.mcp.http import HttpError, send_json
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
 from service.mcp.modern import ModernSurface
+from service.mcp.plain import CallKey
 from service.mcp.sse import send_sse
 from service.mcp.surface import SUPPORTED_VERSIONS, Call, Streamed, Surface
 from service.observability import logging as logctx
@@ -89,6 +90,14 @@ class StreamCounts:
                 counts[key] -= 1
                 if counts[key] == 0:
                     del counts[key]
+
+
+_GONE: Final = object()  # a request whose client went away before its answer
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _throttled(limited: RateLimited, extra: dict[str, str] | None = None) -> HttpError:
@@ -175,6 +184,7 @@ class McpEndpoint:
         self._public_host = (public.hostname or "").lower()
         self._public_origin = f"{public.scheme}://{public.netloc}".lower()
         self._keepalive_s = settings.sse_keepalive_ms / 1000
+        self._disconnect_grace_s = settings.plain_call_disconnect_grace_s
         self._get_streams = StreamCounts(settings.max_get_streams_per_session, settings.max_get_streams_per_principal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -450,6 +460,7 @@ class McpEndpoint:
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
+        plain_key = None  # a tools/call: how to stop its plain call, should its client go away
         params = message.get("params", {})
         if params is None:
             params = {}
@@ -474,7 +485,14 @@ class McpEndpoint:
             else:
                 session = await self._session(headers, caller.principal)
                 wire["wire"] = metrics.wire(session.protocol_version)
-                reply = await self.surface.dispatch(method, Call(caller, session, request_id, params))
+                call = Call(caller, session, request_id, params)
+                if method == "tools/call":
+                    plain_key = call.cancel_key
+                    reply = await self._unless_gone(receive, self.surface.dispatch(method, call), plain_key)
+                    if reply is _GONE:
+                        return "disconnected", None
+                else:
+                    reply = await self.surface.dispatch(method, call)
         except RpcFailure as failure:
             await send_json(
                 send,
@@ -503,9 +521,29 @@ class McpEndpoint:
             finally:
                 if reply.cancel_key is not None and self.surface.inflight.calls.get(reply.cancel_key) == abort.set:
                     del self.surface.inflight.calls[reply.cancel_key]
+                if plain_key is not None:  # the stream ended with the call still running: its client left
+                    self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
         else:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
         return "ok", None
+
+    async def _unless_gone(self, receive: Receive, work: Coroutine[Any, Any, Any], plain_key: CallKey) -> Any:
+        """``work``'s reply, or _GONE if the client disconnected first. 2025-11-25 does not treat
+        a disconnect as a cancellation, but a plain call nobody waits for is stopped after
+        MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S (issue 14 §7, docs/decisions.md)."""
+        running = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if running.done():
+            return running.result()
+        running.cancel()  # the handler only waits to choose JSON or SSE; the call runs in a task of its own
+        with contextlib.suppress(BaseException):
+            await running
+        self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
+        return _GONE
 
     async def _notification(self, send: Send, headers: Headers, caller: Caller, method: str, params: Any) -> None:
         """H-POST-2: accepted notifications get 202 and no body."""

@@ -142,6 +142,12 @@ class TaskStore:
                 metrics.task_created(task.tool, task.tenant_id)
         return tasks
 
+    async def active_for(self, principal: Principal) -> int:
+        """The requestor's active tasks, from the counters (a plain call's cap check)."""
+        async with self.db.transaction(principal.tenant_id) as conn:
+            row = await conn.fetchrow(Q["count_active"], principal.tenant_id, principal.subject)
+        return int(row["requestor"])
+
     async def refuse_create(
         self, caller: Caller, tool: str, decide: Callable[[int, int], tuple[str, int, int]]
     ) -> tuple[str, int, int]:

@@ -26,16 +26,18 @@ async def _initialize(http: httpx.AsyncClient, url: str, params: dict[str, Any])
 async def test_sessions_beyond_the_cap_end_the_least_recently_used(database_url: str) -> None:
     """Issue 14 §4 (sessions per principal were uncapped): with MCP_TASKS_MAX_SESSIONS_PER_PRINCIPAL
     at 5, eight initializes leave five sessions; the oldest three answer 404 (H-SESS-5: start anew)."""
-    async with serve(make_settings(database_url, max_sessions_per_principal=5)) as server:
-        async with httpx.AsyncClient(timeout=10) as http:
-            sessions = []
-            for _ in range(8):
-                rpc = RpcSession(http, server.url)
-                await rpc.initialize()
-                sessions.append(rpc)
-            for i, rpc in enumerate(sessions):
-                r = await http.post(server.url, json=rpc.message("ping"), headers=rpc.headers())
-                assert r.status_code == (404 if i < 3 else 200), (i, r.text)
+    async with (
+        serve(make_settings(database_url, max_sessions_per_principal=5)) as server,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        sessions = []
+        for _ in range(8):
+            rpc = RpcSession(http, server.url)
+            await rpc.initialize()
+            sessions.append(rpc)
+        for i, rpc in enumerate(sessions):
+            r = await http.post(server.url, json=rpc.message("ping"), headers=rpc.headers())
+            assert r.status_code == (404 if i < 3 else 200), (i, r.text)
         conn = await asyncpg.connect(database_url)
         try:
             assert await conn.fetchval("SELECT count(*) FROM sessions") == 5
