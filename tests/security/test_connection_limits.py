@@ -12,6 +12,7 @@ import httpx
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
 from tests.security.conftest import raw_socket, read_until_closed, status_of
+from tests.test_durability import mcp_tasks
 
 PING = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
 
@@ -129,3 +130,24 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_time
             response = await read_until_closed(reader, timeout_s=5)
         assert status_of(response) == 200
         assert 0.8 < time.monotonic() - started < 3
+
+
+async def test_mcp_tasks_serve_itself_enforces_the_connection_limits(database_url: str) -> None:
+    """Issue 14 §1 against the real `mcp-tasks serve` process (its own uvicorn configuration):
+    an oversized header gets 431, sockets beyond MCP_TASKS_MAX_CONNECTIONS get 503 at once, idle
+    ones 408 at the header timeout, and then the server serves again."""
+    env = {"MCP_TASKS_HTTP_HEADER_TIMEOUT_S": "1", "MCP_TASKS_MAX_CONNECTIONS": "20",
+           "MCP_TASKS_HTTP_MAX_HEADER_BYTES": "4096"}  # fmt: skip
+    async with mcp_tasks("serve", database_url, **env) as (_, url):
+        async with raw_socket(url) as (reader, writer):
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 10_000)
+            await writer.drain()
+            assert status_of(await read_until_closed(reader, timeout_s=5)) == 431
+        async with contextlib.AsyncExitStack() as flood:
+            sockets = [await flood.enter_async_context(raw_socket(url)) for _ in range(25)]
+            refused = await asyncio.gather(*(read_until_closed(r, timeout_s=1) for r, _ in sockets[20:]))
+            assert [status_of(r) for r in refused] == [503] * 5
+            timed_out = await asyncio.gather(*(read_until_closed(r, timeout_s=5) for r, _ in sockets[:20]))
+            assert [status_of(r) for r in timed_out] == [408] * 20
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(url.replace("/mcp", "/healthz"))).status_code == 200
