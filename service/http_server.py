@@ -164,7 +164,10 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
         def _header_timeout(self) -> None:
             self._header_timer = None
             if self._in_headers and not self.transport.is_closing():
-                self.transport.write(_plain_response("408 Request Timeout", "request headers not received in time"))
+                # A request begun gets its 408; a connection that sent nothing is only closed: a
+                # client about to send on it could take an unasked-for 408 as its answer.
+                if self._phase_bytes:
+                    self.transport.write(_plain_response("408 Request Timeout", "request headers not received in time"))
                 self.transport.close()
 
     return LimitedHttpProtocol
