@@ -1,7 +1,7 @@
 """Bounds on stored client data (issue 14 #4).
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0006
+Revises: 0005
 
 - ``sessions_owner_recent``: the session cap (MCP_TASKS_MAX_SESSIONS_PER_PRINCIPAL) finds a
   principal's least recently used sessions by index.
@@ -11,8 +11,8 @@ Revises: 0002
 
 from service.store.sqlscript import run_script
 
-revision = "0003"
-down_revision = "0002"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
