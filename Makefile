@@ -6,7 +6,7 @@ SHELL := /bin/bash
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test schema-check lint format interop bench bench-smoke ops-check lock lock-check dashboards clean
+.PHONY: help run test security schema-check lint format interop bench bench-smoke ops-check lock lock-check dashboards clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml
 run: $(STAMP) ## run the service (embedded PostgreSQL unless MCP_TASKS_DATABASE_URL is set)
 	$(BIN)/mcp-tasks serve
 
+# tests/security runs once, under `make security` (CI calls both); a bare `pytest` runs everything.
 test: $(STAMP) ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
-	$(BIN)/pytest
+	$(BIN)/pytest --ignore=tests/security
+
+security: $(STAMP) ## the attack tests of SECURITY.md (tests/security: loopback only, seconds each)
+	$(BIN)/pytest tests/security -q
 
 schema-check: $(STAMP) ## alembic/schema.sql against the migrations, and the migration tests (CONTRIBUTING.md)
 	$(BIN)/pytest tests/test_schema_truth.py tests/test_migrations.py

@@ -281,6 +281,8 @@ CREATE TABLE sessions (
         ('debug', 'info', 'notice', 'warning', 'error', 'critical', 'alert', 'emergency'))
 );
 CREATE INDEX sessions_idle ON sessions (last_seen_at);
+-- The session cap keeps each principal's most recently used sessions (issue 14 #4).
+CREATE INDEX sessions_owner_recent ON sessions (tenant_id, subject, last_seen_at DESC);
 
 GRANT SELECT, INSERT, UPDATE, DELETE ON sessions TO mcp_tasks_app, mcp_tasks_runner;
 ALTER TABLE sessions ENABLE ROW LEVEL SECURITY;
@@ -650,7 +652,15 @@ BEGIN
                 RETURNING * INTO t;
             END IF;
         ELSIF it.k IN ('retrieve', 'get') THEN
-            SELECT * INTO t FROM tasks
+            -- Only what a lookup answers with: not the arguments nor the client's capabilities,
+            -- which every poll of a running task would otherwise read and send (issue 14 #4).
+            SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token,
+                   status, status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at,
+                   last_updated_at, attempts
+            INTO t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface, t.tool,
+                 t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
+                 t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts
+            FROM tasks
             WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND subject = it.subject
               AND expires_at > clock_timestamp();
         ELSE

@@ -60,6 +60,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     from service.app import begin_shutdown, create_app
     from service.core import check_schema
+    from service.http_server import raise_open_files_limit, server_config
 
     settings = _settings()
     try:
@@ -77,19 +78,17 @@ def _serve(args: argparse.Namespace) -> None:
             begin_shutdown(app)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(
+    raise_open_files_limit(settings)
+    config = server_config(
         app,
+        settings,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        # Only a trusted proxy's X-Forwarded-For may name the client (rate limits, audit rows).
-        proxy_headers=bool(settings.forwarded_allow_ips),
-        forwarded_allow_ips=settings.forwarded_allow_ips or None,
         access_log=False,  # it would log query strings; /mcp writes its own request line
         log_config=None,  # keep our structured handler
         # Open streams (tasks/result) get the same grace as running tasks; both end by its deadline.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
-        ws="none",
     )
     Server(config).run()
 

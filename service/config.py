@@ -90,6 +90,21 @@ class Settings(BaseSettings):
     # are handed back (the chart's 60 s termination period = 5 s preStop + this + a margin).
     shutdown_grace_s: float = Field(default=45.0, ge=0, le=3_600)
     max_body_bytes: int = Field(default=1_048_576, ge=1_024)
+    # The HTTP server's own limits (issue 14 §1, SECURITY.md "Connection limits"); a fronting
+    # proxy is still expected to limit connections per client address.
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    http_max_header_bytes: int = Field(default=65_536, ge=1_024, le=16_777_216)
+    http_keepalive_timeout_s: int = Field(default=5, ge=1, le=3_600)
+    max_connections: int = Field(default=1_024, ge=1, le=1_000_000)
+    max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
+    # Bounds on what a client makes the service store or hold (issue 14 §4, §7).
+    max_sessions_per_principal: int = Field(default=64, ge=1, le=100_000)
+    max_client_capabilities_bytes: int = Field(default=16_384, ge=256, le=1_048_576)
+    max_client_info_bytes: int = Field(default=4_096, ge=256, le=1_048_576)
+    max_get_streams_per_session: int = Field(default=4, ge=1, le=10_000)
+    max_get_streams_per_principal: int = Field(default=32, ge=1, le=100_000)
+    # 2025-11-25: a plain call whose client disconnected is cancelled after this (docs/decisions.md).
+    plain_call_disconnect_grace_s: float = Field(default=30.0, ge=0, le=3_600)
     lease_ms: int = Field(default=30_000, ge=1_000)
     sweep_interval_ms: int = Field(default=5_000, ge=100)
     session_idle_ms: int = Field(default=86_400_000, ge=60_000)

@@ -153,7 +153,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         hub,
         registry,
         tasks,
-        SessionService(db, hub),
+        SessionService(db, hub, max_per_principal=settings.max_sessions_per_principal),
         Signals(hub),
         runner,
         maintenance,

@@ -21,6 +21,7 @@ import uvicorn
 
 from service.app import create_app
 from service.config import Settings
+from service.http_server import server_config
 from service.store import migrate
 from tests.issuer import LocalIssuer
 
@@ -178,15 +179,8 @@ async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
     port = sock.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        lifespan="on",
-        log_level="warning",
-        ws="none",
-        timeout_graceful_shutdown=2,
-        proxy_headers=bool(settings.forwarded_allow_ips),  # as `mcp-tasks serve` configures it
-        forwarded_allow_ips=settings.forwarded_allow_ips or None,
-    )
+    # As `mcp-tasks serve` configures it (service/http_server.py), with the tests' logging.
+    config = server_config(app, settings, lifespan="on", log_level="warning", timeout_graceful_shutdown=2)
     server = PromptServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.app import create_app
+from service.http_server import server_config
 from tests.conftest import free_port, make_settings
 from tests.rpc import ACCEPT_BOTH
 
@@ -89,8 +90,9 @@ bodies = (
 def threaded_server(database_url: str) -> Iterator[str]:
     """The app on uvicorn in a thread of its own, so hypothesis can drive it synchronously."""
     port = free_port()
-    app = create_app(make_settings(database_url, port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="none"))
+    settings = make_settings(database_url, port=port)
+    app = create_app(settings)
+    server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

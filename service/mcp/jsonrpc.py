@@ -65,6 +65,21 @@ def dumps(message: Any) -> bytes:
     return orjson.dumps(message)
 
 
+def check_client_data(what: str, value: Any, limit: int) -> None:
+    """Issue 14 §4: what the client declares about itself is kept (capabilities, clientInfo), so
+    its size is bounded; over the limit is a -32602 naming the limit."""
+    if value is None:
+        return
+    try:
+        size = len(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):  # pragma: no cover - parsed JSON always encodes
+        size = limit + 1
+    if size > limit:
+        raise RpcFailure(
+            INVALID_PARAMS, f"{what} is {size} bytes encoded, more than this server keeps ({limit})", {"limit": limit}
+        )
+
+
 def valid_id(value: Any) -> bool:
     """H-GEN-4: a string or an integer (not a bool, not null)."""
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))

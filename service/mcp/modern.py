@@ -218,6 +218,14 @@ class ModernSurface:
         capabilities = meta.get(ext.META_CAPABILITIES)
         if not isinstance(capabilities, dict):
             raise _fail(INVALID_PARAMS, f"_meta[{ext.META_CAPABILITIES!r}] must be an object", status=400)
+        try:
+            jsonrpc.check_client_data(ext.META_CAPABILITIES, capabilities, self.settings.max_client_capabilities_bytes)
+            jsonrpc.check_client_data(
+                ext.META_CLIENT_INFO, meta.get(ext.META_CLIENT_INFO), self.settings.max_client_info_bytes
+            )
+        except RpcFailure as too_big:
+            too_big.http_status = 400  # as every other malformed _meta
+            raise
         extensions = capabilities.get("extensions")
         if extensions is not None and not isinstance(extensions, dict):
             raise _fail(INVALID_PARAMS, "clientCapabilities.extensions must be an object", status=400)

@@ -49,6 +49,18 @@ class Inflight:
         stop()
         return True
 
+    def abandon(self, key: CallKey, grace_s: float) -> None:
+        """The client of this plain call went away: stop it after ``grace_s`` unless it ended."""
+        stop = self.calls.get(key)
+        if stop is None:
+            return
+
+        def expire() -> None:
+            if self.calls.get(key) is stop:  # the same call, still running
+                stop()
+
+        asyncio.get_running_loop().call_later(grace_s, expire)
+
     async def answer(self, tenant: str, subject: str, key: str, response: InputResponse) -> None:
         if not self.resolve_local((tenant, subject, key), response):
             await self.signals.answer(tenant, subject, key, response)

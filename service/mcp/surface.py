@@ -256,7 +256,12 @@ class Surface:
             progress_token=token,
             client_capabilities=caps,
         )
+        try:
+            release = await self.tasks.hold_plain_slot(call.caller, name)  # issue 14 §7
+        except DomainError as exc:
+            raise to_rpc(exc) from None
         job = asyncio.create_task(run_tool(self.registry, name, arguments, ctx))
+        job.add_done_callback(lambda _j: release())
         key = call.cancel_key
         self.inflight.calls[key] = job.cancel
         job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))

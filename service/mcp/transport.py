@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import secrets
 import time
+from collections.abc import Coroutine, Iterator
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -28,6 +30,7 @@ from service.mcp.errors import to_rpc
 from service.mcp.http import HttpError, send_json
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
 from service.mcp.modern import ModernSurface
+from service.mcp.plain import CallKey
 from service.mcp.sse import send_sse
 from service.mcp.surface import SUPPORTED_VERSIONS, Call, Streamed, Surface
 from service.observability import logging as logctx
@@ -54,6 +57,47 @@ class _RpcRefusal(Exception):
         self.error: dict[str, Any] = {"code": code, "message": message}
         if data is not None:
             self.error["data"] = data
+
+
+class StreamCounts:
+    """Open GET streams per session and per principal in this process (issue 14 §7: only the rate
+    limit stopped a client holding 1,198 streams on one session)."""
+
+    def __init__(self, per_session: int, per_principal: int) -> None:
+        self.per_session = per_session
+        self.per_principal = per_principal
+        self.sessions: dict[tuple[str, str], int] = {}
+        self.principals: dict[tuple[str, str], int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, session: tuple[str, str], principal: tuple[str, str]) -> Iterator[None]:
+        if self.sessions.get(session, 0) >= self.per_session:
+            # As the official SDKs answer a second GET stream on a session (H-MULTI-1 is a MAY).
+            raise HttpError(
+                409, INVALID_REQUEST, f"Conflict: this session already has {self.per_session} open GET stream(s)"
+            )
+        if self.principals.get(principal, 0) >= self.per_principal:
+            raise HttpError(
+                429, RATE_LIMITED, f"too many open GET streams for this principal (at most {self.per_principal})",
+                {"Retry-After": "5"},
+            )  # fmt: skip
+        for counts, key in ((self.sessions, session), (self.principals, principal)):
+            counts[key] = counts.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            for counts, key in ((self.sessions, session), (self.principals, principal)):
+                counts[key] -= 1
+                if counts[key] == 0:
+                    del counts[key]
+
+
+_GONE: Final = object()  # a request whose client went away before its answer
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _throttled(limited: RateLimited, headers: Headers, extra: dict[str, str] | None = None) -> HttpError:
@@ -142,6 +186,8 @@ class McpEndpoint:
         self._public_host = (public.hostname or "").lower()
         self._public_origin = f"{public.scheme}://{public.netloc}".lower()
         self._keepalive_s = settings.sse_keepalive_ms / 1000
+        self._disconnect_grace_s = settings.plain_call_disconnect_grace_s
+        self._get_streams = StreamCounts(settings.max_get_streams_per_session, settings.max_get_streams_per_principal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -418,6 +464,7 @@ class McpEndpoint:
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
+        plain_key = None  # a tools/call: how to stop its plain call, should its client go away
         params = message.get("params", {})
         if params is None:
             params = {}
@@ -431,14 +478,25 @@ class McpEndpoint:
                 version = self.surface.negotiate(params)
                 wire["wire"] = version
                 caps = params.get("capabilities") or {}
+                if not isinstance(caps, dict):
+                    raise RpcFailure(INVALID_PARAMS, "capabilities must be an object")
                 info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else None
+                jsonrpc.check_client_data("capabilities", caps, self.settings.max_client_capabilities_bytes)
+                jsonrpc.check_client_data("clientInfo", info, self.settings.max_client_info_bytes)
                 session = await self.sessions.open(caller.principal, version, caps, info)
                 extra["Mcp-Session-Id"] = session.session_id
                 reply: Any = self.surface.initialize_result(version)
             else:
                 session = await self._session(headers, caller.principal)
                 wire["wire"] = metrics.wire(session.protocol_version)
-                reply = await self.surface.dispatch(method, Call(caller, session, request_id, params))
+                call = Call(caller, session, request_id, params)
+                if method == "tools/call":
+                    plain_key = call.cancel_key
+                    reply = await self._unless_gone(receive, self.surface.dispatch(method, call), plain_key)
+                    if reply is _GONE:
+                        return "disconnected", None
+                else:
+                    reply = await self.surface.dispatch(method, call)
         except RpcFailure as failure:
             await send_json(
                 send,
@@ -467,9 +525,29 @@ class McpEndpoint:
             finally:
                 if reply.cancel_key is not None and self.surface.inflight.calls.get(reply.cancel_key) == abort.set:
                     del self.surface.inflight.calls[reply.cancel_key]
+                if plain_key is not None:  # the stream ended with the call still running: its client left
+                    self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
         else:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
         return "ok", None
+
+    async def _unless_gone(self, receive: Receive, work: Coroutine[Any, Any, Any], plain_key: CallKey) -> Any:
+        """``work``'s reply, or _GONE if the client disconnected first. 2025-11-25 does not treat
+        a disconnect as a cancellation, but a plain call nobody waits for is stopped after
+        MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S (issue 14 §7, docs/decisions.md)."""
+        running = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if running.done():
+            return running.result()
+        running.cancel()  # the handler only waits to choose JSON or SSE; the call runs in a task of its own
+        with contextlib.suppress(BaseException):
+            await running
+        self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
+        return _GONE
 
     async def _notification(self, send: Send, headers: Headers, caller: Caller, method: str, params: Any) -> None:
         """H-POST-2: accepted notifications get 202 and no body."""
@@ -515,15 +593,17 @@ class McpEndpoint:
             raise HttpError(406, INVALID_REQUEST, "Not Acceptable: GET needs Accept: text/event-stream")
         session = await self._session(headers, caller.principal)
         call = Call(caller, session, "", {})
-        # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
-        async with self.tasks.session_events(caller.principal, session.session_id) as events:
+        p = caller.principal
+        with self._get_streams.hold((p.tenant_id, session.session_id), (p.tenant_id, p.subject)):
+            # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
+            async with self.tasks.session_events(caller.principal, session.session_id) as events:
 
-            async def messages() -> Any:
-                async for event in events:
-                    if (message := Surface.follow_message(call, event)) is not None:
-                        yield message
+                async def messages() -> Any:
+                    async for event in events:
+                        if (message := Surface.follow_message(call, event)) is not None:
+                            yield message
 
-            await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
+                await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
 
     async def _delete(self, send: Send, headers: Headers, principal: Principal) -> None:
         """H-SESS-6: end the session; its tasks live on, bound to the principal."""

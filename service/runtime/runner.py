@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -438,6 +439,9 @@ class Runner:
         run = self._running[key]  # _start put it there before this first ran
         started = time.perf_counter()
         try:
+            if job is None and task.session_id is not None and not task.client_capabilities:
+                caps = await self.store.session_capabilities(task.tenant_id, task.session_id)
+                task = dataclasses.replace(task, client_capabilities=caps)
             if job is None:
                 outcome = await run_tool(
                     self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task))

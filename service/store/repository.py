@@ -26,9 +26,11 @@ from service.store.requests import FinishRequest, ReleaseRequest, TaskRequest, a
 
 
 def task_from_row(row: asyncpg.Record) -> Task:
+    """A task from its row. Lists and lookups read only the columns they answer with (issue 14
+    §4): the arguments, the capabilities and (lists) the payload they leave out come back empty."""
     outcome = None
     if row["outcome"] is not None:
-        outcome = Outcome(OutcomeKind(row["outcome"]), row["payload"])
+        outcome = Outcome(OutcomeKind(row["outcome"]), row.get("payload") or {})
     return Task(
         tenant_id=row["tenant_id"],
         task_id=row["task_id"],
@@ -41,16 +43,16 @@ def task_from_row(row: asyncpg.Record) -> Task:
         created_at=row["created_at"],
         last_updated_at=row["last_updated_at"],
         outcome=outcome,
-        arguments=row["arguments"],
+        arguments=row.get("arguments") or {},
         session_id=row["session_id"],
         progress_token=row["progress_token"],
-        client_capabilities=row["client_capabilities"],
+        client_capabilities=row.get("client_capabilities") or {},
         attempts=row["attempts"],
         client_id=row["client_id"],
         issuer=row["issuer"],
         surface=row["surface"],
-        rerunnable=row["rerunnable"],
-        lease_epoch=row["lease_epoch"],
+        rerunnable=row.get("rerunnable"),
+        lease_epoch=row.get("lease_epoch") or 0,  # a runner's copy always has it (claims read every column)
     )
 
 
@@ -141,6 +143,12 @@ class TaskStore:
             if request.k == "create" and task is not None:
                 metrics.task_created(task.tool, task.tenant_id)
         return tasks
+
+    async def active_for(self, principal: Principal) -> int:
+        """The requestor's active tasks, from the counters (a plain call's cap check)."""
+        async with self.db.transaction(principal.tenant_id) as conn:
+            row = await conn.fetchrow(Q["count_active"], principal.tenant_id, principal.subject)
+        return int(row["requestor"])
 
     async def refuse_create(
         self, caller: Caller, tool: str, decide: Callable[[int, int], tuple[str, int, int]]
@@ -330,6 +338,12 @@ class RunnerStore:
             rows = await conn.fetch(Q["mark_tasks_without_runner"])
         return {r["tool"]: int(r["without_runner"]) for r in rows}
 
+    async def session_capabilities(self, tenant_id: str, session_id: str) -> dict[str, Any]:
+        """What the client of a task's session declared; {} once the session has ended."""
+        async with self.db.connection() as conn:
+            caps = await conn.fetchval(Q["session_capabilities"], tenant_id, session_id)
+        return caps if isinstance(caps, dict) else {}
+
     async def leased(self, tenant_id: str, task_id: str, owner: str) -> Task | None:
         """An active task leased to ``owner`` (after a create whose answer was lost)."""
         async with self.db.connection() as conn:
@@ -461,12 +475,20 @@ class SessionStore:
         protocol_version: str,
         client_capabilities: dict[str, Any],
         client_info: dict[str, Any] | None,
-    ) -> None:
+        *,
+        keep: int,
+    ) -> list[str]:
+        """Store a new session; the principal's least recently used sessions beyond ``keep`` end
+        in the same transaction, and their ids are returned."""
         async with self.db.transaction(principal.tenant_id) as conn:
             await conn.execute(
                 Q["insert_session"], principal.tenant_id, session_id, principal.subject, protocol_version,
                 client_capabilities, client_info,
             )  # fmt: skip
+            rows = await conn.fetch(Q["trim_sessions"], principal.tenant_id, principal.subject, keep)
+            for row in rows:
+                await notify(conn, SessionChanged(principal.tenant_id, row["session_id"]))
+        return [row["session_id"] for row in rows]
 
     async def get(self, principal: Principal, session_id: str, *, touch_after_s: float) -> StoredSession | None:
         """The session if it is the principal's; its last use is refreshed when older than ``touch_after_s``."""

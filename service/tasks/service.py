@@ -124,6 +124,9 @@ class TaskService:
         # share read-only statements of their own, so they never wait for a commit.
         self._writes = Batcher(self.store.run, name="writes")
         self._reads = Batcher(self.store.run, name="reads")
+        # Plain (non-task) calls running in this process, per requestor: each holds one of its
+        # requestor's active-task slots while it runs (issue 14 §7).
+        self.plain_calls: Counter[tuple[str, str]] = Counter()
 
     def check_call(
         self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
@@ -135,6 +138,41 @@ class TaskService:
         if negotiate and not as_task and spec.task_support == "required":
             raise TaskSupportMismatch(f"Task augmentation required for tool {name!r}: send params.task")
         return spec, spec.validate(arguments)
+
+    async def hold_plain_slot(self, caller: Caller, tool: str) -> Callable[[], None]:
+        """Take one of the requestor's active-task slots for a plain call (its tasks and the
+        plain calls it runs here count together); returns how to give it back. Beyond the cap,
+        the same refusal as a create: CapacityExceeded, audited."""
+        key = caller.principal.owner_key
+        self.plain_calls[key] += 1  # taken before the count is read: concurrent calls cannot overshoot
+        limit = self.policy.max_active_per_requestor
+        try:
+            if (
+                self.plain_calls[key] > limit
+                or await self.store.active_for(caller.principal) + self.plain_calls[key] > limit
+            ):
+                raise await self._refuse_capacity(caller, tool, plain=self.plain_calls[key] - 1)
+        except BaseException:
+            self._release_plain(key)
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release_plain(key)
+
+        return release
+
+    def _release_plain(self, key: tuple[str, str]) -> None:
+        self.plain_calls[key] -= 1
+        if self.plain_calls[key] <= 0:
+            del self.plain_calls[key]
+
+    def _requestor_cap(self, caller: Caller) -> int:
+        """The per-requestor cap a create checks, less the plain calls the requestor runs here."""
+        return self.policy.max_active_per_requestor - self.plain_calls.get(caller.principal.owner_key, 0)
 
     async def create(
         self,
@@ -163,11 +201,13 @@ class TaskService:
             arguments=valid,
             surface=surface.value,
             session_id=session_id,
-            client_capabilities=client_capabilities,
+            # A session's capabilities are stored once, with the session, not copied into each of
+            # its tasks (issue 14 §4); the runner reads them there when the task starts.
+            client_capabilities={} if session_id is not None else client_capabilities,
             progress_token=progress_token,
             ttl_ms=granted,
             poll_interval_ms=p.poll_interval_ms,
-            max_per_requestor=p.max_active_per_requestor,
+            max_per_requestor=self._requestor_cap(caller),
             max_per_tenant=p.max_active_per_tenant,
             lease=lease,
             rerunnable=spec.rerunnable,
@@ -212,7 +252,12 @@ class TaskService:
             client_capabilities=client_capabilities,
             on_event=on_event,
         )
+        # A call that stays in its request holds a slot like a plain 2025-11-25 call; one that may
+        # become a task is counted as the task it becomes.
+        release = await self.hold_plain_slot(caller, spec.name) if mode is CallMode.SYNC else None
         job = asyncio.create_task(run_tool(self.registry, spec.name, valid, ctx), name=f"call-{spec.name}")
+        if release is not None:
+            job.add_done_callback(lambda _job: release())
         try:
             round_ = await run_round(job, ctx, grace_s=None if mode is CallMode.SYNC else grace_s)
         except BaseException:
@@ -265,7 +310,7 @@ class TaskService:
             caller, new_task_id(), tool=spec.name, arguments=arguments, surface=Surface.EXTENSION.value,
             session_id=None, client_capabilities=client_capabilities, progress_token=None,
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
-            max_per_requestor=p.max_active_per_requestor, max_per_tenant=p.max_active_per_tenant, lease=lease,
+            max_per_requestor=self._requestor_cap(caller), max_per_tenant=p.max_active_per_tenant, lease=lease,
             rerunnable=spec.rerunnable, tool_version=spec.version,
         )  # fmt: skip
 
@@ -291,11 +336,15 @@ class TaskService:
         else:
             runner.adopt(created.result(), tenant_id=tenant_id)
 
-    async def _refuse_capacity(self, caller: Caller, tool: str) -> CapacityExceeded:
-        """A cap refused a create: record the denial with the counts as they stand now."""
+    async def _refuse_capacity(self, caller: Caller, tool: str, *, plain: int | None = None) -> CapacityExceeded:
+        """A cap refused a create (or a plain call): record the denial with the counts as they
+        stand now, the requestor's plain calls running here included."""
         p = self.policy
+        if plain is None:
+            plain = self.plain_calls.get(caller.principal.owner_key, 0)
 
         def decide(mine: int, tenant: int) -> tuple[str, int, int]:
+            mine += plain
             if tenant >= p.max_active_per_tenant and mine < p.max_active_per_requestor:
                 return "tenant", p.max_active_per_tenant, tenant
             return "requestor", p.max_active_per_requestor, mine

@@ -29,8 +29,16 @@ class Session:
 
 
 class SessionService:
-    def __init__(self, db: Database, hub: EventHub | None = None, *, cache_seconds: float = CACHE_SECONDS) -> None:
+    def __init__(
+        self,
+        db: Database,
+        hub: EventHub | None = None,
+        *,
+        cache_seconds: float = CACHE_SECONDS,
+        max_per_principal: int = 64,
+    ) -> None:
         self.store = SessionStore(db)
+        self.max_per_principal = max_per_principal
         self._cache_seconds = cache_seconds
         # (tenant, session id) -> (subject, session, monotonic expiry)
         self._cache: dict[tuple[str, str], tuple[str, Session, float]] = {}
@@ -65,7 +73,13 @@ class SessionService:
     ) -> Session:
         # H-SESS-2: CSPRNG, visible ASCII only.
         session_id = secrets.token_urlsafe(24)
-        await self.store.insert(principal, session_id, protocol_version, client_capabilities, client_info)
+        # Beyond the cap the least recently used session ends rather than the new one being
+        # refused: a client that lost its sessions without DELETE can always start again.
+        ended = await self.store.insert(
+            principal, session_id, protocol_version, client_capabilities, client_info, keep=self.max_per_principal
+        )
+        for old in ended:
+            self._forget(principal.tenant_id, old)
         session = Session(session_id, protocol_version, client_capabilities)
         self._remember(principal, session)
         return session

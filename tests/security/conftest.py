@@ -1,11 +1,12 @@
-"""Fixtures for the attacks of issue 14: a database migrated the way production is (so its
-database-level grants hold, which a copy of the test template would not keep), a login user set up
-as docs/operations.md says (a member of the service's roles, nothing else), and a stranger: a
-login role with no grants at all."""
+"""Fixtures for the attacks of issue 14 (`make security`): raw loopback sockets; a database migrated
+the way production is (so its database-level grants hold, which a copy of the test template would
+not keep), a login user set up as docs/operations.md says (a member of the service's roles, nothing
+else), and a stranger: a login role with no grants at all."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -55,3 +56,32 @@ async def closed_db(admin_dsn: str) -> AsyncIterator[ClosedDatabase]:
         for role in (service, stranger):
             await admin.execute(f"DROP ROLE IF EXISTS {role}")
         await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_socket(url: str) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A plain TCP connection to the server of ``url``, closed on exit; the test writes the bytes."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """Everything the server sends until it closes the connection; fails if it is still open
+    after ``timeout_s``."""
+    chunks = []
+    async with asyncio.timeout(timeout_s):
+        with contextlib.suppress(ConnectionResetError):  # a close with unread input is a reset
+            while chunk := await reader.read(65_536):
+                chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_of(response: bytes) -> int:
+    """The status code of a raw HTTP/1.1 response."""
+    return int(response.split(b" ", 2)[1])

@@ -10,14 +10,19 @@ WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_activ
 
 -- name: list_tasks_first
 -- First page of an owner's 2025-11-25 tasks, newest first (the extension has no list, X-SEC-4).
-SELECT * FROM tasks
+-- Only the columns a listed task shows: no arguments, capabilities or result (issue 14 §4).
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
+FROM tasks
 WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND surface = '2025-11-25'
 ORDER BY created_at DESC, task_id DESC
 LIMIT $3;
 
 -- name: list_tasks_after
--- Next page after the keyset (created_at, task_id) carried by the cursor.
-SELECT * FROM tasks
+-- Next page after the keyset (created_at, task_id) carried by the cursor; the same columns.
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
+FROM tasks
 WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND surface = '2025-11-25'
   AND (created_at, task_id) < ($3, $4)
 ORDER BY created_at DESC, task_id DESC

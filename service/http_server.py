@@ -1,0 +1,209 @@
+"""The HTTP server's own limits (issue 14, finding 1), and the one place uvicorn's Config is built.
+
+uvicorn with the httptools parser has a keep-alive timeout, but no header read timeout (a client
+that connects and sends nothing, or a header a byte at a time, holds its socket forever), no header
+size limit (llhttp buffers a header line of any length) and no cap on open connections, and its
+``limit_concurrency`` counts idle connections as requests. ``LimitedHttpProtocol`` adds those four
+around uvicorn's own protocol, reading only what it needs of it; ``server_config`` is used by
+``mcp-tasks serve`` and by the tests' servers alike, so what is tested is what runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from typing import Any
+
+import httptools
+import uvicorn
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from service.config import Settings
+from service.mcp.http import send_json
+
+log = logging.getLogger("service.http")
+
+# Paths no request cap refuses: the liveness probe must not fail because the service is busy.
+UNCAPPED_PATHS = frozenset({b"/healthz"})
+
+
+def _warn_now_and_then(what: str, last: dict[str, float] = {}) -> None:  # noqa: B006 - the shared memory is the point
+    """A refusal is logged at most every 10 s per kind: a flood must not flood the logs too."""
+    now = time.monotonic()
+    if now - last.get(what, -1e9) >= 10:
+        last[what] = now
+        log.warning("refusing %s (logged at most every 10 s)", what)
+
+
+class HeadersTooLarge(Exception):
+    """The request line and headers exceed MCP_TASKS_HTTP_MAX_HEADER_BYTES."""
+
+
+def _plain_response(status: str, reason: str, headers: dict[str, str] | None = None) -> bytes:
+    body = reason.encode()
+    lines = [f"HTTP/1.1 {status}", "content-type: text/plain; charset=utf-8", f"content-length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with this service's limits bound in (``http=`` of uvicorn.Config)."""
+    header_timeout_s = settings.http_header_timeout_s
+    max_header_bytes = settings.http_max_header_bytes
+    max_connections = settings.max_connections
+    max_requests = settings.max_concurrent_requests
+    busy_headers = {"Retry-After": "1"}
+
+    async def busy(scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 503, {"error": "too many concurrent requests; retry later"}, busy_headers)
+
+    class LimitedHttpProtocol(HttpToolsProtocol):
+        def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any], **kw: Any):
+            super().__init__(config, server_state, app_state, **kw)
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._in_headers = True
+            self._phase_bytes = 0  # bytes received while the current request's headers are incomplete
+            self._header_bytes = 0  # the parsed request line and headers of the current request
+            self._refused = False
+            self._too_large = False  # a callback found the headers too large (the parser reports it as an error)
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_connections:
+                # Refused before it is counted: existing connections keep their requests going.
+                _warn_now_and_then(f"connections beyond MCP_TASKS_MAX_CONNECTIONS ({max_connections})")
+                self._refused = True
+                self.transport = transport
+                transport.write(_plain_response("503 Service Unavailable", "too many connections", busy_headers))
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            if self._refused:
+                return
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._in_headers:
+                self._phase_bytes += len(data)
+            super().data_received(data)
+            if self._in_headers and self._phase_bytes > max_header_bytes and not self.transport.is_closing():
+                self._refuse_headers()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers every parser error with a 400, ours raised from a callback included.
+            if self._too_large:
+                self._refuse_headers()
+            else:
+                super().send_400_response(msg)
+
+        def _refuse_headers(self) -> None:
+            self._disarm_header_timer()
+            if not self.transport.is_closing():
+                reason = f"request headers exceed {max_header_bytes} bytes"
+                self.transport.write(_plain_response("431 Request Header Fields Too Large", reason))
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_headers = True
+            self._header_bytes = 0
+            self._arm_header_timer()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_header(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_header(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count_header(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes:
+                self._too_large = True
+                raise HeadersTooLarge
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            self._phase_bytes = 0
+            self._disarm_header_timer()
+            if len(self.tasks) >= max_requests and httptools.parse_url(self.url).path not in UNCAPPED_PATHS:
+                _warn_now_and_then(f"requests beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS ({max_requests})")
+                real, self.app = self.app, busy
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = real
+                return
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_headers = True  # what follows is the next request's headers (keep-alive, pipelining)
+            self._phase_bytes = 0
+
+        def _arm_header_timer(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self._in_headers and not self.transport.is_closing():
+                # A request begun gets its 408; a connection that sent nothing is only closed: a
+                # client about to send on it could take an unasked-for 408 as its answer.
+                if self._phase_bytes:
+                    self.transport.write(_plain_response("408 Request Timeout", "request headers not received in time"))
+                self.transport.close()
+
+    return LimitedHttpProtocol
+
+
+def server_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
+    """The uvicorn Config of ``mcp-tasks serve`` (``options`` add what differs: host and port,
+    logging, sockets); the tests' servers use it too."""
+    return uvicorn.Config(
+        app,
+        http=limited_protocol(settings),
+        ws="none",
+        timeout_keep_alive=settings.http_keepalive_timeout_s,
+        # Only a trusted proxy's X-Forwarded-For may name the client (rate limits, audit rows).
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=settings.forwarded_allow_ips or None,
+        **options,
+    )
+
+
+def raise_open_files_limit(settings: Settings) -> None:
+    """Make room for MCP_TASKS_MAX_CONNECTIONS sockets plus the database pool: a process out of
+    file descriptors fails every tenant's requests (and its database connections) at once."""
+    needed = settings.max_connections + settings.db_pool_size + settings.runner_concurrency + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning(
+            "the open-files limit (%d) is below MCP_TASKS_MAX_CONNECTIONS plus the database pool (%d): "
+            "lower MCP_TASKS_MAX_CONNECTIONS or raise the limit (ulimit -n)",
+            soft,
+            needed,
+        )

@@ -1,0 +1,172 @@
+"""Issue 14 findings 4 and 7: what one principal makes the service store or hold is bounded
+(sessions, declared capabilities and clientInfo, open GET streams), capabilities are stored once
+per session, and lookups and lists read only the columns they answer with (SECURITY.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import asyncpg
+import httpx
+
+from service.store.queries import Q
+from tests.conftest import make_settings, serve
+from tests.ext import ModernClient
+from tests.rpc import RpcSession
+
+
+async def _initialize(http: httpx.AsyncClient, url: str, params: dict[str, Any]) -> httpx.Response:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+    return await http.post(url, json=body, headers={"Accept": "application/json, text/event-stream"})
+
+
+async def test_sessions_beyond_the_cap_end_the_least_recently_used(database_url: str) -> None:
+    """Issue 14 §4 (sessions per principal were uncapped): with MCP_TASKS_MAX_SESSIONS_PER_PRINCIPAL
+    at 5, eight initializes leave five sessions; the oldest three answer 404 (H-SESS-5: start anew)."""
+    async with (
+        serve(make_settings(database_url, max_sessions_per_principal=5)) as server,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        sessions = []
+        for _ in range(8):
+            rpc = RpcSession(http, server.url)
+            await rpc.initialize()
+            sessions.append(rpc)
+        for i, rpc in enumerate(sessions):
+            r = await http.post(server.url, json=rpc.message("ping"), headers=rpc.headers())
+            assert r.status_code == (404 if i < 3 else 200), (i, r.text)
+        conn = await asyncpg.connect(database_url)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM sessions") == 5
+        finally:
+            await conn.close()
+
+
+async def test_oversized_capabilities_or_client_info_are_refused_with_32602(database_url: str) -> None:
+    """Issue 14 §4 (capabilities and clientInfo had no size limit): beyond
+    MCP_TASKS_MAX_CLIENT_CAPABILITIES_BYTES / _CLIENT_INFO_BYTES, -32602 and nothing is stored, on both wires."""
+    settings = make_settings(database_url, max_client_capabilities_bytes=1_024, max_client_info_bytes=512)
+    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+        base = {"protocolVersion": "2025-11-25", "clientInfo": {"name": "t", "version": "1"}}
+        big_caps = await _initialize(http, server.url, {**base, "capabilities": {"x": "a" * 2_000}})
+        assert big_caps.json()["error"]["code"] == -32602
+        assert "mcp-session-id" not in big_caps.headers
+        big_info = await _initialize(
+            http, server.url, {**base, "capabilities": {}, "clientInfo": {"name": "t", "version": "b" * 1_000}}
+        )
+        assert big_info.json()["error"]["code"] == -32602
+        not_object = await _initialize(http, server.url, {**base, "capabilities": ["elicitation"]})
+        assert not_object.json()["error"]["code"] == -32602
+        fine = await _initialize(http, server.url, {**base, "capabilities": {"x": "a" * 500}})
+        assert "result" in fine.json()
+
+        modern = ModernClient(http, server.url, capabilities={"x": "a" * 2_000})
+        r = await modern.post("tools/call", {"name": "echo", "arguments": {"text": "hi"}})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == -32602
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM sessions") == 1
+    finally:
+        await conn.close()
+
+
+async def test_get_streams_are_capped_per_session_and_per_principal(database_url: str) -> None:
+    """Issue 14 §7 (1,198 GET streams open on one session): beyond MCP_TASKS_MAX_GET_STREAMS_PER_SESSION
+    a GET gets 409, beyond MCP_TASKS_MAX_GET_STREAMS_PER_PRINCIPAL 429 + Retry-After; a closed
+    stream frees its place."""
+    settings = make_settings(database_url, max_get_streams_per_session=2, max_get_streams_per_principal=3)
+    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+        one, two = RpcSession(http, server.url), RpcSession(http, server.url)
+        await one.initialize()
+        await two.initialize()
+
+        async def open_stream(stack: contextlib.AsyncExitStack, rpc: RpcSession) -> httpx.Response:
+            return await stack.enter_async_context(
+                http.stream("GET", server.url, headers=rpc.headers(Accept="text/event-stream"))
+            )
+
+        async with contextlib.AsyncExitStack() as stack:
+            assert (await open_stream(stack, one)).status_code == 200
+            assert (await open_stream(stack, one)).status_code == 200
+            third = await open_stream(stack, one)
+            assert third.status_code == 409
+            await third.aread()
+            assert (await open_stream(stack, two)).status_code == 200
+            async with contextlib.AsyncExitStack() as inner:
+                over = await open_stream(inner, two)
+                assert over.status_code == 429
+                assert over.headers["retry-after"]
+                assert json.loads(await over.aread())["error"]["code"] == -32029
+        # All closed: the places are free again (the server notices each disconnect).
+        async with asyncio.timeout(5):
+            while True:
+                async with contextlib.AsyncExitStack() as stack:
+                    if (await open_stream(stack, one)).status_code == 200:
+                        break
+                await asyncio.sleep(0.05)
+
+
+async def test_a_sessions_capabilities_are_stored_once_not_in_every_task(database_url: str) -> None:
+    """Issue 14 §4 (capabilities copied into every task row grew the database from 12 to 288 MB):
+    task rows of a session keep no copy; the runner reads the session's, so a tool that needs
+    elicitation still asks its question."""
+    caps = {"elicitation": {}, "x-padding": "p" * 4_000}
+    async with serve(make_settings(database_url)) as server, httpx.AsyncClient(timeout=10) as http:
+        rpc = RpcSession(http, server.url)
+        await rpc.initialize(capabilities=caps)
+        for _ in range(3):
+            await rpc.result("tools/call", {"name": "echo", "arguments": {"text": "hi"}, "task": {}})
+        created = await rpc.result("tools/call", {"name": "confirm", "arguments": {}, "task": {}})
+        task_id = created["task"]["taskId"]
+        async with asyncio.timeout(10):
+            while (await rpc.result("tasks/get", {"taskId": task_id}))["status"] != "input_required":
+                await asyncio.sleep(0.05)
+    conn = await asyncpg.connect(database_url)
+    try:
+        stored = await conn.fetch("SELECT client_capabilities FROM tasks")
+        assert len(stored) == 4
+        assert all(row["client_capabilities"] == "{}" for row in stored)
+        assert await conn.fetchval("SELECT count(*) FROM sessions WHERE client_capabilities ? 'x-padding'") == 1
+    finally:
+        await conn.close()
+
+
+async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_url: str) -> None:
+    """Issue 14 §4 (eight clients listing large tasks took the server from 229 to 980 MB): a get
+    or retrieve (task_batch) returns no arguments and no capabilities, and the list queries'
+    plans output none of arguments, capabilities or payload."""
+    async with serve(make_settings(database_url)) as server, httpx.AsyncClient(timeout=10) as http:
+        rpc = RpcSession(http, server.url)
+        await rpc.initialize()
+        big = "a" * 200_000
+        created = await rpc.result("tools/call", {"name": "echo", "arguments": {"text": big}, "task": {}})
+        task_id = created["task"]["taskId"]
+        result = await rpc.result("tasks/result", {"taskId": task_id})
+        assert result["content"][0]["text"] == big  # the payload is still handed out
+        listed = await rpc.result("tasks/list")
+        assert [t["taskId"] for t in listed["tasks"]] == [task_id]
+    conn = await asyncpg.connect(database_url)
+    try:
+        tenant, subject = await conn.fetchrow("SELECT tenant_id, subject FROM tasks WHERE task_id = $1", task_id)
+        for kind in ("get", "retrieve"):
+            item = {"k": kind, "tenant_id": tenant, "task_id": task_id, "subject": subject}
+            row = await conn.fetchrow("SELECT * FROM task_batch($1::jsonb)", json.dumps([item]))
+            assert row["task_id"] == task_id
+            assert row["arguments"] is None
+            assert row["client_capabilities"] is None
+            assert row["payload"] is not None
+        created_at = await conn.fetchval("SELECT created_at FROM tasks WHERE task_id = $1", task_id)
+        pages = (
+            ("list_tasks_first", (tenant, subject, 11)),
+            ("list_tasks_after", (tenant, subject, created_at, "~", 11)),
+        )
+        for name, args in pages:
+            plan = await conn.fetchval(f"EXPLAIN (VERBOSE, FORMAT JSON) {Q[name]}", *args)
+            output = json.loads(plan)[0]["Plan"]["Output"]
+            assert not {"arguments", "client_capabilities", "payload"} & {c.split(".")[-1] for c in output}
+    finally:
+        await conn.close()

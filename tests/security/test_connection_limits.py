@@ -1,0 +1,154 @@
+"""Issue 14 finding 1: one unauthenticated client with idle, slow-header or huge-header sockets
+must not be able to take the HTTP server away from every tenant (SECURITY.md "Connection limits")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+
+from tests.conftest import make_settings, serve
+from tests.rpc import RpcSession
+from tests.security.conftest import raw_socket, read_until_closed, status_of
+from tests.test_durability import mcp_tasks
+
+PING = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
+
+
+def _healthz(extra_headers: bytes = b"") -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra_headers + b"\r\n"
+
+
+async def test_a_socket_that_sends_nothing_is_closed_after_the_header_timeout(database_url: str) -> None:
+    """Issue 14 §1 (idle-before-request sockets): closed after MCP_TASKS_HTTP_HEADER_TIMEOUT_S,
+    without a response (nothing was asked)."""
+    async with serve(make_settings(database_url, http_header_timeout_s=0.5)) as server:
+        async with raw_socket(server.url) as (reader, _):
+            started = time.monotonic()
+            response = await read_until_closed(reader, timeout_s=5)
+        assert response == b""
+        assert 0.4 < time.monotonic() - started < 3
+
+
+async def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_timeout(database_url: str) -> None:
+    """Issue 14 §1 (slowloris): the timeout bounds the whole header, however steadily bytes trickle in."""
+    async with serve(make_settings(database_url, http_header_timeout_s=0.8)) as server:
+        async with raw_socket(server.url) as (reader, writer):
+            started = time.monotonic()
+            closed = asyncio.ensure_future(read_until_closed(reader, timeout_s=5))
+            with contextlib.suppress(OSError):
+                for byte in b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
+                    if closed.done():
+                        break
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+            response = await closed
+        assert status_of(response) == 408
+        assert time.monotonic() - started < 3
+
+
+async def test_headers_beyond_the_limit_get_431_before_they_end(database_url: str) -> None:
+    """Issue 14 §1 (10 MB headers were accepted and held): an unfinished header line beyond
+    MCP_TASKS_HTTP_MAX_HEADER_BYTES is refused at once, without waiting for its end."""
+    async with serve(make_settings(database_url, http_max_header_bytes=8_192)) as server:
+        async with raw_socket(server.url) as (reader, writer):
+            writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 200_000)
+            await writer.drain()
+            assert status_of(await read_until_closed(reader, timeout_s=5)) == 431
+        async with raw_socket(server.url) as (reader, writer):  # many small headers, one chunk
+            writer.write(_healthz(b"".join(b"X-H%d: %s\r\n" % (i, b"b" * 100) for i in range(100))))
+            await writer.drain()
+            assert status_of(await read_until_closed(reader, timeout_s=5)) == 431
+        async with raw_socket(server.url) as (reader, writer):  # below the limit: served
+            writer.write(_healthz(b"X-Fine: " + b"c" * 4_000 + b"\r\nConnection: close\r\n"))
+            await writer.drain()
+            assert status_of(await read_until_closed(reader, timeout_s=5)) == 200
+
+
+async def test_beyond_the_connection_cap_new_sockets_are_refused_while_open_ones_keep_working(
+    database_url: str,
+) -> None:
+    """Issue 14 §1 (~1,100 idle sockets failed every tenant's requests): with MCP_TASKS_MAX_CONNECTIONS
+    at 50, a client holding 60 idle sockets gets the ones beyond 50 refused at once (503), a tenant
+    already connected keeps being served, and the idle ones go at the header timeout."""
+    settings = make_settings(database_url, max_connections=50, http_header_timeout_s=2)
+    async with serve(settings) as server:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        async with httpx.AsyncClient(timeout=10, limits=limits) as tenant:
+            rpc = RpcSession(tenant, server.url)
+            await rpc.initialize()  # the tenant's connection is open before the flood
+            async with contextlib.AsyncExitStack() as flood:
+                sockets = [await flood.enter_async_context(raw_socket(server.url)) for _ in range(60)]
+                started = time.monotonic()
+                refused = await asyncio.gather(*(read_until_closed(r, timeout_s=1.5) for r, _ in sockets[49:]))
+                assert all(status_of(r) == 503 for r in refused)
+                assert time.monotonic() - started < 1.5
+                for _ in range(5):
+                    assert "result" in await rpc.send("ping")
+                with contextlib.suppress(TimeoutError):  # the first 49 are held until the header timeout
+                    await read_until_closed(sockets[0][0], timeout_s=0.2)
+                    raise AssertionError("an idle socket under the cap was closed early")
+                await asyncio.gather(*(read_until_closed(r, timeout_s=5) for r, _ in sockets[:49]))
+            async with httpx.AsyncClient(timeout=10) as newcomer:  # room again
+                r = await newcomer.get(server.url.replace("/mcp", "/healthz"))
+                assert r.status_code == 200
+
+
+async def test_beyond_the_request_cap_requests_get_503_with_retry_after(database_url: str) -> None:
+    """Issue 14 §1: MCP_TASKS_MAX_CONCURRENT_REQUESTS bounds requests in progress (not idle
+    connections); beyond it 503 with Retry-After; /healthz is never refused."""
+    settings = make_settings(database_url, max_concurrent_requests=3)
+    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+        rpc = RpcSession(http, server.url)
+        await rpc.initialize()
+        calls = [
+            asyncio.ensure_future(rpc.send("tools/call", {"name": "sleep", "arguments": {"seconds": 2}}))
+            for _ in range(3)
+        ]
+        async with asyncio.timeout(5):
+            while True:
+                r = await http.post(server.url, content=PING, headers=rpc.headers())
+                if r.status_code == 503:
+                    break
+                await asyncio.sleep(0.05)
+        assert r.headers["retry-after"] == "1"
+        assert (await http.get(server.url.replace("/mcp", "/healthz"))).status_code == 200
+        for call in calls:
+            assert "result" in await call
+        assert "result" in await rpc.send("ping")
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(database_url: str) -> None:
+    """Issue 14 §1: MCP_TASKS_HTTP_KEEPALIVE_TIMEOUT_S closes a connection idle between requests."""
+    async with serve(make_settings(database_url, http_keepalive_timeout_s=1, http_header_timeout_s=30)) as server:
+        async with raw_socket(server.url) as (reader, writer):
+            writer.write(_healthz())
+            await writer.drain()
+            started = time.monotonic()
+            response = await read_until_closed(reader, timeout_s=5)
+        assert status_of(response) == 200
+        assert 0.8 < time.monotonic() - started < 3
+
+
+async def test_mcp_tasks_serve_itself_enforces_the_connection_limits(database_url: str) -> None:
+    """Issue 14 §1 against the real `mcp-tasks serve` process (its own uvicorn configuration):
+    an oversized header gets 431, sockets beyond MCP_TASKS_MAX_CONNECTIONS get 503 at once, idle
+    ones are closed at the header timeout, and then the server serves again."""
+    env = {"MCP_TASKS_HTTP_HEADER_TIMEOUT_S": "1", "MCP_TASKS_MAX_CONNECTIONS": "20",
+           "MCP_TASKS_HTTP_MAX_HEADER_BYTES": "4096"}  # fmt: skip
+    async with mcp_tasks("serve", database_url, **env) as (_, url):
+        async with raw_socket(url) as (reader, writer):
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 10_000)
+            await writer.drain()
+            assert status_of(await read_until_closed(reader, timeout_s=5)) == 431
+        async with contextlib.AsyncExitStack() as flood:
+            sockets = [await flood.enter_async_context(raw_socket(url)) for _ in range(25)]
+            refused = await asyncio.gather(*(read_until_closed(r, timeout_s=1) for r, _ in sockets[20:]))
+            assert [status_of(r) for r in refused] == [503] * 5
+            timed_out = await asyncio.gather(*(read_until_closed(r, timeout_s=5) for r, _ in sockets[:20]))
+            assert timed_out == [b""] * 20  # closed at the header timeout
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(url.replace("/mcp", "/healthz"))).status_code == 200
