@@ -449,9 +449,13 @@ BEGIN
                 RETURNING * INTO t;
             END IF;
         ELSIF it.k IN ('retrieve', 'get') THEN
-            SELECT * INTO t FROM tasks
-            WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND subject = it.subject
-              AND expires_at > clock_timestamp();
+            -- By primary key alone, then the owner and the expiry checked here: with the subject in
+            -- the WHERE the planner may take tasks_owner_recent (tenant, subject, ..., task_id) and
+            -- walk every task of the subject (6,400 index entries for one busy principal).
+            SELECT * INTO t FROM tasks WHERE tenant_id = it.tenant_id AND task_id = it.task_id;
+            IF t.task_id IS NOT NULL AND (t.subject <> it.subject OR NOT t.expires_at > clock_timestamp()) THEN
+                t := NULL;
+            END IF;
         ELSE
             RAISE EXCEPTION 'unknown batch item kind %', it.k USING ERRCODE = 'invalid_parameter_value';
         END IF;
