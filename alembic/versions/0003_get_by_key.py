@@ -11,6 +11,11 @@ task. With 6,400 tasks held by one principal that was 0.45 ms of PostgreSQL per 
 0.02, and one principal's gets ran at less than half the rate of the same load spread over 32
 principals. The lookup is now by the primary key only; the owner and the expiry are checked on
 the row, with the same outcome as before (no row: unknown, expired or someone else's).
+
+A create read its requestor's and tenant's active-task counters afresh for every item; a batch of
+one busy requestor's creates then read the counter row through the versions its own earlier
+inserts had left. They are now read once per run of one requestor's items (the batch is sorted)
+and counted on in the function, under the tenant's create lock as before.
 """
 
 from service.store.sqlscript import run_script
@@ -33,6 +38,8 @@ def upgrade() -> None:
         lock_tenant text;
         mine bigint;
         total bigint;
+        counted_tenant text;
+        counted_subject text;
         n integer;
     BEGIN
         SELECT array_agg(jsonb_populate_record(NULL::task_batch_item, e) ORDER BY o) INTO items
@@ -50,9 +57,17 @@ def upgrade() -> None:
             t := NULL;
             PERFORM set_config('app.tenant_id', it.tenant_id, true);
             IF it.k = 'create' THEN
-                SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
-                    INTO mine, total
-                FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+                -- The counters are read once per run of one requestor's creates (the batch is sorted)
+                -- and counted on here: the tenant's create lock keeps other creates out, a finish
+                -- committed meanwhile only lowers them. One read per batch for a busy requestor, not
+                -- one per create through the row versions this batch's own inserts left behind.
+                IF counted_tenant IS DISTINCT FROM it.tenant_id OR counted_subject IS DISTINCT FROM it.subject THEN
+                    SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
+                        INTO mine, total
+                    FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+                    counted_tenant := it.tenant_id;
+                    counted_subject := it.subject;
+                END IF;
                 IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
                     INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                        arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
@@ -64,6 +79,8 @@ def upgrade() -> None:
                             CASE WHEN it.lease_owner IS NULL THEN 0 ELSE 1 END,
                             CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END)
                     RETURNING * INTO t;
+                    mine := mine + 1;  -- as the counter trigger just did
+                    total := total + 1;
                 END IF;
             ELSIF it.k IN ('retrieve', 'get') THEN
                 -- By primary key alone, then the owner and the expiry checked here: with the subject in
