@@ -459,6 +459,39 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
     assert "| task lifecycles/s >= 3x best peer | 2.50x | **missed** |" in written
 
 
+def test_the_report_sets_one_principal_against_the_spread_load_and_names_the_machine(tmp_path: Any) -> None:
+    """Issue 15, point 3: the one-principal variants are judged against the spread runs of the
+    same report (>= 0.9x, the worst of them counts), and the report names the machine."""
+    run = _harness()
+    assert run.WORKLOADS["get-1p"] == {**run.WORKLOADS["get"], "base": "get", "principals": 1}
+    assert run.peers_of("lifecycle-1p") == ()
+    report = {
+        "rounds": 1,
+        "duration_s": 8.0,
+        "machine": {"cpu_model": "Test CPU 3000", "cores": 2, "memory_gib": 23.5},
+        "results": {
+            "get": {"ours": [_run(1000)]},
+            "get-1p": {"ours": [_run(950)]},
+            "create": {"ours": [_run(400)]},
+            "create-1p": {"ours": [_run(300, errors=1)]},
+        },
+        "scale": {},
+    }
+    text = run.render(report)
+    assert "| get | 1000 | 950 | 0.95x | 0.95 |" in text
+    assert "| create | 400 | 300 | 0.75x | 0.75 |" in text
+    assert "| one principal >= 0.9x the spread load (get, create; worst) | 0.75x | **missed** |" in text
+    assert "| get-1p |" not in text  # not a workload of the peers' tables
+    assert "| zero failed operations (ours, every run) | 1 | **missed** |" in text  # the variants' failures count
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"{run.BEGIN}\n{run.END}\n")
+    run.write_doc(doc, report)
+    assert "on Test CPU 3000, 2 cores, 23.5 GiB._" in doc.read_text()
+    machine = run.machine()
+    assert machine["cores"] >= 1
+    assert machine["cpu_model"]
+
+
 EXT = "io.modelcontextprotocol/tasks"
 
 
