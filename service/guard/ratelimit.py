@@ -6,9 +6,11 @@ authentication, so slowapi's route decorators do not fit; its ``Limiter`` still 
 storage (``memory://`` or ``redis://…`` shared by every replica) and the sliding-window-counter
 strategy (two counters per key, where a moving window keeps every hit of the window: thousands of
 entries per busy key, copied by the memory storage's expiry thread), which we call directly.
-Remote storage is hit from a worker thread so the event loop never blocks. A storage outage fails
-open (requests pass) or closed (503, retry shortly), as ``MCP_TASKS_RATE_LIMIT_FAIL`` says; it is
-counted, and logged once when it starts and once when it ends.
+Remote storage is hit from a worker thread so the event loop never blocks; ``memory://`` (one
+process) is counted in the event loop by ``_LocalWindows``, the same strategy without a thread.
+A storage outage fails open (requests pass) or closed (503, retry shortly), as
+``MCP_TASKS_RATE_LIMIT_FAIL`` says; it is counted, and logged once when it starts and once when it
+ends.
 
 One storage call per request: the principal's budget. The address budget is checked only before
 verifying a token not verified before, and a principal whose lookups budget was seen unspent is
