@@ -182,7 +182,7 @@ def pin_postgres(core: str) -> None:
         subprocess.run(["taskset", "-a", "-cp", core, pid], capture_output=True)
 
 
-def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None) -> Server:
+def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None, principals: int = 32) -> Server:
     issuer_port, port = free_port(), free_port()
     issuer = f"http://127.0.0.1:{issuer_port}"
     url = f"http://127.0.0.1:{port}/mcp"
@@ -209,7 +209,7 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None)
                                 stdout=log, stderr=log)  # fmt: skip
     wait_http(url.removesuffix("/mcp") + "/healthz", proc)
     tokens = []
-    for i in range(32):  # 8 tenants x 4 subjects: many principals, as in production
+    for i in range(principals):  # 8 tenants x 4 subjects: many principals, as in production
         tokens.append(subprocess.run(
             [str(BIN / "mcp-tasks"), "token", "--issuer", issuer, "--tenant", f"tenant-{i % 8}",
              "--subject", f"user-{i}", "--resource", url],
@@ -335,7 +335,12 @@ EXT_ENV = {"MCP_TASKS_TASK_GRACE_MS": "0"}
 @contextlib.contextmanager
 def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterator[Server]:
     server = (
-        start_ours(dbs.fresh(), logs, EXT_ENV if workload in EXT_WORKLOADS else None)
+        start_ours(
+            dbs.fresh(),
+            logs,
+            EXT_ENV if workload in EXT_WORKLOADS else None,
+            WORKLOADS.get(workload, {}).get("principals", 32),
+        )
         if name == "ours"
         else start_floor(logs)
         if name == "floor"
