@@ -1,7 +1,7 @@
 """Gets and retrieves look their task up by primary key alone (issue 15, point 1).
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0007
+Revises: 0006
 
 ``task_batch`` found a get's or a retrieve's task with ``tenant_id``, ``task_id`` and ``subject`` in
 one WHERE. ``tasks_owner_recent`` (tenant_id, subject, created_at DESC, task_id DESC) matches all
@@ -20,8 +20,8 @@ and counted on in the function, under the tenant's create lock as before.
 
 from service.store.sqlscript import run_script
 
-revision = "0003"
-down_revision = "0002"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
