@@ -617,6 +617,8 @@ DECLARE
     lock_tenant text;
     mine bigint;
     total bigint;
+    counted_tenant text;
+    counted_subject text;
     n integer;
 BEGIN
     SELECT array_agg(jsonb_populate_record(NULL::task_batch_item, e) ORDER BY o) INTO items
@@ -634,9 +636,17 @@ BEGIN
         t := NULL;
         PERFORM set_config('app.tenant_id', it.tenant_id, true);
         IF it.k = 'create' THEN
-            SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
-                INTO mine, total
-            FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+            -- The counters are read once per run of one requestor's creates (the batch is sorted)
+            -- and counted on here: the tenant's create lock keeps other creates out, a finish
+            -- committed meanwhile only lowers them. One read per batch for a busy requestor, not
+            -- one per create through the row versions this batch's own inserts left behind.
+            IF counted_tenant IS DISTINCT FROM it.tenant_id OR counted_subject IS DISTINCT FROM it.subject THEN
+                SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
+                    INTO mine, total
+                FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+                counted_tenant := it.tenant_id;
+                counted_subject := it.subject;
+            END IF;
             IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
                 INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
@@ -650,19 +660,26 @@ BEGIN
                         CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
                         it.rerunnable, it.tool_version)
                 RETURNING * INTO t;
+                mine := mine + 1;  -- as the counter trigger just did
+                total := total + 1;
             END IF;
         ELSIF it.k IN ('retrieve', 'get') THEN
             -- Only what a lookup answers with: not the arguments nor the client's capabilities,
-            -- which every poll of a running task would otherwise read and send (issue 14 #4).
+            -- which every poll of a running task would otherwise read and send (issue 14 #4). By
+            -- primary key alone, then the owner and the expiry checked here: with the subject in
+            -- the WHERE the planner may take tasks_owner_recent (tenant, subject, ..., task_id) and
+            -- walk every task of the subject (6,400 index entries for one busy principal).
             SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token,
                    status, status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at,
-                   last_updated_at, attempts
+                   last_updated_at, attempts, expires_at
             INTO t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface, t.tool,
                  t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
-                 t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts
+                 t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
             FROM tasks
-            WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND subject = it.subject
-              AND expires_at > clock_timestamp();
+            WHERE tenant_id = it.tenant_id AND task_id = it.task_id;
+            IF t.task_id IS NOT NULL AND (t.subject <> it.subject OR NOT t.expires_at > clock_timestamp()) THEN
+                t := NULL;
+            END IF;
         ELSE
             RAISE EXCEPTION 'unknown batch item kind %', it.k USING ERRCODE = 'invalid_parameter_value';
         END IF;

@@ -47,6 +47,13 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "ext-lifecycle": {"clients": 32},
     "ext-get": {"clients": 32, "held": 200},
 }
+# The one-principal variants (issue 15): the same load with every client on one token (one tenant,
+# one subject, as a SaaS tenant's agents under one service identity, or single-user mode), judged
+# against the spread one (32 principals) of the same run: ours only.
+ONE_PRINCIPAL = {"get-1p": "get", "lifecycle-1p": "lifecycle", "create-1p": "create"}
+for _variant, _base in ONE_PRINCIPAL.items():
+    WORKLOADS[_variant] = {**WORKLOADS[_base], "base": _base, "principals": 1}
+ONE_PRINCIPAL_TARGET = 0.9  # one principal's throughput over the spread one's
 # What each target compares (issues 5 and 11): workload -> target ratio to the best peer.
 TARGETS = {"plain": 5.0, "lifecycle": 3.0, "get": 5.0, "create": 3.0, "ext-lifecycle": 5.0, "ext-get": 10.0}
 # Who is compared on which wire: the 2025-11-25 peers do not speak the extension, the extension
@@ -61,7 +68,33 @@ EXT_TASK_SECONDS, EXT_POLL_MS = 0.005, 5.0
 
 
 def peers_of(workload: str) -> tuple[str, ...]:
+    if workload in ONE_PRINCIPAL:
+        return ()
     return EXT_PEERS if workload in EXT_WORKLOADS else LEGACY_PEERS
+
+
+def machine() -> dict[str, Any]:
+    """What the run ran on (CPU model, cores, memory): ratios carry from one machine to another,
+    absolute numbers do not."""
+    model, mem_kib = "unknown", 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+                break
+    return {"cpu_model": model, "cores": os.cpu_count() or 1, "memory_gib": round(mem_kib / 1024 / 1024, 1)}
+
+
+def machine_text(report: dict[str, Any]) -> str:
+    m = report.get("machine")
+    if not m:
+        return f"{os.cpu_count()} cores"
+    return f"{m['cpu_model']}, {m['cores']} cores, {m['memory_gib']:g} GiB"
 
 
 def free_port() -> int:
@@ -149,7 +182,7 @@ def pin_postgres(core: str) -> None:
         subprocess.run(["taskset", "-a", "-cp", core, pid], capture_output=True)
 
 
-def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None) -> Server:
+def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None, principals: int = 32) -> Server:
     issuer_port, port = free_port(), free_port()
     issuer = f"http://127.0.0.1:{issuer_port}"
     url = f"http://127.0.0.1:{port}/mcp"
@@ -176,7 +209,7 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None)
                                 stdout=log, stderr=log)  # fmt: skip
     wait_http(url.removesuffix("/mcp") + "/healthz", proc)
     tokens = []
-    for i in range(32):  # 8 tenants x 4 subjects: many principals, as in production
+    for i in range(principals):  # 8 tenants x 4 subjects: many principals, as in production
         tokens.append(subprocess.run(
             [str(BIN / "mcp-tasks"), "token", "--issuer", issuer, "--tenant", f"tenant-{i % 8}",
              "--subject", f"user-{i}", "--resource", url],
@@ -260,14 +293,14 @@ def run_load(
     server: Server, workload: str, duration: float, out: Path, profile: Path | None = None, poll_ms: float = EXT_POLL_MS
 ) -> dict[str, Any]:
     cfg = WORKLOADS[workload]
-    cmd = [str(BIN / "mcp-tasks"), "bench", "--url", server.url, "--workload", workload,
+    cmd = [str(BIN / "mcp-tasks"), "bench", "--url", server.url, "--workload", cfg.get("base", workload),
            "--clients", str(cfg["clients"]), "--duration", str(duration), "--server-pid", str(server.proc.pid),
            "--json", str(out), "--quiet"]  # fmt: skip
     if "held" in cfg:
         cmd += ["--held", str(cfg["held"])]
     if workload == "ext-lifecycle":
         cmd += ["--task-seconds", str(EXT_TASK_SECONDS), "--poll-ms", str(poll_ms)]
-    for token in server.tokens:
+    for token in server.tokens[: cfg.get("principals", len(server.tokens))]:
         cmd.append(f"--token={token}")
     db = PostgresCpu() if server.name == "ours" else None
     spy = None
@@ -302,7 +335,12 @@ EXT_ENV = {"MCP_TASKS_TASK_GRACE_MS": "0"}
 @contextlib.contextmanager
 def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterator[Server]:
     server = (
-        start_ours(dbs.fresh(), logs, EXT_ENV if workload in EXT_WORKLOADS else None)
+        start_ours(
+            dbs.fresh(),
+            logs,
+            EXT_ENV if workload in EXT_WORKLOADS else None,
+            WORKLOADS.get(workload, {}).get("principals", 32),
+        )
         if name == "ours"
         else start_floor(logs)
         if name == "floor"
@@ -355,6 +393,8 @@ def main() -> int:
         return 1 if failures(saved) else 0
     only = set(args.servers.split(",")) if args.servers else None
     workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    if args.smoke and not args.workloads:  # seconds: one one-principal variant keeps that path working
+        workloads = [w for w in workloads if w not in ONE_PRINCIPAL or w == "create-1p"]
     needed = {p for w in workloads for p in peers_of(w)} & (only if only is not None else set(PEER_SERVERS))
     peers = [] if args.smoke else ensure_peers(needed)
     rounds, duration = (1, 1.0) if args.smoke else (args.rounds, args.duration)
@@ -392,6 +432,7 @@ def main() -> int:
         "rounds": rounds,
         "duration_s": duration,
         "ext_poll_ms": args.ext_poll_ms,
+        "machine": machine(),
     }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(render(report))
@@ -424,6 +465,19 @@ P99_SPREAD_TARGET = 1.5  # tasks/get p99, largest over smallest, 1 thousand to 1
 RSS_TARGET_KIB = 1024  # server RSS growth per 1,000 pending tasks
 
 
+def one_principal_ratios(report: dict[str, Any]) -> dict[str, tuple[str, float]]:
+    """variant -> (its base workload, median one-principal throughput over the spread one's)."""
+    out: dict[str, tuple[str, float]] = {}
+    results = report["results"]
+    for variant, base in ONE_PRINCIPAL.items():
+        one_runs = results.get(variant, {}).get("ours", [])
+        spread_runs = results.get(base, {}).get("ours", [])
+        if one_runs and spread_runs:
+            spread = median_of(spread_runs, "throughput_per_s")
+            out[variant] = (base, median_of(one_runs, "throughput_per_s") / spread if spread else float("nan"))
+    return out
+
+
 def failures(report: dict[str, Any]) -> int:
     """Failed operations of our service over every run, the scale run included."""
     runs = [r for per in report["results"].values() for r in per.get("ours", [])]
@@ -448,6 +502,8 @@ def render(report: dict[str, Any]) -> str:
     """Medians, ratios to the best peer and the floor, and a verdict per target (markdown)."""
     nan = float("nan")
     results: dict[str, dict[str, list[dict[str, Any]]]] = report["results"]
+    one = {w: per for w, per in results.items() if w in ONE_PRINCIPAL}
+    results = {w: per for w, per in results.items() if w not in ONE_PRINCIPAL}
     legacy = {w: per for w, per in results.items() if w not in EXT_WORKLOADS}
     ext = {w: per for w, per in results.items() if w in EXT_WORKLOADS}
     ratios: dict[str, float] = {}
@@ -515,6 +571,27 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"| {workload} | {ours} | {' | '.join(rest)} |")
     if ext_cpu_lines:
         lines += ["", "| extension workload | ours | fastmcp-tasks |", "|---|---|---|", *ext_cpu_lines]
+    one_ratios = one_principal_ratios(report)
+    if one_ratios:
+        lines += ["", "One principal (every client on one token: one tenant, one subject) against the spread load "
+                  "(32 principals, 8 tenants x 4 subjects) of the same run, ours only:", "",
+                  "| workload | spread | one principal | one / spread | per round | CPU per op, ms (spread / one) |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for variant, (base, ratio) in one_ratios.items():
+            spread_runs = results.get(base, {}).get("ours", [])
+            one_runs = one[variant].get("ours", [])
+            per_round = ", ".join(
+                _num(o.get("throughput_per_s", nan) / s_.get("throughput_per_s", nan), ".2f")
+                if s_.get("throughput_per_s") else "-"
+                for s_, o in zip(spread_runs, one_runs, strict=False)
+            )  # fmt: skip
+            cpu_s = _cpu(spread_runs) + median_of(spread_runs, "db_cpu_ms_per_op")
+            cpu_o = _cpu(one_runs) + median_of(one_runs, "db_cpu_ms_per_op")
+            lines.append(
+                f"| {base} | {_num(median_of(spread_runs, 'throughput_per_s'))} "
+                f"| {_num(median_of(one_runs, 'throughput_per_s'))} | {_num(ratio, '.2f', 'x')} | {per_round} "
+                f"| {_num(cpu_s, '.3f')} / {_num(cpu_o, '.3f')} |"
+            )
     scale: dict[str, dict[str, float]] = report.get("scale") or {}
     if scale:
         lines += ["", "tasks/get with 6,400 held and other tenants' tasks stored (median p99 of the runs): " + ", ".join(
@@ -548,6 +625,11 @@ def render(report: dict[str, Any]) -> str:
         ("extension `tasks/get` >= 10x fastmcp-tasks, 6,400 held", ratios.get("ext-get", nan), f"{_num(ratios.get('ext-get', nan), '.2f', 'x')}", TARGETS["ext-get"], True),
         ("zero failed operations (ours, every run)", float(failed), str(failed), 0.0, False),
     ]  # fmt: skip
+    if one_ratios:
+        worst = min(r for _b, r in one_ratios.values())
+        names = ", ".join(b for b, _r in one_ratios.values())
+        verdicts.insert(-1, (f"one principal >= {ONE_PRINCIPAL_TARGET}x the spread load ({names}; worst)", worst,
+                             _num(worst, ".2f", "x"), ONE_PRINCIPAL_TARGET, True))  # fmt: skip
     lines += ["", "| target | result | verdict |", "|---|---|---|"]
     for name, got, shown, target, at_least in verdicts:
         verdict = "-" if got != got else ("met" if (got >= target if at_least else got <= target) else "**missed**")
@@ -570,7 +652,7 @@ def write_doc(doc: Path, report: dict[str, Any]) -> None:
     _old, tail = rest.split(END, 1)
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     body = (f"\n_Written by `make bench` on {stamp}: {report['rounds']} rounds of {report['duration_s']:.0f} s, "
-            f"medians, {os.cpu_count()} cores._\n\n{render(report)}\n")  # fmt: skip
+            f"medians, on {machine_text(report)}._\n\n{render(report)}\n")  # fmt: skip
     doc.write_text(head + BEGIN + body + END + tail)
 
 

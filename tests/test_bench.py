@@ -16,6 +16,7 @@ import pytest
 
 from service.bench import BenchConfig, BenchUsageError, main, run_bench, wire
 from service.bench.modern import ModernSession, header_value
+from service.bench.report import advice, summary
 from service.bench.sse import SseParser
 from service.bench.stats import Recorder
 from service.bench.wire import McpSession, RequestFailed
@@ -111,9 +112,10 @@ async def test_an_extension_call_answered_without_a_task_is_a_failed_lifecycle(d
     async with serve(make_settings(database_url, task_grace_ms=0)) as server:
         result = await run_bench(smoke_config(server.url, "ext-lifecycle", task_seconds=0.0, duration_s=0.5))
 
-    assert result["ops"] > 0
-    assert result["errors"] == result["ops"]
-    assert result["error_kinds"] == {"not_a_task": result["ops"]}
+    assert result["attempted"] > 0
+    assert result["ops"] == 0  # the headline counts successes only
+    assert result["errors"] == result["attempted"]
+    assert result["error_kinds"] == {"not_a_task": result["attempted"]}
     assert set(result["methods"]) == {"tools/call"}
 
 
@@ -122,13 +124,58 @@ async def test_every_failed_operation_is_counted_by_method_and_kind(database_url
     async with serve(make_settings(database_url)) as server:
         result = await run_bench(smoke_config(server.url, workload, tool="no_such_tool", duration_s=0.5))
 
-    assert result["ops"] > 0
-    assert result["errors"] == result["ops"]
-    assert sum(result["error_kinds"].values()) == result["ops"]
+    assert result["attempted"] > 0
+    assert result["ops"] == 0
+    assert result["throughput_per_s"] == 0.0
+    assert result["errors"] == result["attempted"]
+    assert sum(result["error_kinds"].values()) == result["attempted"]
     call = result["methods"]["tools/call"]
-    assert call["count"] == call["errors"] == result["ops"]
+    assert call["count"] == call["errors"] == result["attempted"]
     assert call["p50_ms"] is None
     assert set(result["methods"]) == {"tools/call"}  # a failed create never reaches tasks/get
+
+
+async def test_a_rate_limited_run_counts_only_successes_and_names_the_setting_to_raise(database_url: str) -> None:
+    """Issue 15, point 4: against a server whose rate limit the load exceeds, the headline counts
+    successful operations only, and the run says that errors dominate and what to raise or lower."""
+    # 4 clients open their sessions (2 requests each), then the budget is spent within the warm-up.
+    async with serve(make_settings(database_url, rate_limit="12/minute")) as server:
+        result = await run_bench(smoke_config(server.url, "plain", duration_s=0.5))
+    assert result["error_kinds"].get("http_429", 0) > 0
+    call = result["methods"]["tools/call"]
+    assert result["ops"] == call["count"] - call["errors"]  # successes only
+    assert result["attempted"] == result["ops"] + result["errors"]
+    assert result["throughput_per_s"] == pytest.approx(result["ops"] / result["duration_s"], abs=0.1)
+    assert result["errors"] > result["ops"]
+    assert any("MCP_TASKS_RATE_LIMIT" in line and "--clients" in line for line in result["advice"])
+    text = summary(result)
+    assert "errors dominate" in text
+    assert "MCP_TASKS_RATE_LIMIT" in text
+    assert f"{result['ops']} successful ops" in text
+
+
+async def test_a_run_over_the_active_task_cap_names_the_caps_to_raise(database_url: str) -> None:
+    """Issue 15, point 4: -32000 from the cap on active tasks per requestor (16 by default, 2 here)
+    is named, with the settings to raise and the flag to lower."""
+    async with serve(make_settings(database_url, max_active_tasks_per_requestor=2)) as server:
+        result = await run_bench(smoke_config(server.url, "create", duration_s=0.5, max_ops=40))
+    assert result["error_kinds"].get("rpc_-32000", 0) > 0
+    assert result["ops"] <= 2  # at most the cap's worth of creates succeeded
+    assert result["attempted"] == result["ops"] + result["errors"]
+    assert any("MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR" in line and "--clients" in line for line in result["advice"])
+    assert "errors dominate" in summary(result)
+
+
+def test_a_clean_run_gives_no_advice_and_no_warning() -> None:
+    result = {"workload": "get", "url": "http://127.0.0.1:1/mcp", "clients": 1, "duration_s": 1.0, "ops": 10,
+              "attempted": 10, "errors": 0, "throughput_per_s": 10.0, "error_kinds": {}, "methods": {},
+              "advice": advice({}, 10)}  # fmt: skip
+    assert result["advice"] == []
+    assert "WARNING" not in summary(result)
+    assert "to fix" not in summary(result)
+    few = {**result, "ops": 9, "errors": 1, "error_kinds": {"http_429": 1}, "advice": advice({"http_429": 1}, 10)}
+    assert "WARNING" not in summary(few)  # 10 %: named, but not dominant
+    assert "to fix: 1 requests refused with HTTP 429" in summary(few)
 
 
 async def test_max_ops_stops_the_measured_phase_at_that_count(database_url: str) -> None:
@@ -410,6 +457,39 @@ def test_the_report_judges_every_target_and_counts_failures_of_the_scale_run_too
     assert written.startswith("# Performance\n\nkept\n\n")
     assert written.endswith(f"{run.END}\n\nalso kept\n")
     assert "| task lifecycles/s >= 3x best peer | 2.50x | **missed** |" in written
+
+
+def test_the_report_sets_one_principal_against_the_spread_load_and_names_the_machine(tmp_path: Any) -> None:
+    """Issue 15, point 3: the one-principal variants are judged against the spread runs of the
+    same report (>= 0.9x, the worst of them counts), and the report names the machine."""
+    run = _harness()
+    assert run.WORKLOADS["get-1p"] == {**run.WORKLOADS["get"], "base": "get", "principals": 1}
+    assert run.peers_of("lifecycle-1p") == ()
+    report = {
+        "rounds": 1,
+        "duration_s": 8.0,
+        "machine": {"cpu_model": "Test CPU 3000", "cores": 2, "memory_gib": 23.5},
+        "results": {
+            "get": {"ours": [_run(1000)]},
+            "get-1p": {"ours": [_run(950)]},
+            "create": {"ours": [_run(400)]},
+            "create-1p": {"ours": [_run(300, errors=1)]},
+        },
+        "scale": {},
+    }
+    text = run.render(report)
+    assert "| get | 1000 | 950 | 0.95x | 0.95 |" in text
+    assert "| create | 400 | 300 | 0.75x | 0.75 |" in text
+    assert "| one principal >= 0.9x the spread load (get, create; worst) | 0.75x | **missed** |" in text
+    assert "| get-1p |" not in text  # not a workload of the peers' tables
+    assert "| zero failed operations (ours, every run) | 1 | **missed** |" in text  # the variants' failures count
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"{run.BEGIN}\n{run.END}\n")
+    run.write_doc(doc, report)
+    assert "on Test CPU 3000, 2 cores, 23.5 GiB._" in doc.read_text()
+    machine = run.machine()
+    assert machine["cores"] >= 1
+    assert machine["cpu_model"]
 
 
 EXT = "io.modelcontextprotocol/tasks"

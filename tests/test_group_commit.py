@@ -151,6 +151,24 @@ async def test_caps_count_the_creates_ahead_in_the_same_batch_T_SEC_7(app_db: Da
     assert fallbacks("test") == before
 
 
+async def test_caps_hold_across_requestors_of_one_tenant_in_one_batch_T_SEC_7(app_db: Database) -> None:
+    """Issue 15: a batch reads the counters once per run of one requestor's creates and counts on
+    itself; the next requestor's run reads again and still sees the tenant's total so far."""
+    calls = Recorded(app_db)
+    batcher = Batcher(calls.many, name="test")
+    alice, bob = principal("acme", "alice"), principal("acme", "bob")
+
+    def capped(owner: Principal) -> rq.TaskRequest:
+        return dataclasses.replace(create(owner, max_per_requestor=2), max_per_tenant=3)
+
+    made = await asyncio.gather(*(batcher.submit(capped(p)) for p in (alice, bob, alice, bob, alice, bob)))
+    assert calls.sizes == [6]
+    created = [t.subject for t in made if t is not None]
+    assert sorted(created) == ["alice", "alice", "bob"]  # alice's run first (sorted), then the tenant's cap
+    again = await batcher.submit(capped(bob))
+    assert again is None  # the tenant is full: 3 active
+
+
 async def test_finishes_in_one_batch_record_only_leases_still_held_T_SEC_10(
     app_db: Database, database_url: str
 ) -> None:

@@ -143,6 +143,32 @@ async def test_over_the_rate_limit_is_429_with_retry_after_and_a_json_rpc_error_
         assert r.json()["error"]["code"] == -32029
 
 
+def test_the_in_process_limiter_allows_and_refuses_as_the_limits_memory_storage_does_T_SEC_6() -> None:
+    """Issue 15: with memory:// the budgets are counted in the event loop (no expiry thread, no
+    locks); they must answer as ``limits``' sliding-window counter on its memory storage does, keep
+    the two budgets of one principal apart, and stay bounded in size."""
+    import time
+
+    from limits import parse
+    from limits.storage import MemoryStorage
+    from limits.strategies import SlidingWindowCounterRateLimiter
+
+    from service.guard.ratelimit import _LocalWindows
+
+    item = parse("5/minute")
+    reference, ours = SlidingWindowCounterRateLimiter(MemoryStorage()), _LocalWindows()
+    assert [reference.hit(item, "k") for _ in range(7)] == [ours.hit("principal", item, "k") for _ in range(7)]
+    assert [ours.hit("principal", item, "other") for _ in range(6)] == [True] * 5 + [False]
+    assert reference.test(item, "k") is ours.test("principal", item, "k") is False
+    assert ours.test("not_found", item, "k") is True  # the same key in another scope: its own counter
+    expected = reference.get_window_stats(item, "k").reset_time - time.time()
+    assert abs(ours.reset_in("principal", item, "k") - expected) < 0.5
+    bounded = _LocalWindows(max_keys=3)
+    for i in range(10):
+        assert bounded.hit("principal", item, f"key-{i}")
+    assert len(bounded._hits) <= 3
+
+
 async def test_lookups_that_find_nothing_have_a_tighter_budget_T_SEC_11(
     database_url: str, http: httpx.AsyncClient
 ) -> None:

@@ -86,7 +86,8 @@ class OAuthResourceServer:
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         client = conn.client.host if conn.client else "-"
-        if "access_token" in conn.query_params:
+        # The query string is parsed only when there is one (a request has none, as a rule).
+        if conn.scope.get("query_string") and "access_token" in conn.query_params:
             self._log_denied("query_token", client, None)
             raise self._challenge(
                 401, "invalid_request", "access tokens in the URL are not accepted; send Authorization: Bearer"

@@ -20,7 +20,7 @@ import orjson
 from service.bench.config import WORKLOADS, BenchConfig, BenchError, BenchUsageError, validate
 from service.bench.modern import ModernSession
 from service.bench.probe import ProbeError, ServerProbe, ServerWindow
-from service.bench.report import ProgressLine, summary
+from service.bench.report import ProgressLine, advice, summary
 from service.bench.stats import Recorder, latency_summary
 from service.bench.wire import McpSession, RequestFailed, Session
 from service.bench.workloads import EXT_WORKLOADS, Client, Workload, cancel_held, run_op
@@ -46,7 +46,10 @@ async def _open_sessions(clients: list[Client]) -> None:
     kinds = Counter(o.kind if isinstance(o, RequestFailed) else type(o).__name__ for o in outcomes if o is not None)
     if kinds:
         listed = ", ".join(f"{k}={n}" for k, n in sorted(kinds.items()))
-        raise BenchError(f"{kinds.total()} of {len(clients)} sessions failed to initialize ({listed})")
+        fixes = " ".join(advice(dict(kinds), len(clients)))
+        raise BenchError(
+            f"{kinds.total()} of {len(clients)} sessions failed to initialize ({listed}){'; ' + fixes if fixes else ''}"
+        )
 
 
 async def _hold_tasks(config: BenchConfig, workload: Workload, clients: list[Client], progress: ProgressLine) -> None:
@@ -60,10 +63,8 @@ async def _hold_tasks(config: BenchConfig, workload: Workload, clients: list[Cli
     await asyncio.gather(*(workload.hold(c, config.held, rec, tick) for c in clients))
     if rec.failed_ops:
         listed = ", ".join(f"{k}={n}" for k, n in sorted(rec.kinds.items()))
-        raise BenchError(
-            f"{rec.failed_ops} of {rec.ops} held tasks could not be created ({listed}); "
-            "raise the server's task limits or spread the load over more --token principals"
-        )
+        fixes = " ".join(advice(dict(rec.kinds), rec.ops))
+        raise BenchError(f"{rec.failed_ops} of {rec.ops} held tasks could not be created ({listed}); {fixes}")
 
 
 async def _measure(
@@ -123,19 +124,27 @@ async def _measure(
         await asyncio.gather(*workers, ticking, return_exceptions=True)
     progress.show("done", duration, measured.ops, measured.failed_ops, rate=measured.ops / max(duration, 1e-9))
     pending = measured.successes("tools/call") if config.workload == "create" else None
+    # The headline counts successful operations only (issue 15): refusals are cheap and fast, and a
+    # run that was mostly 429s must not read as a fast server.
+    succeeded = measured.ops - measured.failed_ops
+    kinds = dict(sorted(measured.kinds.items()))
     return {
         "workload": config.workload,
         "wire": "2026-07-28" if config.workload in EXT_WORKLOADS else "2025-11-25",
         "url": config.url,
         "clients": config.clients,
         "duration_s": round(duration, 3),
-        "ops": measured.ops,
+        "ops": succeeded,
+        "attempted": measured.ops,
         "errors": measured.failed_ops,
-        "error_kinds": dict(sorted(measured.kinds.items())),
-        "throughput_per_s": round(measured.ops / duration, 1) if duration > 0 else 0.0,
+        "error_share": round(measured.failed_ops / measured.ops, 4) if measured.ops else 0.0,
+        "error_kinds": kinds,
+        "advice": advice(kinds, measured.ops),
+        "throughput_per_s": round(succeeded / duration, 1) if duration > 0 else 0.0,
+        "attempted_per_s": round(measured.ops / duration, 1) if duration > 0 else 0.0,
         "methods": measured.methods(),
         "op_latency": latency_summary(measured.op_samples),
-        "server": window.summary(measured.ops, pending) if window is not None else None,
+        "server": window.summary(succeeded, pending) if window is not None else None,
         "warmup": {"ops": warm.ops, "errors": warm.failed_ops},
         # Wall-clock bounds of the measured phase, to attribute other processes' CPU (e.g. a database).
         "window_unix": [round(t, 3) for t in window_unix],

@@ -44,17 +44,79 @@ class ProgressLine:
             self._shown = False
 
 
+# What an error kind says about the run, and what to change: (what happened, what to raise or lower).
+# The settings named are ours (mcp-tasks serve); another server has its own names for the same limits.
+_ADVICE: dict[str, tuple[str, str]] = {
+    "http_429": (
+        "refused with HTTP 429 (rate limited)",
+        "raise the server's per-principal rate limit (ours: MCP_TASKS_RATE_LIMIT, default 1200/minute), "
+        "spread the load over more principals (repeat --token), or lower --clients",
+    ),
+    "rpc_-32029": (
+        "refused as rate limited (-32029)",
+        "raise the server's rate limits (ours: MCP_TASKS_RATE_LIMIT, MCP_TASKS_RATE_LIMIT_NOT_FOUND for lookups "
+        "that find nothing), spread the load over more principals (repeat --token), or lower --clients",
+    ),
+    "rpc_-32000": (
+        "refused with -32000 (capacity exceeded: too many active tasks)",
+        "raise the server's caps on active tasks (ours: MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR, default 16, and "
+        "MCP_TASKS_MAX_ACTIVE_TASKS_PER_TENANT, default 256) above what the run holds at once (--clients, and "
+        "--clients x --held for get), spread the load over more principals (repeat --token), or lower --clients",
+    ),
+    "rpc_-32001": (
+        "refused with -32001 (service unavailable)",
+        "check the server's database and its pool (ours: MCP_TASKS_DB_POOL_SIZE), or lower --clients",
+    ),
+    "http_503": ("refused with HTTP 503 (unavailable)", "check the server's health and logs, or lower --clients"),
+    "timeout": ("timed out", "lower --clients, or check that the server is not stalled"),
+}
+# Past this share of failed operations the headline says the run measured refusals, not the server.
+DOMINANT_SHARE = 0.5
+
+
+def advice(error_kinds: dict[str, int], attempted: int) -> list[str]:
+    """Lines saying what the failures were and which settings to raise or flags to lower (most
+    frequent first); empty when nothing failed. The first line says whether errors dominate."""
+    failed_requests = sum(error_kinds.values())
+    if not failed_requests or attempted <= 0:
+        return []
+    lines: list[str] = []
+    for kind, count in sorted(error_kinds.items(), key=lambda kv: (-kv[1], kv[0])):
+        if kind in _ADVICE:
+            what, fix = _ADVICE[kind]
+            lines.append(f"{count} requests {what}: {fix}.")
+        elif kind.startswith("transport_"):
+            lines.append(f"{count} requests failed on the connection ({kind}): is the server up? Lower --clients.")
+    if not lines:
+        lines.append("see error_kinds; each names a failed request's HTTP status (http_*) or JSON-RPC code (rpc_*).")
+    return lines
+
+
+def errors_dominate(result: dict[str, Any]) -> bool:
+    attempted = int(result.get("attempted") or 0)
+    return attempted > 0 and int(result.get("errors") or 0) >= DOMINANT_SHARE * attempted
+
+
 def _ms(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
 def summary(result: dict[str, Any]) -> str:
     """A few lines for people; the JSON on stdout is the record."""
+    attempted = result.get("attempted", result["ops"])
     lines = [
         f"{result['workload']} against {result['url']}: {result['clients']} clients, "
-        f"{result['duration_s']:.2f} s, {result['ops']} ops, {result['throughput_per_s']:.1f} ops/s, "
-        f"{result['errors']} errors"
+        f"{result['duration_s']:.2f} s, {result['ops']} successful ops, {result['throughput_per_s']:.1f} ops/s "
+        f"(successful only), {result['errors']} of {attempted} operations failed"
     ]
+    if errors_dominate(result):
+        share = 100 * result["errors"] / attempted
+        lines.append(
+            f"  WARNING: errors dominate ({share:.1f} % of operations failed): this run measured the server's "
+            "refusals, not its capacity."
+        )
+    for line in result.get("advice") or ():
+        lines.append(f"  to fix: {line}")
     if result["error_kinds"]:
         kinds = ", ".join(f"{k}={n}" for k, n in sorted(result["error_kinds"].items()))
         lines.append(f"  error kinds: {kinds}")

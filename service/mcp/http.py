@@ -4,9 +4,50 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.types import Send
+from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection
+from starlette.types import Receive, Scope, Send
 
 from service.mcp import jsonrpc
+
+
+class RequestHeaders(Headers):
+    """Starlette's ``Headers`` (read-only) answering ``get``, ``[]`` and ``in`` from a dict built once:
+    ``Headers`` scans and decodes the whole header list on every lookup, and a request makes about
+    a dozen. The first of repeated headers wins, as with ``Headers.get``."""
+
+    def __init__(self, scope: Scope) -> None:
+        super().__init__(scope=scope)
+        first: dict[str, str] = {}
+        for key, value in self._list:
+            name = key.decode("latin-1").lower()
+            if name not in first:
+                first[name] = value.decode("latin-1")
+        self._first = first
+
+    def __getitem__(self, key: str) -> str:
+        try:
+            return self._first[key.lower()]
+        except KeyError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._first.get(key.lower(), default)
+
+    def __contains__(self, key: Any) -> bool:
+        return isinstance(key, str) and key.lower() in self._first
+
+
+class RequestConnection(HTTPConnection):
+    """The request as the authenticator sees it, sharing the request's ``RequestHeaders``."""
+
+    def __init__(self, scope: Scope, receive: Receive, headers: RequestHeaders) -> None:
+        super().__init__(scope, receive)
+        self._request_headers = headers
+
+    @property
+    def headers(self) -> Headers:
+        return self._request_headers
 
 
 class HttpError(Exception):

@@ -191,10 +191,10 @@ class ModernSurface:
             )
             return
         finally:
-            metrics.requests.labels(label, outcome, ext.MODERN).inc()
+            metrics.labelled(metrics.requests, label, outcome, ext.MODERN).inc()
             if outcome != "ok":
-                metrics.request_errors.labels(label, metrics.rpc_code(code), ext.MODERN).inc()
-            metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
+                metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), ext.MODERN).inc()
+            metrics.labelled(metrics.request_seconds, label).observe(time.perf_counter() - started)
         await send_json(send, 200, jsonrpc.result_message(request_id, reply))
 
     def _envelope(

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 
 import orjson
 from starlette.datastructures import Headers
-from starlette.requests import HTTPConnection
 from starlette.types import Message, Receive, Scope, Send
 
 from service.auth.base import Authenticator, AuthFailure
@@ -27,7 +26,7 @@ from service.guard.ratelimit import RateLimited, RateLimiter
 from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
-from service.mcp.http import HttpError, send_json
+from service.mcp.http import HttpError, RequestConnection, RequestHeaders, send_json
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
 from service.mcp.modern import ModernSurface
 from service.mcp.plain import CallKey
@@ -154,10 +153,22 @@ def _has_nul(value: Any) -> bool:
     return False
 
 
+_ACCEPTS: dict[tuple[str, str], bool] = {}
+
+
 def _accepts(accept: str, media: str) -> bool:
+    """Does an Accept header admit ``media``? Remembered per header value: clients send the same
+    few values on every request (a bounded table; it starts afresh when full)."""
+    known = _ACCEPTS.get((accept, media))
+    if known is not None:
+        return known
     kinds = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
     major = media.split("/", 1)[0]
-    return media in kinds or "*/*" in kinds or f"{major}/*" in kinds
+    answer = media in kinds or "*/*" in kinds or f"{major}/*" in kinds
+    if len(_ACCEPTS) >= 1024:
+        _ACCEPTS.clear()
+    _ACCEPTS[(accept, media)] = answer
+    return answer
 
 
 class McpEndpoint:
@@ -188,10 +199,12 @@ class McpEndpoint:
         self._keepalive_s = settings.sse_keepalive_ms / 1000
         self._disconnect_grace_s = settings.plain_call_disconnect_grace_s
         self._get_streams = StreamCounts(settings.max_get_streams_per_session, settings.max_get_streams_per_principal)
+        self._hosts: dict[str, bool] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
-        request_id = _request_id(Headers(scope=scope).get("x-request-id"))
+        headers = RequestHeaders(scope)
+        request_id = _request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
         logctx.request_id.set(request_id)
         status = 0
@@ -206,7 +219,7 @@ class McpEndpoint:
             await send(message)
 
         try:
-            await self._serve(scope, receive, tracked_send)
+            await self._serve(scope, receive, tracked_send, headers)
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("unexpected error on %s /mcp (reference %s)", scope["method"], ref)
@@ -221,15 +234,14 @@ class McpEndpoint:
                 extra={"status": status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
             )
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
         method = scope["method"]
         try:
-            headers = Headers(scope=scope)
             self._check_host_and_origin(headers)
             client = scope.get("client")
             address = client[0] if client else "-"
             request_id = scope["state"]["request_id"]
-            connection = HTTPConnection(scope, receive)
+            connection = RequestConnection(scope, receive, headers)
             # An address over its failed-authentication budget is refused before any token work
             # (a token verified before costs no work, so it skips this check).
             if not self.auth.knows(connection) and (limited := await self.limiter.unauthenticated_blocked(address)):
@@ -290,13 +302,21 @@ class McpEndpoint:
     # --- envelope checks -----------------------------------------------------------------------
 
     def host_allowed(self, host: str) -> bool:
-        """Our own Host names only: the public URL's, the allow-list, loopback when bound to loopback."""
+        """Our own Host names only: the public URL's, the allow-list, loopback when bound to loopback.
+        Remembered per Host value (settings do not change while serving; a bounded table)."""
+        known = self._hosts.get(host)
+        if known is not None:
+            return known
         hostname = _hostname(f"//{host}")
-        return (
+        allowed = (
             hostname == self._public_host
             or hostname in self.settings.host_allowlist
             or (is_loopback_host(self.settings.host) and is_loopback_host(hostname))
         )
+        if len(self._hosts) >= 1024:
+            self._hosts.clear()
+        self._hosts[host] = allowed
+        return allowed
 
     def _check_host_and_origin(self, headers: Headers) -> None:
         """H-ORIGIN-1/2 and DNS-rebinding defence: only our own Host names and allowed Origins."""
@@ -438,10 +458,10 @@ class McpEndpoint:
                 raise
             finally:
                 elapsed = time.perf_counter() - started
-                metrics.requests.labels(label, outcome, wire["wire"]).inc()
+                metrics.labelled(metrics.requests, label, outcome, wire["wire"]).inc()
                 if code is not None:
-                    metrics.request_errors.labels(label, metrics.rpc_code(code), wire["wire"]).inc()
-                metrics.request_seconds.labels(label).observe(max(0.0, elapsed - sum(waits)))
+                    metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), wire["wire"]).inc()
+                metrics.labelled(metrics.request_seconds, label).observe(max(0.0, elapsed - sum(waits)))
                 if label == "tasks/result":
                     metrics.task_result_seconds.observe(elapsed)
             return

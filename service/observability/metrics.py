@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 from prometheus_client import (
     REGISTRY,
@@ -214,6 +214,23 @@ def tenant(value: str) -> str:
 
 
 KNOWN_WIRES: Final = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2026-07-28"})
+
+
+_M = TypeVar("_M", Counter, Histogram)
+_children: dict[tuple[object, tuple[str, ...]], object] = {}
+
+
+def labelled(metric: _M, *values: str) -> _M:
+    """``metric.labels(*values)``, remembered: prometheus-client takes a lock, converts and hashes
+    the values on every call, and a request names three or four children. Label values are
+    bounded (see above), so the table is too; it starts afresh if that ever stops being true."""
+    key = (metric, values)
+    found = _children.get(key)
+    if found is None:
+        if len(_children) > 10_000:
+            _children.clear()
+        found = _children[key] = metric.labels(*values)
+    return found  # type: ignore[return-value]
 
 
 def wire(version: str) -> str:
