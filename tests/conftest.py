@@ -25,6 +25,16 @@ from service.store import migrate
 from tests.issuer import LocalIssuer
 
 ACCEPT_BOTH = "application/json, text/event-stream"
+FAULTS = Path(__file__).resolve().parent / "faults"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/faults (minutes of real replicas, haproxy and kills) runs in `make faults`, not in
+    `make test`: it is collected only when a path inside it is named on the command line."""
+    if collection_path != FAULTS:
+        return None
+    named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
+    return not any(p == FAULTS or FAULTS in p.parents for p in named)
 
 
 def _admin_dsn() -> Iterator[str]:

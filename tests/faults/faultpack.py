@@ -1,0 +1,61 @@
+"""Tools for the fault tests (issue 13, point 7): each one records its executions, so a test can
+count how often a task ran and on which process.
+
+Every start and every end appends one line ``<start|end> <task id> <pid>`` to the file named by
+``MCP_TASKS_FAULTS_LOG`` (O_APPEND: one short write is atomic, and two replicas may share it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from service.tools.api import ToolContext
+from service.tools.registry import ToolPack
+
+pack = ToolPack("faults")
+
+
+def _record(event: str, ctx: ToolContext) -> None:
+    path = os.environ.get("MCP_TASKS_FAULTS_LOG")
+    if not path:
+        return
+    line = f"{event} {ctx.task_id or '-'} {os.getpid()}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+async def _work(ctx: ToolContext, seconds: float, label: str) -> str:
+    _record("start", ctx)
+    await asyncio.sleep(seconds)
+    _record("end", ctx)
+    return f"worked {label}"
+
+
+@pack.tool(rerunnable=True)
+async def work(ctx: ToolContext, seconds: float = 0.2, label: str = "") -> str:
+    """Sleeps ``seconds`` and records its start and end; safe to run again after a crash."""
+    return await _work(ctx, seconds, label)
+
+
+@pack.tool()
+async def work_once(ctx: ToolContext, seconds: float = 0.2, label: str = "") -> str:
+    """Sleeps ``seconds`` and records its start and end; must never run twice."""
+    return await _work(ctx, seconds, label)
+
+
+def executions(path: str) -> dict[str, dict[str, list[int]]]:
+    """task id -> {"start": [pids], "end": [pids]}, from the log the tools above wrote."""
+    runs: dict[str, dict[str, list[int]]] = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return runs
+    for line in lines:
+        event, task_id, pid = line.split()
+        runs.setdefault(task_id, {"start": [], "end": []})[event].append(int(pid))
+    return runs
