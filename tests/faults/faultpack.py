@@ -2,7 +2,7 @@
 count how often a task ran and on which process.
 
 Every start and every end appends one line ``<start|end> <task id> <pid>`` to the file named by
-``MCP_TASKS_FAULTS_LOG`` (O_APPEND: one short write is atomic, and two replicas may share it).
+``FAULTS_RUNS_LOG`` (O_APPEND: one short write is atomic, and two replicas may share it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pack = ToolPack("faults")
 
 
 def _record(event: str, ctx: ToolContext) -> None:
-    path = os.environ.get("MCP_TASKS_FAULTS_LOG")
+    path = os.environ.get("FAULTS_RUNS_LOG")
     if not path:
         return
     line = f"{event} {ctx.task_id or '-'} {os.getpid()}\n".encode()

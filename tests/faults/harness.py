@@ -455,17 +455,18 @@ async def settle(database_url: str, task_ids: set[str], timeout: float) -> dict[
 
 def judge(
     rows: dict[str, asyncpg.Record], known: dict[str, str], log_path: Path
-) -> tuple[int, int, int, dict[str, dict[str, list[int]]]]:
-    """(lost, stuck, duplicated, runs) for the tasks the clients were told about (id -> tool).
+) -> tuple[int, int, list[str], dict[str, dict[str, list[int]]]]:
+    """(lost, stuck, duplicated task ids, runs) for the tasks the clients were told about (id -> tool).
     Lost: no row. Stuck: not terminal. Duplicated: a non-rerunnable tool started more than once,
     or any tool that ran to its end more than once."""
     runs = executions(str(log_path))
     lost = sum(1 for t in known if t not in rows)
     stuck = sum(1 for t in known if t in rows and rows[t]["status"] not in TERMINAL)
-    duplicated = 0
-    for task_id, seen in runs.items():
-        if len(seen["end"]) > 1 or (known.get(task_id) == "work_once" and len(seen["start"]) > 1):
-            duplicated += 1
+    duplicated = [
+        task_id
+        for task_id, seen in runs.items()
+        if len(seen["end"]) > 1 or (known.get(task_id) == "work_once" and len(seen["start"]) > 1)
+    ]
     return lost, stuck, duplicated, runs
 
 

@@ -42,7 +42,7 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
     async with (
         replicas(
             database_url, tmp_path, ("a", "b"),
-            MCP_TASKS_SHUTDOWN_GRACE_S=str(GRACE_S), MCP_TASKS_FAULTS_LOG=str(runs_log),
+            MCP_TASKS_SHUTDOWN_GRACE_S=str(GRACE_S), FAULTS_RUNS_LOG=str(runs_log),
         ) as fleet,
         haproxy(tmp_path, list(fleet.values())) as proxy,
         httpx.AsyncClient(timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=64)) as http,
@@ -119,13 +119,17 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
     load_not_completed = sum(1 for t in known if t not in planned and t in rows and rows[t]["status"] != "completed")
     figures(
         "sigterm-behind-proxy",
-        failed_ops=tally.failed_ops, lost=lost, stuck=stuck, duplicated=duplicated,
+        failed_ops=tally.failed_ops, lost=lost, stuck=stuck, duplicated=len(duplicated),
         ops=tally.ops, retried=tally.retried, tasks=len(known), drained=drained, resumed=resumed,
         failed_clearly=failed_clearly, load_not_completed=load_not_completed,
     )  # fmt: skip
     print(f"  retries by kind: {dict(tally.retries)}; failures: {dict(tally.failures)} {tally.examples}")
     assert exit_status in (0, -signal.SIGTERM), a_log[-3000:]
-    assert (tally.failed_ops, lost, stuck, duplicated) == (0, 0, 0, 0), (tally.examples, b_log[-2000:])
+    assert (tally.failed_ops, lost, stuck, len(duplicated)) == (0, 0, 0, 0), (
+        tally.examples,
+        {t: (dict(rows[t]) if t in rows else None, runs[t]) for t in duplicated},
+        b_log[-2000:],
+    )
     assert not problems, problems
     assert load_not_completed == 0
     # The deploy really hit work in flight: some of each kind ran on a.
