@@ -288,6 +288,9 @@ class Tally:
     retries: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    phase: str = ""  # set by a test with phases (e.g. "outage"): answers and retries by phase
+    answered: Counter[str] = field(default_factory=Counter)
+    retries_in: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def fail(self, kind: str, detail: str) -> None:
         self.failed_ops += 1
@@ -374,6 +377,7 @@ class FaultClient:
                 if status == 202 and "id" not in body:
                     return {}, headers
                 if status == 200 and msg is not None and "result" in msg:
+                    self.tally.answered[self.tally.phase] += 1
                     result: dict[str, Any] = msg["result"]
                     return result, headers
                 error = (msg or {}).get("error") or {}
@@ -393,6 +397,7 @@ class FaultClient:
                 self.tally.fail(f"{method}:{kind}:budget", detail)
                 raise OperationFailed(f"retry budget spent: {detail}")
             self.tally.retries[kind] += 1
+            self.tally.retries_in[(self.tally.phase, kind)] += 1
             attempt += 1
             backoff = min(1.0, 0.05 * 2**attempt) * (0.5 + self.rng.random())
             await asyncio.sleep(min(max(backoff, retry_after), 2.0))
