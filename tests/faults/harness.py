@@ -291,6 +291,7 @@ class Tally:
     phase: str = ""  # set by a test with phases (e.g. "outage"): answers and retries by phase
     answered: Counter[str] = field(default_factory=Counter)
     retries_in: Counter[tuple[str, str]] = field(default_factory=Counter)
+    in_flight: Counter[str] = field(default_factory=Counter)  # url -> requests sent, not yet answered
 
     def fail(self, kind: str, detail: str) -> None:
         self.failed_ops += 1
@@ -333,7 +334,15 @@ class FaultClient:
         return h
 
     async def _post(self, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any] | None]:
-        async with self.http.stream("POST", self.url, json=body, headers=self._headers()) as r:
+        url = self.url
+        self.tally.in_flight[url] += 1
+        try:
+            return await self._post_to(url, body)
+        finally:
+            self.tally.in_flight[url] -= 1
+
+    async def _post_to(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any] | None]:
+        async with self.http.stream("POST", url, json=body, headers=self._headers()) as r:
             if r.status_code == 202:
                 return 202, dict(r.headers), None
             if r.headers.get("content-type", "").startswith("text/event-stream"):
