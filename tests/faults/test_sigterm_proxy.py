@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -69,8 +70,8 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
 
         async def place(kinds: tuple[tuple[str, str, float], ...]) -> None:
             """Create tasks of these kinds until each has run on replica a twice (either replica
-            may claim a task: both run tasks), bounded to 12 rounds."""
-            for i in range(12):
+            may claim a task: both run tasks), bounded to 20 rounds."""
+            for i in range(20):
                 batch = {}
                 for kind, tool, seconds in kinds:
                     task_id = await setup.create(tool, {"seconds": seconds, "label": f"{kind}-{i}"})
@@ -84,7 +85,8 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
                 if all(on_a.count(kind) >= 2 for kind, _, _ in kinds):
                     return
 
-        await place((("long-rerunnable", "work", LONG_S), ("long-once", "work_once", LONG_S)))
+        await place((("long-rerunnable", "work", LONG_S),))
+        await place((("long-once", "work_once", LONG_S),))
         await place((("short", "work_once", SHORT_S),))  # last, so they are still running at SIGTERM
         on_a = {t for t, pid in started_on.items() if pid == a.pid}
         a.signal(signal.SIGTERM)
@@ -123,6 +125,8 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
         ops=tally.ops, retried=tally.retried, tasks=len(known), drained=drained, resumed=resumed,
         failed_clearly=failed_clearly, load_not_completed=load_not_completed,
     )  # fmt: skip
+    placed = Counter((planned[t], "a" if t in on_a else "b") for t in planned)
+    print(f"  planned tasks by kind and replica: {dict(sorted(placed.items()))}")
     print(f"  retries by kind: {dict(tally.retries)}; failures: {dict(tally.failures)} {tally.examples}")
     assert exit_status in (0, -signal.SIGTERM), a_log[-3000:]
     assert (tally.failed_ops, lost, stuck, len(duplicated)) == (0, 0, 0, 0), (
