@@ -30,7 +30,7 @@ import orjson
 import pytest
 
 from service.client import sse_messages
-from tests.faults.faultpack import executions
+from tests.faults.faultpack import executions, not_rerunnable
 
 ROOT = Path(__file__).resolve().parents[2]
 WIRE = "2025-11-25"
@@ -472,14 +472,16 @@ def judge(
 ) -> tuple[int, int, list[str], dict[str, dict[str, list[int]]]]:
     """(lost, stuck, duplicated task ids, runs) for the tasks the clients were told about (id -> tool).
     Lost: no row. Stuck: not terminal. Duplicated: a non-rerunnable tool started more than once,
-    or any tool that ran to its end more than once."""
+    or any tool that ran to its end more than once, in any task (also one whose create a client
+    retried and never heard of)."""
     runs = executions(str(log_path))
+    once = not_rerunnable(str(log_path))
     lost = sum(1 for t in known if t not in rows)
     stuck = sum(1 for t in known if t in rows and rows[t]["status"] not in TERMINAL)
     duplicated = [
         task_id
         for task_id, seen in runs.items()
-        if len(seen["end"]) > 1 or (known.get(task_id) == "work_once" and len(seen["start"]) > 1)
+        if len(seen["end"]) > 1 or (task_id in once and len(seen["start"]) > 1)
     ]
     return lost, stuck, duplicated, runs
 
@@ -491,7 +493,3 @@ async def audit_verify(database_url: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "service", "audit", "verify"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-
-
-def send_signal(pid: int, sig: signal.Signals) -> None:
-    os.kill(pid, sig)

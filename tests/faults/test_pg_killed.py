@@ -12,8 +12,8 @@ import pytest
 
 from tests.faults.harness import FaultClient, OperationFailed, Tally, db_name, figures, judge, replicas, settle
 
-KILL_ROUNDS = 6
-KILL_EVERY_S = 1.5
+KILL_ROUNDS = 10
+KILL_EVERY_S = 1.0
 # The runner's liveness lock lives on a connection of its own (service/store/liveness.py).
 SPARE_LIVENESS = " AND application_name <> 'mcp-tasks-runner'"
 
