@@ -6,7 +6,7 @@ SHELL := /bin/bash
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test security schema-check lint format interop bench bench-smoke ops-check lock lock-check dashboards clean
+.PHONY: help run test security schema-check lint format interop faults soak bench bench-smoke ops-check lock lock-check dashboards clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,6 +43,12 @@ format: $(STAMP) ## apply ruff's fixes and formatting
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve`, both wires (installs peers under /tmp/peers)
 	scripts/interop.sh
 	scripts/interop-ext.sh
+
+faults: $(STAMP) ## fault tests: real replicas behind haproxy, SIGTERM/SIGKILL, killed PostgreSQL connections, Redis down (minutes)
+	$(BIN)/pytest tests/faults -s -q
+
+soak: $(STAMP) ## mixed load for SOAK_SECONDS (default 900): RSS, open fds and p99 must stay flat, no errors (not in CI)
+	$(BIN)/python bench/soak.py --seconds $${SOAK_SECONDS:-900}
 
 bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes); see docs/performance.md
 	$(BIN)/python bench/run.py --doc docs/performance.md

@@ -382,3 +382,30 @@ async def test_unreachable_rate_limit_storage_fails_open_or_closed_as_set(
         assert r.headers["retry-after"]
         assert r.json()["error"]["code"] == -32001
     assert (REGISTRY.get_sample_value("mcp_tasks_rate_limit_storage_errors_total") or 0.0) > before
+
+
+async def test_rate_limit_storage_back_is_logged_once_on_the_first_request_it_allows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 13, point 4 ("one log line on loss and one on recovery"): the recovery line came only
+    when a request was over its limit, so an outage followed by ordinary traffic never logged its
+    end (found by tests/faults/test_redis_killed.py)."""
+    from service.domain.principal import LOCAL_PRINCIPAL
+    from service.guard.ratelimit import RateLimiter
+    from tests.faults.harness import Redis, free_port, require
+
+    redis = Redis(free_port(), require("redis-server"))
+    limiter = RateLimiter(make_settings("", rate_limit_storage=redis.url, rate_limit_fail="open"))
+    with caplog.at_level("WARNING", logger="service.guard.ratelimit"):
+        assert await limiter.request(LOCAL_PRINCIPAL) is None  # nothing listens: fails open
+        await redis.start()
+        try:
+            assert await limiter.request(LOCAL_PRINCIPAL) is None
+            assert await limiter.request(LOCAL_PRINCIPAL) is None
+        finally:
+            await redis.kill()
+    lines = [r.getMessage() for r in caplog.records if r.name == "service.guard.ratelimit"]
+    assert [line.split(" (")[0] for line in lines] == [
+        "rate limit storage unreachable",
+        "rate limit storage reachable again",
+    ], lines

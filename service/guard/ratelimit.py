@@ -176,9 +176,7 @@ class RateLimiter:
             return RateLimited(scope, self._texts[scope], max(1, math.ceil(reset_in)))
         try:
             allowed = await self._call(self._strategy.hit if hit else self._strategy.test, item, key)
-            if allowed:
-                return None
-            stats = await self._call(self._strategy.get_window_stats, item, key)
+            stats = None if allowed else await self._call(self._strategy.get_window_stats, item, key)
         except Exception as exc:  # storage down: open (let through) or closed (retry later), as set
             if self._on_storage_error is not None:
                 self._on_storage_error()
@@ -189,9 +187,11 @@ class RateLimiter:
             if self._fail_open:
                 return None
             raise Unavailable("rate limit storage unreachable") from None
-        if self._storage_down:
+        if self._storage_down:  # on the first answer after an outage, whether it allows or refuses
             self._storage_down = False
             log.warning("rate limit storage reachable again")
+        if stats is None:
+            return None
         return RateLimited(scope, self._texts[scope], max(1, math.ceil(stats.reset_time - time.time())))
 
     @staticmethod
