@@ -4,12 +4,12 @@ purge exported audit events past their retention."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from datetime import UTC, datetime, timedelta
 
 from service.domain.errors import Unavailable
+from service.domain.stopping import cancel_and_wait
 from service.observability import metrics
 from service.runtime.handback import hand_back
 from service.store.db import Database
@@ -54,9 +54,7 @@ class Maintenance:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from service.domain.errors import Unavailable
+from service.domain.stopping import cancel_and_wait
 from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
 from service.runtime.context import TaskRunContext, TaskSink
@@ -240,11 +241,7 @@ class Runner:
         self._stopping = True
         with contextlib.suppress(ValueError):
             self.hub.listeners.remove(self._on_event)
-        for loop in self._loops:
-            loop.cancel()
-        for loop in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+        await cancel_and_wait(*self._loops)
         running = [run.job for run in self._running.values()]
         for job in running:
             job.cancel()

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import asyncpg
 import orjson
 
+from service.domain.stopping import cancel_and_wait
 from service.store.db import Database
 from service.store.queries import Q
 
@@ -225,11 +226,7 @@ class EventHub:
             await asyncio.wait_for(self._connected.wait(), timeout=10)
 
     async def stop(self) -> None:
-        for job in [self._task, *self._fetches]:
-            if job is not None:
-                job.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await job
+        await cancel_and_wait(*(job for job in [self._task, *self._fetches] if job is not None))
         if self._conn is not None and not self._conn.is_closed():
             await self._conn.close()
 
