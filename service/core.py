@@ -105,6 +105,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     dsn, stop_database = await resolve_database(settings)
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
+    for warning in await db.configuration_warnings():
+        log.warning(warning)
     runner_db = Database(
         dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
     )

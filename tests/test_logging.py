@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 import logging
 
+import asyncpg
 import httpx
 import orjson
 import pytest
 
 from service.observability.logging import JsonFormatter
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, make_settings, serve
 from tests.rpc import RpcSession
 
 
@@ -60,3 +61,20 @@ def test_the_text_format_escapes_control_characters_so_no_line_is_forged() -> No
     line = TextFormatter("%(levelname)s %(message)s").format(record)
     assert "\n" not in line
     assert "alice\\x0a2026 ERROR forged" in line
+
+
+async def test_a_server_with_autovacuum_off_is_named_at_start(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without vacuum the task and audit tables bloat and latency grows with uptime (the soak showed
+    it on a server with autovacuum off): serve says so once at start, and only then."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        autovacuum = await conn.fetchval("SELECT current_setting('autovacuum')")
+    finally:
+        await conn.close()
+    with caplog.at_level(logging.WARNING, logger="service.core"):
+        async with serve(make_settings(database_url)):
+            pass
+    warned = [r for r in caplog.records if "autovacuum off" in r.getMessage()]
+    assert len(warned) == (1 if autovacuum != "on" else 0)

@@ -198,6 +198,22 @@ class Database:
         size = self._pool.get_size()
         return size - self._pool.get_idle_size(), size
 
+    async def configuration_warnings(self) -> list[str]:
+        """What in the server's configuration will hurt this service (said once at start)."""
+        async with self.connection() as conn:
+            autovacuum = await conn.fetchval("SELECT current_setting('autovacuum')")
+        warnings = []
+        if autovacuum != "on":
+            # Every task update leaves a dead row version and every audit append a new head
+            # version: without vacuum the tables and their indexes only grow, and each lookup of
+            # a hot row (a requestor's counter, a tenant's audit head) walks ever longer chains.
+            warnings.append(
+                "PostgreSQL runs with autovacuum off: the task and audit tables bloat and request latency "
+                "grows the longer the service runs; turn it on (autovacuum = on) or VACUUM the database "
+                "regularly (docs/operations.md, Sizing)"
+            )
+        return warnings
+
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
         """A pooled connection in autocommit, for single statements."""
