@@ -421,9 +421,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub.add_parser("config", help="print the effective settings (secrets masked)")
     from service.cli_tasks import add_parser as add_tasks_parser
+    from service.cli_tasks import protect_task_ids
 
     add_tasks_parser(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(protect_task_ids(argv))
     if args.command in ("serve", "worker"):
         log_setup.configure("INFO", "text")  # until the settings say otherwise
         settings = _settings()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from typing import Any
 
@@ -19,6 +20,22 @@ from service.client import McpClient, McpClientError, ModernClient
 
 NOT_FOUND, UNAUTHORIZED, UNREACHABLE = 3, 4, 5
 TERMINAL = ("completed", "failed", "cancelled")
+
+
+# A task id is 43 characters of URL-safe base64 (secrets.token_urlsafe(32)), so one in 64 begins
+# with "-", which argparse would read as options.
+_DASHED_TASK_ID = re.compile(r"-[A-Za-z0-9_-]{42}")
+
+
+def protect_task_ids(argv: list[str]) -> list[str]:
+    """``tasks get|cancel`` with a task id that begins with "-": the id goes after a ``--``, so it
+    is read as the task id wherever it was written (the user may also write ``--`` themselves)."""
+    if argv[:1] != ["tasks"] or argv[1:2] not in (["get"], ["cancel"]) or "--" in argv:
+        return argv
+    ids = [arg for arg in argv[2:] if _DASHED_TASK_ID.fullmatch(arg)]
+    if not ids:
+        return argv
+    return [arg for arg in argv if arg not in ids] + ["--", *ids]
 
 
 def add_parser(sub: Any) -> None:

@@ -124,3 +124,26 @@ async def test_tasks_commands_without_a_valid_token_say_so(database_url: str) ->
     assert wrong.returncode == 4, wrong.stderr
     assert allowed.returncode == 0, allowed.stderr
     assert json.loads(allowed.stdout) == {"tasks": []}
+
+
+def test_a_task_id_that_begins_with_a_dash_is_read_as_the_task_id() -> None:
+    """One task id in 64 begins with "-" (URL-safe base64); argparse took it for options and
+    `mcp-tasks tasks get <id>` failed with "the following arguments are required: task_id"."""
+    from service.cli_tasks import protect_task_ids
+
+    dashed = "-U2TSycvlYvIGt9ojA-trpH-9QosYREhAbCdEfGhIjK"
+    assert len(dashed) == 43
+    assert protect_task_ids(["tasks", "get", dashed, "--json"]) == ["tasks", "get", "--json", "--", dashed]
+    assert protect_task_ids(["tasks", "cancel", "--url", "http://x/mcp", dashed]) == [
+        "tasks", "cancel", "--url", "http://x/mcp", "--", dashed,
+    ]  # fmt: skip
+    plain = ["tasks", "get", "U2TSycvlYvIGt9ojA-trpH-9QosYREhAbCdEfGhIjK-"]
+    assert protect_task_ids(plain) == plain
+    already = ["tasks", "get", "--", dashed]
+    assert protect_task_ids(already) == already
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "tasks", "get", dashed, "--url", "http://127.0.0.1:9/mcp", "--retry-for", "0"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert "arguments are required" not in result.stderr
+    assert result.returncode == 5, result.stderr  # server down: exit 5, not a usage error (2)
