@@ -139,20 +139,28 @@ async def _list(client: McpClient, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _get_or_cancel(client: McpClient | ModernClient, args: argparse.Namespace) -> dict[str, Any] | None:
+    """`tasks cancel`, or `tasks get` without --result: done and printed (None). `tasks get
+    --result`: the task as it stands, for the caller to wait on (each wire waits its own way)."""
+    params = {"taskId": args.task_id}
+    if args.tasks_command == "cancel":
+        _print_task(await client.request("tasks/cancel", params, retry_for_s=args.retry_for), args.json)
+        return None
+    task: dict[str, Any] = await client.request("tasks/get", params, retry_for_s=args.retry_for)
+    if not args.result:
+        _print_task(task, args.json)
+        return None
+    return task
+
+
 async def _legacy(args: argparse.Namespace) -> int:
     async with McpClient(args.url, token=args.token) as client:
         try:
             await client.initialize(retry_for_s=args.retry_for)
             if args.tasks_command == "list":
                 return await _list(client, args)
-            params = {"taskId": args.task_id}
-            if args.tasks_command == "cancel":
-                task = await client.request("tasks/cancel", params, retry_for_s=args.retry_for)
-                _print_task(task, args.json)
-                return 0
-            task = await client.request("tasks/get", params, retry_for_s=args.retry_for)
-            if not args.result:
-                _print_task(task, args.json)
+            task = await _get_or_cancel(client, args)
+            if task is None:
                 return 0
             return await _legacy_result(client, args)
         except McpClientError as exc:
@@ -196,13 +204,8 @@ async def _modern(args: argparse.Namespace) -> int:
     async with ModernClient(args.url, token=args.token) as client:
         try:
             params = {"taskId": args.task_id}
-            if args.tasks_command == "cancel":
-                task = await client.request("tasks/cancel", params, retry_for_s=args.retry_for)
-                _print_task(task, args.json)
-                return 0
-            task = await client.request("tasks/get", params, retry_for_s=args.retry_for)
-            if not args.result:
-                _print_task(task, args.json)
+            task = await _get_or_cancel(client, args)
+            if task is None:
                 return 0
             while task["status"] not in TERMINAL:
                 await asyncio.sleep(int(task.get("pollIntervalMs", 1000)) / 1000)
