@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import enum
 import secrets
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ from service.tools.execute import run_tool
 from service.tools.registry import Registry, ToolSpec
 
 PAGE_SIZE = 50
+# A plain call reads its requestor's active-task count from the database at most this often
+# (docs/decisions.md, "Plain calls and the cap"): a refusal is always decided on a fresh count.
+PLAIN_CAP_RECOUNT_S = 1.0
+# Remembered counts kept at most (oldest dropped first): one entry per requestor seen recently.
+PLAIN_CAP_REMEMBERED = 10_000
 NOT_FOUND = "task not found (unknown, expired, or not yours)"
 
 
@@ -127,6 +133,10 @@ class TaskService:
         # Plain (non-task) calls running in this process, per requestor: each holds one of its
         # requestor's active-task slots while it runs (issue 14 §7).
         self.plain_calls: Counter[tuple[str, str]] = Counter()
+        # Per requestor: its active tasks as last read for a plain call, and when (monotonic).
+        # Dropped when this process creates one of its tasks, so only other replicas' creates
+        # of the last PLAIN_CAP_RECOUNT_S can go unseen by an admission.
+        self._task_counts: dict[tuple[str, str], tuple[int, float]] = {}
 
     def check_call(
         self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
@@ -147,10 +157,15 @@ class TaskService:
         self.plain_calls[key] += 1  # taken before the count is read: concurrent calls cannot overshoot
         limit = self.policy.max_active_per_requestor
         try:
-            if (
-                self.plain_calls[key] > limit
-                or await self.store.active_for(caller.principal) + self.plain_calls[key] > limit
-            ):
+            over = self.plain_calls[key] > limit
+            if not over:
+                remembered = self._task_counts.get(key)
+                fresh = remembered is None or time.monotonic() - remembered[1] > PLAIN_CAP_RECOUNT_S
+                tasks = await self._count_tasks(caller.principal) if fresh else remembered[0]  # type: ignore[index]
+                if not fresh and tasks + self.plain_calls[key] > limit:
+                    tasks = await self._count_tasks(caller.principal)  # refused only on a fresh count
+                over = tasks + self.plain_calls[key] > limit
+            if over:
                 raise await self._refuse_capacity(caller, tool, plain=self.plain_calls[key] - 1)
         except BaseException:
             self._release_plain(key)
@@ -164,6 +179,24 @@ class TaskService:
                 self._release_plain(key)
 
         return release
+
+    async def _count_tasks(self, principal: Principal) -> int:
+        """The requestor's active tasks from the counters, remembered for the next plain calls."""
+        count = await self.store.active_for(principal)
+        counts = self._task_counts
+        counts.pop(principal.owner_key, None)  # re-inserted last: the dict stays in order of reading
+        counts[principal.owner_key] = (count, time.monotonic())
+        if len(counts) > PLAIN_CAP_REMEMBERED:
+            del counts[next(iter(counts))]
+        return count
+
+    def _enqueue_create(self, request: rq.TaskRequest) -> asyncio.Future[Task | None]:
+        """A create into the next write batch; the requestor's remembered count (for plain calls)
+        is forgotten once it is known to have committed, or may have."""
+        created = self._writes.enqueue(request)
+        key = (request.tenant_id, request.subject)
+        created.add_done_callback(lambda _f: self._task_counts.pop(key, None))
+        return created
 
     def _release_plain(self, key: tuple[str, str]) -> None:
         self.plain_calls[key] -= 1
@@ -213,7 +246,7 @@ class TaskService:
             rerunnable=spec.rerunnable,
             tool_version=spec.version,
         )
-        created = self._writes.enqueue(request)
+        created = self._enqueue_create(request)
         try:
             # Shielded: a create whose caller went away still commits with its batch, and a task
             # leased to our runner must then be started (or its slot given back) all the same.
@@ -274,7 +307,7 @@ class TaskService:
             job.cancel()
             raise Unavailable("the service is shutting down; retry")
         request = self._extension_request(caller, spec, valid, client_capabilities, lease)
-        created = self._writes.enqueue(request)
+        created = self._enqueue_create(request)
 
         def settle(future: asyncio.Future[Task | None]) -> None:
             """Once the create's outcome is known, whoever waits or not: the running job goes on as
@@ -319,7 +352,7 @@ class TaskService:
     ) -> Task:
         """No runner here to adopt a running call: the task is created unleased, for any runner."""
         request = self._extension_request(caller, spec, arguments, client_capabilities, None)
-        task = await asyncio.shield(self._writes.enqueue(request))
+        task = await asyncio.shield(self._enqueue_create(request))
         if task is None:
             raise await self._refuse_capacity(caller, spec.name)
         return task

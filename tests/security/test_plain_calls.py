@@ -69,6 +69,51 @@ async def test_plain_calls_hold_the_requestors_slots_and_are_refused_beyond_the_
         await _disconnect(running[1])
 
 
+async def test_a_plain_call_counts_tasks_from_a_remembered_count_but_is_refused_only_on_a_fresh_one(
+    database_url: str,
+) -> None:
+    """Issue 15 (plain calls read the counters at most once a second, docs/decisions.md "Plain calls
+    and the cap"): a burst of plain calls reads the requestor's count once; a task this process
+    creates is seen by the next plain call at once; a remembered count at the cap is read again
+    before a refusal, so a task cancelled meanwhile frees its slot at once."""
+    settings = make_settings(database_url, max_active_tasks_per_requestor=2)
+    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+        rpc = RpcSession(http, server.url)
+        await rpc.initialize()
+        tasks = server.app.state.core.tasks
+        reads = 0
+        counted = tasks.store.active_for
+
+        async def counting(principal: Any) -> int:
+            nonlocal reads
+            reads += 1
+            return int(await counted(principal))
+
+        tasks.store.active_for = counting
+        for _ in range(5):
+            assert "result" in await rpc.send("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        assert reads == 1  # one read for the burst
+
+        keys = [secrets.token_hex(4) for _ in range(2)]
+        task_ids = []
+        for k in keys:
+            created = await rpc.send("tools/call", {"name": "hang", "arguments": {"key": k}, "task": {}})
+            task_ids.append(created["result"]["task"]["taskId"])
+        async with asyncio.timeout(5):
+            for k in keys:
+                await signal(k, "started").wait()
+        refused = await rpc.send("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        assert refused["error"]["code"] == -32000  # the creates were seen at once
+        assert refused["error"]["data"]["current"] == 2
+
+        cancelled = await rpc.send("tasks/cancel", {"taskId": task_ids[0]})
+        assert cancelled["result"]["status"] == "cancelled"
+        before = reads
+        assert "result" in await rpc.send("tools/call", {"name": "echo", "arguments": {"text": "x"}})
+        assert reads == before + 1  # at the cap by the remembered count: counted again, admitted
+        await rpc.send("tasks/cancel", {"taskId": task_ids[1]})
+
+
 async def test_a_legacy_plain_call_is_cancelled_after_the_grace_once_its_client_disconnects(
     database_url: str,
 ) -> None:
