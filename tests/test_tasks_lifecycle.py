@@ -292,6 +292,29 @@ async def test_elicitation_without_client_capability_fails_the_task_with_a_tool_
     assert "elicitation" in result["content"][0]["text"]
 
 
+async def test_a_task_run_where_it_was_created_takes_the_sessions_capabilities_from_the_create(
+    server: RunningServer, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: a session's task created under a local runner slot gets what the client declared
+    from the creating request, not by reading the session row again (one query per lifecycle);
+    the elicitation still reaches the client (and D-6 above: none declared, none asked)."""
+    runner = server.app.state.core.runner
+    reads: list[str] = []
+    read = runner.store.session_capabilities
+
+    async def counting(tenant_id: str, session_id: str) -> dict[str, Any]:
+        reads.append(session_id)
+        return dict(await read(tenant_id, session_id))
+
+    monkeypatch.setattr(runner.store, "session_capabilities", counting)
+    s = RpcSession(http, server.url, token=server.token)
+    await s.initialize()
+    task_id = (await s.call_tool_as_task("confirm", {"prompt": "Go?"}))["task"]["taskId"]
+    assert (await wait_status(s, task_id, "input_required"))["status"] == "input_required"
+    await s.result("tasks/cancel", {"taskId": task_id})
+    assert reads == []
+
+
 async def test_progress_uses_the_creating_token_for_the_task_life_T_PROG_1_3_6(s: RpcSession) -> None:
     created = await s.call_tool_as_task("count", {"n": 4, "interval_ms": 150}, _meta={"progressToken": "p-1"})
     task_id = created["task"]["taskId"]

@@ -151,9 +151,10 @@ class Runner:
         metrics.task_start_delay.labels(task.tool).observe(0.0)
         self._start(task, since, job)
 
-    def adopt(self, task: Task | None, *, tenant_id: str) -> None:
+    def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None:
         """Run a task of ``tenant_id`` created under a reserved lease (None: a cap refused it,
-        nothing was written)."""
+        nothing was written). ``capabilities``: what the client of the task's session declared,
+        as the creating request knew it (the run then need not read them from the session row)."""
         since = self._unreserve(tenant_id)
         if task is None:
             if self._backlog:  # the slot it held is free again
@@ -165,7 +166,7 @@ class Runner:
             )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since)
+        self._start(task, since, capabilities=capabilities)
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
         """The create under a reserved lease failed without an answer (cancelled, connection lost):
@@ -203,9 +204,13 @@ class Runner:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
-    def _start(self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None) -> None:
+    def _start(
+        self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None, *,
+        capabilities: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         key = (task.tenant_id, task.task_id)
-        run = Run(task, asyncio.create_task(self._execute(task, job), name=f"task-{task.task_id[:8]}"), leased_at)
+        execute = self._execute(task, job, capabilities)
+        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), leased_at)
         self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
 
@@ -430,15 +435,20 @@ class Runner:
         for task in tasks:
             self._fenced.pop((task.tenant_id, task.task_id), None)
 
-    async def _execute(self, task: Task, job: asyncio.Task[Outcome] | None = None) -> None:
-        """Run the task's tool (or await ``job``, the call already running) and record its outcome."""
+    async def _execute(
+        self, task: Task, job: asyncio.Task[Outcome] | None = None, capabilities: dict[str, Any] | None = None
+    ) -> None:
+        """Run the task's tool (or await ``job``, the call already running) and record its outcome.
+        A session's task reads what its client declared from the session (not stored per task),
+        unless the creating request handed it over (``capabilities``)."""
         key = (task.tenant_id, task.task_id)
         run = self._running[key]  # _start put it there before this first ran
         started = time.perf_counter()
         try:
             if job is None and task.session_id is not None and not task.client_capabilities:
-                caps = await self.store.session_capabilities(task.tenant_id, task.session_id)
-                task = dataclasses.replace(task, client_capabilities=caps)
+                if capabilities is None:
+                    capabilities = await self.store.session_capabilities(task.tenant_id, task.session_id)
+                task = dataclasses.replace(task, client_capabilities=capabilities)
             if job is None:
                 outcome = await run_tool(
                     self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task))

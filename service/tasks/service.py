@@ -72,7 +72,7 @@ class TaskPolicy:
 class LocalRunner(Protocol):
     def reserve(self, tenant_id: str, *, running: bool = False) -> rq.Lease | None: ...
 
-    def adopt(self, task: Task | None, *, tenant_id: str) -> None: ...
+    def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None: ...
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
 
@@ -253,7 +253,9 @@ class TaskService:
             task = await asyncio.shield(created)
         finally:
             if lease is not None:
-                self._settle_lease(request.tenant_id, request.task_id, created)
+                # The session's capabilities go with the task to the runner (not read back from the session row).
+                caps = client_capabilities if session_id is not None else None
+                self._settle_lease(request.tenant_id, request.task_id, created, caps)
         if task is None:
             raise await self._refuse_capacity(caller, tool)
         return task
@@ -357,17 +359,19 @@ class TaskService:
             raise await self._refuse_capacity(caller, spec.name)
         return task
 
-    def _settle_lease(self, tenant_id: str, task_id: str, created: asyncio.Future[Task | None]) -> None:
+    def _settle_lease(
+        self, tenant_id: str, task_id: str, created: asyncio.Future[Task | None], capabilities: dict[str, Any] | None
+    ) -> None:
         """Hand a create made under a reserved runner slot to the runner once its outcome is known."""
         runner = self.runner
         assert runner is not None
         if not created.done():
-            created.add_done_callback(lambda _f: self._settle_lease(tenant_id, task_id, created))
+            created.add_done_callback(lambda _f: self._settle_lease(tenant_id, task_id, created, capabilities))
         elif created.cancelled() or created.exception() is not None:
             # The statement may have committed before its answer was lost: the runner looks.
             runner.adopt_unknown(tenant_id, task_id)
         else:
-            runner.adopt(created.result(), tenant_id=tenant_id)
+            runner.adopt(created.result(), tenant_id=tenant_id, capabilities=capabilities)
 
     async def _refuse_capacity(self, caller: Caller, tool: str, *, plain: int | None = None) -> CapacityExceeded:
         """A cap refused a create (or a plain call): record the denial with the counts as they
