@@ -307,7 +307,7 @@ def run_load(
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
         profile.parent.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "py-spy"), "record", "--pid", str(server.proc.pid), "--output", str(profile),
-                                                  "--duration", str(int(duration) + 5), "--format", "raw", "--nonblocking"]),
+                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--nonblocking"] if not os.environ.get("BENCH_SPY_BLOCKING") else ["--rate", "250"])]),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     done = subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
     if spy is not None:

@@ -315,6 +315,31 @@ async def test_a_task_run_where_it_was_created_takes_the_sessions_capabilities_f
     assert reads == []
 
 
+async def test_a_blocking_tasks_result_reads_the_task_once_before_it_ends_and_once_after_T_RES_3(
+    server: RunningServer, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: the stream of a tasks/result goes on from the request's own read (its watch is
+    opened before it), not from a second read; once done, nothing of it stays subscribed."""
+    tasks = server.app.state.core.tasks
+    reads: list[str] = []
+    retrieve = tasks.retrieve
+
+    async def counting(caller: Any, task_id: str) -> Any:
+        reads.append(task_id)
+        return await retrieve(caller, task_id)
+
+    monkeypatch.setattr(tasks, "retrieve", counting)
+    monkeypatch.setattr(server.app.state.mcp.surface, "poll_s", 30.0)  # no re-read but on an event
+    s = RpcSession(http, server.url, token=server.token)
+    await s.initialize()
+    task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.4}))["task"]["taskId"]
+    result = await s.result("tasks/result", {"taskId": task_id})
+    assert result["content"][0]["text"] == "slept 0.4s"
+    assert reads == [task_id, task_id]  # working, then completed (after its event)
+    topics = tasks.hub._subs
+    assert not any(task_id in topic for topic in topics)
+
+
 async def test_progress_uses_the_creating_token_for_the_task_life_T_PROG_1_3_6(s: RpcSession) -> None:
     created = await s.call_tool_as_task("count", {"n": 4, "interval_ms": 150}, _meta={"progressToken": "p-1"})
     task_id = created["task"]["taskId"]

@@ -323,12 +323,21 @@ class Surface:
         """T-RES-3: block until terminal. Answer JSON if it already is; else SSE carrying the
         task's requests to the client (elicitation), its notices, and finally the result."""
         task_id = _str_param(call.params, "taskId")
-        task = await self.tasks.retrieve(call.caller, task_id)  # audits the hand-out when terminal
+        # Watching from before the read, so the stream goes on from this read (no second one).
+        watch = self.tasks.watch_task(call.caller, task_id)
+        try:
+            task = await self.tasks.retrieve(call.caller, task_id)  # audits the hand-out when terminal
+        except BaseException:
+            watch.close()
+            raise
         if task.status.is_terminal:
+            watch.close()
             return task_result(task)
         # Like a plain call: answer JSON if the task ends before there is anything to stream.
-        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s)
+        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s, opened=(watch, task))
         first: asyncio.Task[TaskEvent] = asyncio.ensure_future(anext(events))
+        # A stream cancelled before its first step never runs its own clean-up: closed here too.
+        first.add_done_callback(lambda _f: watch.close() if _f.cancelled() else None)
         key = call.cancel_key
         stop = first.cancel
         self.inflight.calls[key] = stop  # notifications/cancelled during the wait (C-4)

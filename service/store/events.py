@@ -301,20 +301,43 @@ class EventHub:
 
     @contextlib.asynccontextmanager
     async def subscribe(self, *topics: Topic) -> AsyncIterator[asyncio.Queue[Event]]:
+        subscription = self.open(*topics)
+        try:
+            yield subscription.queue
+        finally:
+            subscription.close()
+
+    def open(self, *topics: Topic) -> Subscription:
+        """A subscription whose owner closes it (``subscribe`` for one that ends with a block)."""
         queue: asyncio.Queue[Event] = asyncio.Queue()
         for topic in topics:
             self._subs[topic].add(queue)
-        try:
-            yield queue
-        finally:
-            for topic in topics:
-                subs = self._subs.get(topic)
-                if subs is not None:
-                    subs.discard(queue)
-                    if not subs:
-                        del self._subs[topic]
+        return Subscription(self, topics, queue)
+
+    def _close(self, topics: tuple[Topic, ...], queue: asyncio.Queue[Event]) -> None:
+        for topic in topics:
+            subs = self._subs.get(topic)
+            if subs is not None:
+                subs.discard(queue)
+                if not subs:
+                    del self._subs[topic]
 
     async def publish(self, event: Event) -> None:
         """Send an event outside any transaction (progress, plain-call signals); an outage is Unavailable."""
         async with self._db.transaction(event.tenant_id) as conn:
             await notify(conn, event)
+
+
+class Subscription:
+    """Events of some topics, queued from the moment it was opened until ``close`` (idempotent)."""
+
+    def __init__(self, hub: EventHub, topics: tuple[Topic, ...], queue: asyncio.Queue[Event]) -> None:
+        self._hub = hub
+        self._topics = topics
+        self.queue = queue
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._hub._close(self._topics, self.queue)

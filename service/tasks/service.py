@@ -39,7 +39,16 @@ from service.domain.task import Outcome, Surface, Task, TaskStatus, clamp_ttl, n
 from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import Database
-from service.store.events import Event, EventHub, Resync, TaskChanged, TaskDeleted, TaskLog, TaskProgress
+from service.store.events import (
+    Event,
+    EventHub,
+    Resync,
+    Subscription,
+    TaskChanged,
+    TaskDeleted,
+    TaskLog,
+    TaskProgress,
+)
 from service.store.repository import TaskStore
 from service.tasks.calls import CallEnd, InlineCallContext, run_round
 from service.tasks.cursor import CursorCodec
@@ -460,56 +469,71 @@ class TaskService:
         False when no key named an open question of the caller's."""
         return await self.store.answer(caller, task_id, responses) is not None
 
-    async def follow(self, caller: Caller, task_id: str, *, poll_s: float) -> AsyncIterator[TaskEvent]:
+    def watch_task(self, caller: Caller, task_id: str) -> Subscription:
+        """The caller's task's events from now on: open it before a read that ``follow`` goes on
+        from (``opened``), so no change after that read is missed."""
+        return self.hub.open(("task", caller.principal.tenant_id, task_id))
+
+    async def follow(
+        self, caller: Caller, task_id: str, *, poll_s: float, opened: tuple[Subscription, Task] | None = None
+    ) -> AsyncIterator[TaskEvent]:
         """Everything a blocking result stream (2025-11-25) carries, ending with Finished.
 
         Questions are claimed for this stream alone (no broadcast, H-MULTI-2) and released if the
-        stream goes away unanswered, so the next result stream gets them.
+        stream goes away unanswered, so the next result stream gets them. ``opened``: a
+        subscription of ``watch_task`` and the task as read after it was opened (the stream starts
+        from that read instead of reading again, and closes the subscription).
         """
         tenant = caller.principal.tenant_id
         stream_id = secrets.token_urlsafe(12)
         key = (tenant, task_id)
         carried = False  # whether this stream has claimed any of the task's questions
+        subscription, known = opened if opened is not None else (self.watch_task(caller, task_id), None)
         self.following[key] += 1
         try:
-            async with self.hub.subscribe(("task", tenant, task_id)) as events:
-                last_status = None
-                loop = asyncio.get_running_loop()
-                touched = loop.time()
-                stale_ms = self.policy.stale_delivery_ms
+            events = subscription.queue
+            last_status = None
+            loop = asyncio.get_running_loop()
+            touched = loop.time()
+            stale_ms = self.policy.stale_delivery_ms
+            while True:
+                # Read after subscribing: no change is missed.
+                if known is None:
+                    task = await self.retrieve(caller, task_id)
+                else:
+                    task, known = known, None
+                if task.status.is_terminal:
+                    # C-10: questions this stream carried that nobody answered are void now.
+                    if carried:
+                        for input_key in await self.store.unanswered_for_stream(tenant, task_id, stream_id):
+                            yield InputVoided(task_id, input_key, f"task {task.status.value}")
+                    yield Finished(task)
+                    return
+                if last_status is not None and task.status != last_status:
+                    yield StatusChanged(task)
+                last_status = task.status
+                # A task asks its client only while input_required (the question and the status
+                # change commit together), so only then is there anything to claim.
+                if task.status is TaskStatus.INPUT_REQUIRED:
+                    pending = await self.store.claim_inputs(tenant, task_id, stream_id, stale_ms)
+                    carried = carried or bool(pending)
+                    for question in pending:
+                        yield InputRequested(task_id, question)
+                if carried and loop.time() - touched > stale_ms / 3000:
+                    touched = loop.time()
+                    await self.store.touch_deliveries(tenant, stream_id)
+                # Wait for something to happen; notices are passed on without a re-read.
                 while True:
-                    task = await self.retrieve(caller, task_id)  # read after subscribing: no change is missed
-                    if task.status.is_terminal:
-                        # C-10: questions this stream carried that nobody answered are void now.
-                        if carried:
-                            for input_key in await self.store.unanswered_for_stream(tenant, task_id, stream_id):
-                                yield InputVoided(task_id, input_key, f"task {task.status.value}")
-                        yield Finished(task)
-                        return
-                    if last_status is not None and task.status != last_status:
-                        yield StatusChanged(task)
-                    last_status = task.status
-                    # A task asks its client only while input_required (the question and the status
-                    # change commit together), so only then is there anything to claim.
-                    if task.status is TaskStatus.INPUT_REQUIRED:
-                        pending = await self.store.claim_inputs(tenant, task_id, stream_id, stale_ms)
-                        carried = carried or bool(pending)
-                        for question in pending:
-                            yield InputRequested(task_id, question)
-                    if carried and loop.time() - touched > stale_ms / 3000:
-                        touched = loop.time()
-                        await self.store.touch_deliveries(tenant, stream_id)
-                    # Wait for something to happen; notices are passed on without a re-read.
-                    while True:
-                        try:
-                            event = await asyncio.wait_for(events.get(), timeout=poll_s)
-                        except TimeoutError:
-                            break
-                        if (notice := notice_of(event)) is not None:
-                            yield notice
-                            continue
+                    try:
+                        event = await asyncio.wait_for(events.get(), timeout=poll_s)
+                    except TimeoutError:
                         break
+                    if (notice := notice_of(event)) is not None:
+                        yield notice
+                        continue
+                    break
         finally:
+            subscription.close()
             self.following[key] -= 1
             if self.following[key] <= 0:
                 del self.following[key]
