@@ -36,6 +36,20 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("MCP_TASKS_SHARED", ROOT.parent / "shared"))
 PEERS = Path(os.environ.get("PEERS", "/tmp/peers"))
 BIN = ROOT / ".venv" / "bin"
+# --server-tree: our server (and its migrations) from another checkout, e.g. a worktree of an
+# earlier commit, measured by this harness: before/after on one machine in one session.
+SERVER_TREE: str | None = None
+# --spy-blocking: py-spy pauses the server for each sample (exact stacks, more overhead).
+SPY_BLOCKING = False
+
+
+def ours_env(base: dict[str, str]) -> dict[str, str]:
+    """The environment of our server's processes: ``--server-tree`` first on their import path."""
+    if SERVER_TREE is None:
+        return base
+    return {**base, "PYTHONPATH": SERVER_TREE}
+
+
 ADMIN_DSN = os.environ.get("MCP_TASKS_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 SERVER_CORE, LOAD_CORE = "0", "1"
 
@@ -158,7 +172,7 @@ class Databases:
 
     def create_template(self) -> None:
         asyncio.run(self._exec(f'CREATE DATABASE "{self.template}"'))
-        subprocess.run([str(BIN / "mcp-tasks"), "migrate"], env={**os.environ, "MCP_TASKS_DATABASE_URL": self.url(self.template)},
+        subprocess.run([str(BIN / "mcp-tasks"), "migrate"], env=ours_env({**os.environ, "MCP_TASKS_DATABASE_URL": self.url(self.template)}),
                        check=True, capture_output=True)  # fmt: skip
 
     def fresh(self) -> str:
@@ -186,7 +200,7 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None,
     issuer_port, port = free_port(), free_port()
     issuer = f"http://127.0.0.1:{issuer_port}"
     url = f"http://127.0.0.1:{port}/mcp"
-    env = {**os.environ, "MCP_TASKS_DATA_DIR": str(logs / "issuer"), "MCP_TASKS_PUBLIC_URL": url}
+    env = ours_env({**os.environ, "MCP_TASKS_DATA_DIR": str(logs / "issuer"), "MCP_TASKS_PUBLIC_URL": url})
     dev = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "mcp-tasks"), "dev-issuer", "--port", str(issuer_port)]),
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     wait_http(f"{issuer}/jwks", dev)
@@ -205,7 +219,7 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None,
         **(extra_env or {}),
     }
     with (logs / "ours.log").open("ab") as log:
-        proc = subprocess.Popen(pinned(SERVER_CORE, [str(BIN / "mcp-tasks"), "serve"]), env=server_env,
+        proc = subprocess.Popen(pinned(SERVER_CORE, [str(BIN / "mcp-tasks"), "serve"]), env=ours_env(server_env),
                                 stdout=log, stderr=log)  # fmt: skip
     wait_http(url.removesuffix("/mcp") + "/healthz", proc)
     tokens = []
@@ -307,7 +321,7 @@ def run_load(
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
         profile.parent.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "py-spy"), "record", "--pid", str(server.proc.pid), "--output", str(profile),
-                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--nonblocking"] if not os.environ.get("BENCH_SPY_BLOCKING") else ["--rate", "250"])]),
+                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--rate", "250"] if SPY_BLOCKING else ["--nonblocking"])]),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     done = subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
     if spy is not None:
@@ -376,6 +390,11 @@ def main() -> int:
     ap.add_argument("--out", default="/var/tmp/mcp-tasks-bench-results.json", help="raw results (JSON)")
     ap.add_argument("--smoke", action="store_true", help="one short round, ours and the floor only (CI)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1k/100k/1M stored-tasks scale run")
+    ap.add_argument("--server-tree", metavar="DIR", help="run our server from this checkout (e.g. a worktree of "
+                    "an earlier commit, sharing this venv): before/after in one run of this harness")  # fmt: skip
+    ap.add_argument(
+        "--spy-blocking", action="store_true", help="--profile pausing the server per sample (exact stacks)"
+    )
     ap.add_argument("--servers", help="comma-separated subset of ours,sdk,fastmcp,fastmcp4,floor (default: all)")
     ap.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     ap.add_argument("--ext-poll-ms", type=float, default=EXT_POLL_MS, help="ext-lifecycle: tasks/get at once, "
@@ -385,6 +404,9 @@ def main() -> int:
                     "docs/performance.md)")  # fmt: skip
     ap.add_argument("--render", metavar="JSON", help="only render a saved --out file (and write --doc)")
     args = ap.parse_args()
+    global SERVER_TREE, SPY_BLOCKING
+    SERVER_TREE = str(Path(args.server_tree).resolve()) if args.server_tree else None
+    SPY_BLOCKING = args.spy_blocking
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         print(render(saved))
