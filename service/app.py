@@ -31,6 +31,9 @@ from service.observability.endpoint import MetricsEndpoint
 from service.store import migrate
 from service.tasks.audit import AuditLog
 
+# How long /readyz waits for the database before it answers 503.
+READY_TIMEOUT_S = 2.0
+
 
 class _LateMcp:
     """Routes /mcp to the endpoint the lifespan builds (the app object exists before it)."""
@@ -175,7 +178,13 @@ async def _check_ready(core: Core | None) -> tuple[int, dict[str, Any]]:
     if core.drain_deadline is not None:
         return 503, {"status": "draining"}  # a load balancer sends new work elsewhere
     try:
-        current = await core.db.fetchval("SELECT version_num FROM alembic_version")
+        # Bounded: with packets dropped the driver would wait out its command timeout (60 s), and a
+        # probe that gets no answer tells the orchestrator less than a 503 that says why.
+        current = await asyncio.wait_for(
+            core.db.fetchval("SELECT version_num FROM alembic_version"), timeout=READY_TIMEOUT_S
+        )
+    except TimeoutError:
+        return 503, {"status": "database unreachable", "detail": f"no answer within {READY_TIMEOUT_S:g} s"}
     except Exception:
         return 503, {"status": "database unreachable"}
     head = migrate.head_revision()

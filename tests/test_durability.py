@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -208,6 +209,36 @@ async def test_a_draining_process_is_not_ready_and_claims_nothing(database_url: 
             assert await db.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", task_id) is None
         finally:
             await db.close()
+
+
+async def test_readyz_answers_503_within_its_bound_when_the_database_does_not_answer(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """/readyz waits READY_TIMEOUT_S for the database, not the driver's 60 s command timeout: its
+    query is held behind a lock here (lock waits of requests not bounded for this server)."""
+    from service.app import READY_TIMEOUT_S
+
+    async with serve(make_settings(database_url, db_lock_timeout_ms=60_000)) as running:
+        readyz = running.url.removesuffix("/mcp") + "/readyz"
+        assert (await http.get(readyz)).status_code == 200
+        holder = await asyncpg.connect(database_url)
+        try:
+            tx = holder.transaction()
+            await tx.start()
+            await holder.execute("LOCK TABLE alembic_version IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            stuck = await http.get(readyz, timeout=30)
+            waited = time.monotonic() - started
+            assert stuck.status_code == 503
+            assert stuck.json() == {
+                "status": "database unreachable",
+                "detail": f"no answer within {READY_TIMEOUT_S:g} s",
+            }
+            assert READY_TIMEOUT_S <= waited < READY_TIMEOUT_S + 3
+            await tx.rollback()
+        finally:
+            await holder.close()
+        assert (await http.get(readyz)).status_code == 200
 
 
 async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database_url: str) -> None:
