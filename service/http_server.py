@@ -24,6 +24,7 @@ from uvicorn.server import ServerState
 
 from service.config import Settings
 from service.mcp.http import send_json
+from service.observability import metrics
 
 log = logging.getLogger("service.http")
 
@@ -58,6 +59,10 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
     max_connections = settings.max_connections
     max_requests = settings.max_concurrent_requests
     busy_headers = {"Retry-After": "1"}
+    refused_connections = metrics.http_refusals.labels("connections")
+    refused_requests = metrics.http_refusals.labels("requests")
+    refused_slow_headers = metrics.http_refusals.labels("header_timeout")
+    refused_headers = metrics.http_refusals.labels("headers_too_large")
 
     async def busy(scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 503, {"error": "too many concurrent requests; retry later"}, busy_headers)
@@ -76,6 +81,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             if len(self.connections) >= max_connections:
                 # Refused before it is counted: existing connections keep their requests going.
                 _warn_now_and_then(f"connections beyond MCP_TASKS_MAX_CONNECTIONS ({max_connections})")
+                refused_connections.inc()
                 self._refused = True
                 self.transport = transport
                 transport.write(_plain_response("503 Service Unavailable", "too many connections", busy_headers))
@@ -109,6 +115,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
         def _refuse_headers(self) -> None:
             self._disarm_header_timer()
             if not self.transport.is_closing():
+                refused_headers.inc()
                 reason = f"request headers exceed {max_header_bytes} bytes"
                 self.transport.write(_plain_response("431 Request Header Fields Too Large", reason))
                 self.transport.close()
@@ -139,6 +146,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             self._disarm_header_timer()
             if len(self.tasks) >= max_requests and httptools.parse_url(self.url).path not in UNCAPPED_PATHS:
                 _warn_now_and_then(f"requests beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS ({max_requests})")
+                refused_requests.inc()
                 real, self.app = self.app, busy
                 try:
                     super().on_headers_complete()
@@ -167,6 +175,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
                 # A request begun gets its 408; a connection that sent nothing is only closed: a
                 # client about to send on it could take an unasked-for 408 as its answer.
                 if self._phase_bytes:
+                    refused_slow_headers.inc()
                     self.transport.write(_plain_response("408 Request Timeout", "request headers not received in time"))
                 self.transport.close()
 

@@ -240,6 +240,15 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             "percentunit",
         ),
         PanelSpec(
+            "Fencing: runs stopped, writes refused",
+            "Tools a runner stopped because it could not renew their leases in time (database out of reach), "
+            "and runner writes refused because the task had been taken over meanwhile (docs/decisions.md, Fencing).",
+            (
+                Query(f"sum(increase(mcp_tasks_runner_fenced_tasks_total[{RATE}]))", "runs stopped"),
+                Query(f"sum by (op) (increase(mcp_tasks_fenced_writes_total[{RATE}]))", "{{op}} refused"),
+            ),
+        ),
+        PanelSpec(
             "Database pool: in use of maximum",
             "Connections in use and the most each pool may open, read from the pools at scrape time.",
             (
@@ -289,6 +298,13 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             "Authentication failures by reason",
             "no_token is the first step of OAuth discovery; issuer_unavailable means the JWKS cannot be fetched.",
             (Query(f"sum by (reason) (rate(mcp_tasks_auth_failures_total[{RATE}]))", "{{reason}}"),),
+            "reqps",
+        ),
+        PanelSpec(
+            "HTTP refusals by reason",
+            "The HTTP server's own limits: connections and requests beyond MCP_TASKS_MAX_CONNECTIONS and "
+            "MCP_TASKS_MAX_CONCURRENT_REQUESTS (503), header_timeout (408), headers_too_large (431).",
+            (Query(f"sum by (reason) (rate(mcp_tasks_http_refusals_total[{RATE}]))", "{{reason}}"),),
             "reqps",
         ),
         PanelSpec(

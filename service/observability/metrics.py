@@ -123,6 +123,12 @@ runner_fenced = Counter(
     "Tasks whose tool this runner stopped because it could not renew their lease in time (outcome not written)",
 )  # fmt: skip
 sweeper_deleted = Counter("mcp_tasks_sweeper_deleted_total", "Expired tasks deleted")
+http_refusals = Counter(
+    "mcp_tasks_http_refusals_total",
+    "Connections and requests the HTTP server refused by its limits: connections (MCP_TASKS_MAX_CONNECTIONS), "
+    "requests (MCP_TASKS_MAX_CONCURRENT_REQUESTS), header_timeout (408), headers_too_large (431)",
+    ["reason"],
+)  # fmt: skip
 db_pool_connections = Gauge(
     "mcp_tasks_db_pool_connections", "Database pool connections (as of the last sweep; mcp_tasks_db_pool_in_use is exact)",
     ["pool", "state"], multiprocess_mode="livesum",

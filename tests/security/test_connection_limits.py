@@ -8,6 +8,7 @@ import contextlib
 import time
 
 import httpx
+from prometheus_client import REGISTRY
 
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
@@ -15,6 +16,11 @@ from tests.security.conftest import raw_socket, read_until_closed, status_of
 from tests.test_durability import mcp_tasks
 
 PING = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
+
+
+def _refused(reason: str) -> float:
+    """mcp_tasks_http_refusals_total{reason} as the in-process servers counted it so far."""
+    return REGISTRY.get_sample_value("mcp_tasks_http_refusals_total", {"reason": reason}) or 0.0
 
 
 def _healthz(extra_headers: bytes = b"") -> bytes:
@@ -34,6 +40,7 @@ async def test_a_socket_that_sends_nothing_is_closed_after_the_header_timeout(da
 
 async def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_timeout(database_url: str) -> None:
     """Issue 14 §1 (slowloris): the timeout bounds the whole header, however steadily bytes trickle in."""
+    before = _refused("header_timeout")
     async with serve(make_settings(database_url, http_header_timeout_s=0.8)) as server:
         async with raw_socket(server.url) as (reader, writer):
             started = time.monotonic()
@@ -48,11 +55,13 @@ async def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_timeout(d
             response = await closed
         assert status_of(response) == 408
         assert time.monotonic() - started < 3
+    assert _refused("header_timeout") == before + 1
 
 
 async def test_headers_beyond_the_limit_get_431_before_they_end(database_url: str) -> None:
     """Issue 14 §1 (10 MB headers were accepted and held): an unfinished header line beyond
     MCP_TASKS_HTTP_MAX_HEADER_BYTES is refused at once, without waiting for its end."""
+    before = _refused("headers_too_large")
     async with serve(make_settings(database_url, http_max_header_bytes=8_192)) as server:
         async with raw_socket(server.url) as (reader, writer):
             writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 200_000)
@@ -66,6 +75,7 @@ async def test_headers_beyond_the_limit_get_431_before_they_end(database_url: st
             writer.write(_healthz(b"X-Fine: " + b"c" * 4_000 + b"\r\nConnection: close\r\n"))
             await writer.drain()
             assert status_of(await read_until_closed(reader, timeout_s=5)) == 200
+    assert _refused("headers_too_large") == before + 2
 
 
 async def test_beyond_the_connection_cap_new_sockets_are_refused_while_open_ones_keep_working(
@@ -75,6 +85,7 @@ async def test_beyond_the_connection_cap_new_sockets_are_refused_while_open_ones
     at 50, a client holding 60 idle sockets gets the ones beyond 50 refused at once (503), a tenant
     already connected keeps being served, and the idle ones go at the header timeout."""
     settings = make_settings(database_url, max_connections=50, http_header_timeout_s=2)
+    before = _refused("connections")
     async with serve(settings) as server:
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
         async with httpx.AsyncClient(timeout=10, limits=limits) as tenant:
@@ -86,6 +97,7 @@ async def test_beyond_the_connection_cap_new_sockets_are_refused_while_open_ones
                 refused = await asyncio.gather(*(read_until_closed(r, timeout_s=1.5) for r, _ in sockets[49:]))
                 assert all(status_of(r) == 503 for r in refused)
                 assert time.monotonic() - started < 1.5
+                assert _refused("connections") == before + len(refused)
                 for _ in range(5):
                     assert "result" in await rpc.send("ping")
                 with contextlib.suppress(TimeoutError):  # the first 49 are held until the header timeout
@@ -101,6 +113,7 @@ async def test_beyond_the_request_cap_requests_get_503_with_retry_after(database
     """Issue 14 §1: MCP_TASKS_MAX_CONCURRENT_REQUESTS bounds requests in progress (not idle
     connections); beyond it 503 with Retry-After; /healthz is never refused."""
     settings = make_settings(database_url, max_concurrent_requests=3)
+    before = _refused("requests")
     async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
@@ -115,6 +128,7 @@ async def test_beyond_the_request_cap_requests_get_503_with_retry_after(database
                     break
                 await asyncio.sleep(0.05)
         assert r.headers["retry-after"] == "1"
+        assert _refused("requests") == before + 1
         assert (await http.get(server.url.replace("/mcp", "/healthz"))).status_code == 200
         for call in calls:
             assert "result" in await call
