@@ -178,41 +178,13 @@ CREATE TABLE active_tasks (
 
 -- Every writer locks counter rows before the tenant's audit head, and a statement that changes
 -- several requestors' tasks locks their counters in (tenant, subject) order, so counters never
--- close a deadlock cycle. Status changes come one task per statement (the reaper sorts its
--- batch): a row trigger, which fires only when status is set. Inserts come one requestor's run of
--- a batch per statement and the sweeper deletes in batches: statement triggers sum the statement's
--- rows per requestor and apply the sums in order, one counter change per requestor, not per task
--- (issue 15, point 2: each change is a new row version the next one walks through).
-CREATE FUNCTION tasks_count_active() RETURNS trigger
-LANGUAGE plpgsql AS $$
-DECLARE
-    was_active boolean := false;
-    is_active boolean := task_status_active(NEW.status);
-BEGIN
-    IF TG_OP = 'UPDATE' THEN
-        was_active := task_status_active(OLD.status);
-    END IF;
-    IF is_active AND NOT was_active THEN
-        INSERT INTO active_tasks (tenant_id, subject, active) VALUES (NEW.tenant_id, NEW.subject, 1)
-            ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + 1;
-    ELSIF was_active AND NOT is_active THEN
-        UPDATE active_tasks SET active = active - 1 WHERE tenant_id = OLD.tenant_id AND subject = OLD.subject;
-    END IF;
-    RETURN NULL;
-END
-$$;
+-- close a deadlock cycle. Statement triggers count: each sums its statement's rows per requestor
+-- and applies the sums in that order, so a batch changes a requestor's counter once, not once per
+-- task (issue 15, point 2: a row changed 32 times in one transaction left 32 row versions that
+-- every later change and read walked through). A batch inserts one requestor's run of creates per
+-- statement and finishes all its tasks with one UPDATE; the sweeper deletes in batches.
 -- Counters are locked in code point order everywhere (the service sorts in Python, which
 -- compares code points): the database's collation could order "Bob" and "alice" otherwise.
-CREATE FUNCTION tasks_count_deleted() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO active_tasks (tenant_id, subject, active)
-    SELECT tenant_id, subject, -count(*) FROM old_rows WHERE task_status_active(status)
-    GROUP BY tenant_id, subject ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
-    ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
-    RETURN NULL;
-END
-$$;
 CREATE FUNCTION tasks_count_inserted() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -223,10 +195,38 @@ BEGIN
     RETURN NULL;
 END
 $$;
-CREATE TRIGGER tasks_count_active AFTER UPDATE OF status ON tasks
-    FOR EACH ROW EXECUTE FUNCTION tasks_count_active();
+-- A trigger with transition tables cannot name columns, so this one fires for every UPDATE (a
+-- lease renewal too): the rows whose activity did not change cancel out and nothing is written.
+-- Old and new rows are summed apart, so even a requestor that changed would be counted right.
+CREATE FUNCTION tasks_count_updated() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO active_tasks (tenant_id, subject, active)
+    SELECT tenant_id, subject, sum(d) FROM (
+        SELECT tenant_id, subject, 1 AS d FROM new_rows WHERE task_status_active(status)
+        UNION ALL
+        SELECT tenant_id, subject, -1 AS d FROM old_rows WHERE task_status_active(status)
+    ) changed
+    GROUP BY tenant_id, subject HAVING sum(d) <> 0
+    ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
+    ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+    RETURN NULL;
+END
+$$;
+CREATE FUNCTION tasks_count_deleted() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO active_tasks (tenant_id, subject, active)
+    SELECT tenant_id, subject, -count(*) FROM old_rows WHERE task_status_active(status)
+    GROUP BY tenant_id, subject ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
+    ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+    RETURN NULL;
+END
+$$;
 CREATE TRIGGER tasks_count_inserted AFTER INSERT ON tasks REFERENCING NEW TABLE AS new_rows
     FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_inserted();
+CREATE TRIGGER tasks_count_updated AFTER UPDATE ON tasks REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_updated();
 CREATE TRIGGER tasks_count_deleted AFTER DELETE ON tasks REFERENCING OLD TABLE AS old_rows
     FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_deleted();
 
@@ -728,9 +728,11 @@ DECLARE
     counted_tenant text;
     counted_subject text;
     n integer;
-    -- The current requestor's creates that passed the caps, not inserted yet, and their places.
+    -- The current tenant's creates that passed the caps, not inserted yet, and their places.
     pending task_batch_item[] := '{}';
     pending_at integer[] := '{}';
+    pending_ids text[] := '{}';
+    pending_tenant text;
     inserted tasks[];
     -- The audit events in item order, and the tenant of each.
     events audit_event_item[] := '{}';
@@ -746,13 +748,13 @@ BEGIN
     LOOP
         PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || lock_tenant, 0));
     END LOOP;
-    -- The rows, in the caller's (tenant, subject, task) order. One requestor's run of creates goes
-    -- in as one INSERT when the run ends (the pass after the last item ends the last run), so the
-    -- counter trigger (a statement trigger) changes its counter once per run, not once per task.
+    -- The rows, in the caller's (tenant, subject, task) order. A tenant's creates go in as one
+    -- INSERT when the next tenant's first create comes (or the items end: the extra pass), so the
+    -- counter trigger (a statement trigger) changes each requestor's counter once, not once per
+    -- task. Row-level security checks every row against the tenant set for the INSERT: its own.
     FOR i IN 1 .. n + 1 LOOP
-        IF cardinality(pending) > 0 AND (i > n OR (items[i].k = 'create' AND (
-                items[i].tenant_id IS DISTINCT FROM counted_tenant OR items[i].subject IS DISTINCT FROM counted_subject))) THEN
-            PERFORM set_config('app.tenant_id', counted_tenant, true);
+        IF cardinality(pending) > 0 AND (i > n OR (items[i].k = 'create' AND items[i].tenant_id IS DISTINCT FROM pending_tenant)) THEN
+            PERFORM set_config('app.tenant_id', pending_tenant, true);
             WITH ins AS (
                 INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
@@ -769,12 +771,13 @@ BEGIN
                 RETURNING *
             )
             SELECT array_agg(ROW(ins.*)::tasks ORDER BY w.o) INTO inserted
-            FROM ins JOIN unnest(pending_at) WITH ORDINALITY AS w(pos, o) ON items[w.pos].task_id = ins.task_id;
+            FROM ins JOIN unnest(pending_ids) WITH ORDINALITY AS w(task_id, o) ON w.task_id = ins.task_id;
             FOR j IN 1 .. cardinality(pending_at) LOOP
                 found_tasks[pending_at[j]] := inserted[j];
             END LOOP;
             pending := '{}';
             pending_at := '{}';
+            pending_ids := '{}';
         END IF;
         EXIT WHEN i > n;
         it := items[i];
@@ -782,18 +785,26 @@ BEGIN
         PERFORM set_config('app.tenant_id', it.tenant_id, true);
         IF it.k = 'create' THEN
             -- The counters are read once per run of one requestor's creates (the batch is sorted),
-            -- after the previous run went in, and counted on here: the tenant's create lock keeps
-            -- other creates out, a finish committed meanwhile only lowers them.
+            -- plus this tenant's creates not inserted yet, and counted on here: the tenant's create
+            -- lock keeps other creates out, a finish committed meanwhile only lowers them.
             IF counted_tenant IS DISTINCT FROM it.tenant_id OR counted_subject IS DISTINCT FROM it.subject THEN
                 SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
                     INTO mine, total
                 FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+                total := total + cardinality(pending);
+                FOR j IN 1 .. cardinality(pending) LOOP
+                    IF pending[j].subject = it.subject THEN
+                        mine := mine + 1;
+                    END IF;
+                END LOOP;
                 counted_tenant := it.tenant_id;
                 counted_subject := it.subject;
             END IF;
             IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
+                pending_tenant := it.tenant_id;
                 pending[cardinality(pending) + 1] := it;
                 pending_at[cardinality(pending_at) + 1] := i;
+                pending_ids[cardinality(pending_ids) + 1] := it.task_id;
                 mine := mine + 1;  -- as the counter trigger will
                 total := total + 1;
             END IF;
@@ -864,9 +875,10 @@ CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
 LANGUAGE plpgsql AS $$
 DECLARE
     items task_finish_item[];
-    it task_finish_item;
-    done_tasks tasks[];
+    done_tasks tasks[] := '{}';
     done tasks;
+    done_list tasks[];
+    done_at bigint[];
     n integer;
     events audit_event_item[] := '{}';
     event_tenants text[] := '{}';
@@ -876,24 +888,28 @@ BEGIN
     SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
-    -- Every row first, in the caller's (tenant, subject, task) order, before any counter: an
-    -- UPDATE fires the counter trigger at once, and a cancel locks its row before that
-    -- requestor's counter. One primary-key lookup each (a join would scan the table).
+    -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
+    -- cancel locks its row before that requestor's counter. One primary-key lookup each.
     FOR i IN 1 .. n LOOP
         PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
         FOR NO KEY UPDATE;
     END LOOP;
-    FOR i IN 1 .. n LOOP
-        it := items[i];
-        done := NULL;
-        UPDATE tasks
-        SET status = it.status, outcome = it.outcome, payload = it.payload, status_message = it.status_message,
+    -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
+    -- changes each requestor's counter once for the batch. The rows are locked already: the join
+    -- order does not matter. A task named twice is finished once (the first the join meets).
+    WITH finished AS (
+        UPDATE tasks t
+        SET status = u.status, outcome = u.outcome, payload = u.payload, status_message = u.status_message,
             last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
             lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-        WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
-          AND (it.epoch IS NULL OR lease_epoch = it.epoch) AND task_status_active(status)
-        RETURNING * INTO done;
-        done_tasks[i] := done;
+        FROM unnest(items) WITH ORDINALITY AS u
+        WHERE t.tenant_id = u.tenant_id AND t.task_id = u.task_id AND t.lease_owner = u.owner
+          AND (u.epoch IS NULL OR t.lease_epoch = u.epoch) AND task_status_active(t.status)
+        RETURNING t AS done_row, u.ordinality AS pos
+    )
+    SELECT array_agg(f.done_row ORDER BY f.pos), array_agg(f.pos ORDER BY f.pos) INTO done_list, done_at FROM finished f;
+    FOR j IN 1 .. coalesce(cardinality(done_at), 0) LOOP
+        done_tasks[done_at[j]] := done_list[j];
     END LOOP;
     -- The audit events in item order, appended once per tenant in tenant order.
     FOR i IN 1 .. n LOOP

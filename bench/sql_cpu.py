@@ -1,6 +1,6 @@
 """PostgreSQL backend CPU per item of the group-commit functions (issue 15, point 2).
 
-Calls task_batch (creates, then retrieves) and task_finish_batch directly, a batch of 32 per
+Calls task_batch (creates, then retrieves), a lease renewal and task_finish_batch directly, a batch of 32 per
 statement and one commit each, on a scratch database migrated with ``mcp-tasks migrate``; the
 backends' CPU (utime + stime of /proc/<pid>/stat) is read before and after, so the number is
 PostgreSQL's own work, not the client's. One requestor (32 items of one tenant and subject) and
@@ -19,6 +19,8 @@ import secrets
 from typing import Any
 
 import asyncpg
+
+from service.store.queries import Q
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -53,14 +55,22 @@ async def run(dsn: str, rounds: int, spread: bool) -> dict[str, float]:
     await runner.execute("SET ROLE mcp_tasks_runner")
     app_pid = await app.fetchval("SELECT pg_backend_pid()")
     runner_pid = await runner.fetchval("SELECT pg_backend_pid()")
-    spent = {"create": 0.0, "finish": 0.0, "retrieve": 0.0}
+    spent = {"create": 0.0, "renew": 0.0, "finish": 0.0, "retrieve": 0.0}
+    renew = Q["renew_leases"]
     try:
         for r in range(rounds + 10):  # the first 10 warm up (plans, caches)
-            items = sorted((create(t, s) for t, s in owners(spread)), key=lambda i: (i["tenant_id"], i["subject"], i["task_id"]))
+            items = sorted(
+                (create(t, s) for t, s in owners(spread)), key=lambda i: (i["tenant_id"], i["subject"], i["task_id"])
+            )
             before = cpu_s(app_pid)
             rows = await app.fetch("SELECT task_id FROM task_batch($1::jsonb)", json.dumps(items))
             assert all(row["task_id"] for row in rows)
             created = cpu_s(app_pid) - before
+            before = cpu_s(runner_pid)
+            ids = [[i["tenant_id"] for i in items], [i["task_id"] for i in items], [0] * len(items)]
+            rows = await runner.fetch(renew, "runner-1", 60_000, *ids)
+            assert len(rows) == len(items)
+            renewed = cpu_s(runner_pid) - before
             finishes = [
                 {"tenant_id": i["tenant_id"], "task_id": i["task_id"], "owner": "runner-1", "status": "completed",
                  "outcome": "result", "payload": {"content": [], "isError": False}, "status_message": None,
@@ -76,8 +86,13 @@ async def run(dsn: str, rounds: int, spread: bool) -> dict[str, float]:
             rows = await app.fetch("SELECT task_id FROM task_batch($1::jsonb)", json.dumps(lookups))
             assert all(row["task_id"] for row in rows)
             retrieved = cpu_s(app_pid) - before
+            if r == 9:  # fresh statistics, as a live database has (the plans are made again)
+                await app.execute(
+                    "RESET ROLE; ANALYZE tasks, active_tasks, audit_events, audit_heads, audit_retrievals; SET ROLE mcp_tasks_app"
+                )
             if r >= 10:
                 spent["create"] += created
+                spent["renew"] += renewed
                 spent["finish"] += finished
                 spent["retrieve"] += retrieved
     finally:

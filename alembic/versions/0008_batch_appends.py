@@ -1,4 +1,4 @@
-"""The audit chain appended once per tenant of a batch, the counters once per requestor (issue 15, point 2).
+"""The audit chain appended once per tenant of a batch, the counters changed once per requestor (issue 15, point 2).
 
 Revision ID: 0008
 Revises: 0007
@@ -18,9 +18,12 @@ PostgreSQL CPU.
   ``repeats_before``) is ``audit_retrieval_due``, shared by both appends: the requestor's row is
   locked and decides; only a first hand-out locks the task's key and inserts. Two statements where
   there were four; the outcome is the same.
-- A requestor's run of creates in ``task_batch`` goes in as one INSERT, and inserts are counted by
-  a statement trigger (``tasks_count_inserted``, as deletes already were): one counter change per
-  requestor per batch. Status changes keep their row trigger.
+- The counters are kept by statement triggers with transition tables (inserts, updates; deletes
+  had one): each statement changes a requestor's counter once. ``task_batch`` inserts a tenant's
+  creates with one INSERT (its caps count the ones not inserted yet), ``task_finish_batch``
+  finishes its tasks with one UPDATE (each row under its own lease check, the rows locked first
+  as before). The update trigger fires for every UPDATE (a trigger with transition tables cannot
+  name columns); rows whose activity did not change cancel out and nothing is written.
 """
 
 from service.store.sqlscript import run_script
@@ -71,6 +74,7 @@ def upgrade() -> None:
     END
     $$;
     ALTER FUNCTION audit_retrieval_due(text, text, text) OWNER TO mcp_tasks_record;
+
     CREATE OR REPLACE FUNCTION audit_append(
         p_tenant text, p_action text, p_outcome text, p_subject text, p_client_id text, p_issuer text,
         p_task_id text, p_request_id text, p_client_address text, p_detail jsonb
@@ -180,7 +184,9 @@ def upgrade() -> None:
     GRANT EXECUTE ON FUNCTION audit_append_many(text, audit_event_item[]) TO mcp_tasks_app, mcp_tasks_runner;
     GRANT USAGE ON TYPE audit_event_item TO mcp_tasks_app, mcp_tasks_runner;
 
-    -- Inserts are counted per statement (one requestor's run of a batch), status changes per row.
+    -- The counters: statement triggers for inserts and updates (deletes had one already).
+    DROP TRIGGER tasks_count_active ON tasks;
+    DROP FUNCTION tasks_count_active();
     CREATE FUNCTION tasks_count_inserted() RETURNS trigger
     LANGUAGE plpgsql AS $$
     BEGIN
@@ -191,11 +197,25 @@ def upgrade() -> None:
         RETURN NULL;
     END
     $$;
-    DROP TRIGGER tasks_count_active ON tasks;
-    CREATE TRIGGER tasks_count_active AFTER UPDATE OF status ON tasks
-        FOR EACH ROW EXECUTE FUNCTION tasks_count_active();
+    CREATE FUNCTION tasks_count_updated() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO active_tasks (tenant_id, subject, active)
+        SELECT tenant_id, subject, sum(d) FROM (
+            SELECT tenant_id, subject, 1 AS d FROM new_rows WHERE task_status_active(status)
+            UNION ALL
+            SELECT tenant_id, subject, -1 AS d FROM old_rows WHERE task_status_active(status)
+        ) changed
+        GROUP BY tenant_id, subject HAVING sum(d) <> 0
+        ORDER BY tenant_id COLLATE "C", subject COLLATE "C"
+        ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + excluded.active;
+        RETURN NULL;
+    END
+    $$;
     CREATE TRIGGER tasks_count_inserted AFTER INSERT ON tasks REFERENCING NEW TABLE AS new_rows
         FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_inserted();
+    CREATE TRIGGER tasks_count_updated AFTER UPDATE ON tasks REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+        FOR EACH STATEMENT EXECUTE FUNCTION tasks_count_updated();
 
     CREATE OR REPLACE FUNCTION task_batch(p_items jsonb) RETURNS SETOF tasks
     LANGUAGE plpgsql AS $$
@@ -210,9 +230,11 @@ def upgrade() -> None:
         counted_tenant text;
         counted_subject text;
         n integer;
-        -- The current requestor's creates that passed the caps, not inserted yet, and their places.
+        -- The current tenant's creates that passed the caps, not inserted yet, and their places.
         pending task_batch_item[] := '{}';
         pending_at integer[] := '{}';
+        pending_ids text[] := '{}';
+        pending_tenant text;
         inserted tasks[];
         -- The audit events in item order, and the tenant of each.
         events audit_event_item[] := '{}';
@@ -228,13 +250,13 @@ def upgrade() -> None:
         LOOP
             PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || lock_tenant, 0));
         END LOOP;
-        -- The rows, in the caller's (tenant, subject, task) order. One requestor's run of creates goes
-        -- in as one INSERT when the run ends (the pass after the last item ends the last run), so the
-        -- counter trigger (a statement trigger) changes its counter once per run, not once per task.
+        -- The rows, in the caller's (tenant, subject, task) order. A tenant's creates go in as one
+        -- INSERT when the next tenant's first create comes (or the items end: the extra pass), so the
+        -- counter trigger (a statement trigger) changes each requestor's counter once, not once per
+        -- task. Row-level security checks every row against the tenant set for the INSERT: its own.
         FOR i IN 1 .. n + 1 LOOP
-            IF cardinality(pending) > 0 AND (i > n OR (items[i].k = 'create' AND (
-                    items[i].tenant_id IS DISTINCT FROM counted_tenant OR items[i].subject IS DISTINCT FROM counted_subject))) THEN
-                PERFORM set_config('app.tenant_id', counted_tenant, true);
+            IF cardinality(pending) > 0 AND (i > n OR (items[i].k = 'create' AND items[i].tenant_id IS DISTINCT FROM pending_tenant)) THEN
+                PERFORM set_config('app.tenant_id', pending_tenant, true);
                 WITH ins AS (
                     INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                        arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
@@ -251,12 +273,13 @@ def upgrade() -> None:
                     RETURNING *
                 )
                 SELECT array_agg(ROW(ins.*)::tasks ORDER BY w.o) INTO inserted
-                FROM ins JOIN unnest(pending_at) WITH ORDINALITY AS w(pos, o) ON items[w.pos].task_id = ins.task_id;
+                FROM ins JOIN unnest(pending_ids) WITH ORDINALITY AS w(task_id, o) ON w.task_id = ins.task_id;
                 FOR j IN 1 .. cardinality(pending_at) LOOP
                     found_tasks[pending_at[j]] := inserted[j];
                 END LOOP;
                 pending := '{}';
                 pending_at := '{}';
+                pending_ids := '{}';
             END IF;
             EXIT WHEN i > n;
             it := items[i];
@@ -264,18 +287,26 @@ def upgrade() -> None:
             PERFORM set_config('app.tenant_id', it.tenant_id, true);
             IF it.k = 'create' THEN
                 -- The counters are read once per run of one requestor's creates (the batch is sorted),
-                -- after the previous run went in, and counted on here: the tenant's create lock keeps
-                -- other creates out, a finish committed meanwhile only lowers them.
+                -- plus this tenant's creates not inserted yet, and counted on here: the tenant's create
+                -- lock keeps other creates out, a finish committed meanwhile only lowers them.
                 IF counted_tenant IS DISTINCT FROM it.tenant_id OR counted_subject IS DISTINCT FROM it.subject THEN
                     SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
                         INTO mine, total
                     FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+                    total := total + cardinality(pending);
+                    FOR j IN 1 .. cardinality(pending) LOOP
+                        IF pending[j].subject = it.subject THEN
+                            mine := mine + 1;
+                        END IF;
+                    END LOOP;
                     counted_tenant := it.tenant_id;
                     counted_subject := it.subject;
                 END IF;
                 IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
+                    pending_tenant := it.tenant_id;
                     pending[cardinality(pending) + 1] := it;
                     pending_at[cardinality(pending_at) + 1] := i;
+                    pending_ids[cardinality(pending_ids) + 1] := it.task_id;
                     mine := mine + 1;  -- as the counter trigger will
                     total := total + 1;
                 END IF;
@@ -335,14 +366,15 @@ def upgrade() -> None:
     END
     $$;
 
-    -- CREATE OR REPLACE resets what ALTER set (migration 0005): the owner stays, the rest is restated.
+    -- CREATE OR REPLACE resets what ALTER set in migration 0005 (the owner stays): restated.
     CREATE OR REPLACE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
     LANGUAGE plpgsql AS $$
     DECLARE
         items task_finish_item[];
-        it task_finish_item;
-        done_tasks tasks[];
+        done_tasks tasks[] := '{}';
         done tasks;
+        done_list tasks[];
+        done_at bigint[];
         n integer;
         events audit_event_item[] := '{}';
         event_tenants text[] := '{}';
@@ -352,24 +384,28 @@ def upgrade() -> None:
         SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
         FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
         n := coalesce(array_length(items, 1), 0);
-        -- Every row first, in the caller's (tenant, subject, task) order, before any counter: an
-        -- UPDATE fires the counter trigger at once, and a cancel locks its row before that
-        -- requestor's counter. One primary-key lookup each (a join would scan the table).
+        -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
+        -- cancel locks its row before that requestor's counter. One primary-key lookup each.
         FOR i IN 1 .. n LOOP
             PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
             FOR NO KEY UPDATE;
         END LOOP;
-        FOR i IN 1 .. n LOOP
-            it := items[i];
-            done := NULL;
-            UPDATE tasks
-            SET status = it.status, outcome = it.outcome, payload = it.payload, status_message = it.status_message,
+        -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
+        -- changes each requestor's counter once for the batch. The rows are locked already: the join
+        -- order does not matter. A task named twice is finished once (the first the join meets).
+        WITH finished AS (
+            UPDATE tasks t
+            SET status = u.status, outcome = u.outcome, payload = u.payload, status_message = u.status_message,
                 last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
                 lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-            WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
-              AND (it.epoch IS NULL OR lease_epoch = it.epoch) AND task_status_active(status)
-            RETURNING * INTO done;
-            done_tasks[i] := done;
+            FROM unnest(items) WITH ORDINALITY AS u
+            WHERE t.tenant_id = u.tenant_id AND t.task_id = u.task_id AND t.lease_owner = u.owner
+              AND (u.epoch IS NULL OR t.lease_epoch = u.epoch) AND task_status_active(t.status)
+            RETURNING t AS done_row, u.ordinality AS pos
+        )
+        SELECT array_agg(f.done_row ORDER BY f.pos), array_agg(f.pos ORDER BY f.pos) INTO done_list, done_at FROM finished f;
+        FOR j IN 1 .. coalesce(cardinality(done_at), 0) LOOP
+            done_tasks[done_at[j]] := done_list[j];
         END LOOP;
         -- The audit events in item order, appended once per tenant in tenant order.
         FOR i IN 1 .. n LOOP
@@ -548,10 +584,29 @@ def downgrade() -> None:
     ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
 
     DROP TRIGGER tasks_count_inserted ON tasks;
-    DROP TRIGGER tasks_count_active ON tasks;
+    DROP TRIGGER tasks_count_updated ON tasks;
+    DROP FUNCTION tasks_count_inserted();
+    DROP FUNCTION tasks_count_updated();
+    CREATE FUNCTION tasks_count_active() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        was_active boolean := false;
+        is_active boolean := task_status_active(NEW.status);
+    BEGIN
+        IF TG_OP = 'UPDATE' THEN
+            was_active := task_status_active(OLD.status);
+        END IF;
+        IF is_active AND NOT was_active THEN
+            INSERT INTO active_tasks (tenant_id, subject, active) VALUES (NEW.tenant_id, NEW.subject, 1)
+                ON CONFLICT (tenant_id, subject) DO UPDATE SET active = active_tasks.active + 1;
+        ELSIF was_active AND NOT is_active THEN
+            UPDATE active_tasks SET active = active - 1 WHERE tenant_id = OLD.tenant_id AND subject = OLD.subject;
+        END IF;
+        RETURN NULL;
+    END
+    $$;
     CREATE TRIGGER tasks_count_active AFTER INSERT OR UPDATE OF status ON tasks
         FOR EACH ROW EXECUTE FUNCTION tasks_count_active();
-    DROP FUNCTION tasks_count_inserted();
 
     DROP FUNCTION audit_append_many(text, audit_event_item[]);
     DROP TYPE audit_event_item;
