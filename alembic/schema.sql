@@ -371,8 +371,9 @@ GRANT SELECT, INSERT ON service_keys TO mcp_tasks_app, mcp_tasks_runner;
 -- (jsonb text output is deterministic: sorted keys, fixed formatting; times are rendered in UTC).
 -- audit_heads holds each tenant's last seq and hash; appending locks that row, so a tenant's
 -- events are numbered without gaps even with many replicas. The service's roles may only SELECT
--- events and heads and call the functions below, which run as mcp_tasks_record: audit_append takes
--- the time itself (never earlier than the chain's last event) and computes the hash. A trigger
+-- events and heads and call the functions below, which run as mcp_tasks_record: audit_append (one
+-- event) and audit_append_many (a batch's events of one tenant) take the time themselves (never
+-- earlier than the chain's last event) and compute the hash. A trigger
 -- refuses UPDATE and TRUNCATE for everyone, and DELETE to all but audit_purge (retention).
 CREATE TABLE audit_events (
     tenant_id      text        NOT NULL,
