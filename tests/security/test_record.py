@@ -271,12 +271,13 @@ async def test_a_schema_owner_that_is_not_a_superuser_migrates_and_hands_the_rec
         try:
             owners = await conn.fetch(
                 """SELECT proname, pg_get_userbyid(proowner) AS owner, prosecdef FROM pg_proc
-                   WHERE proname IN ('audit_append', 'audit_purge', 'task_finish_batch', 'task_release_batch')"""
+                   WHERE proname IN ('audit_append', 'audit_append_many', 'audit_purge', 'task_finish_batch',
+                                      'task_release_batch')"""
             )
         finally:
             await conn.close()
         assert {(r["owner"], r["prosecdef"]) for r in owners} == {("mcp_tasks_record", True)}
-        assert len(owners) == 4
+        assert len(owners) == 5
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.execute(f"DROP OWNED BY {owner}")

@@ -1,0 +1,286 @@
+"""Issue 15, point 2 (migration 0008): a batch appends each tenant's audit events once and changes
+each requestor's active-task counter once, with the record and the counters exactly as one item at
+a time would leave them: chains that verify, seqs in item order without gaps, counters equal to a
+real count after every kind of writer, the retrieve interval unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from service.store.queries import Q
+
+APP, RUNNER = "mcp_tasks_app", "mcp_tasks_runner"
+LEASE = "runner-1"
+
+
+def create(tenant: str, subject: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "k": "create", "tenant_id": tenant, "task_id": secrets.token_urlsafe(12), "subject": subject,
+        "issuer": "https://issuer.test", "client_id": "c", "session_id": None, "surface": "2025-11-25",
+        "tool": "echo", "arguments": {"text": "x"}, "client_capabilities": {}, "progress_token": None,
+        "ttl_ms": 600_000, "poll_interval_ms": 100, "max_per_requestor": 1_000, "max_per_tenant": 10_000,
+        "request_id": "r", "client_address": "127.0.0.1", "detail": {"tool": "echo"},
+        "lease_owner": LEASE, "lease_key": 1, "lease_ms": 600_000, "rerunnable": True, "tool_version": None,
+    } | fields  # fmt: skip
+
+
+def ordered(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """As the batcher sends them (service/store/batch.py): in (tenant, subject, task) order."""
+    return sorted(items, key=lambda i: (i["tenant_id"], i["subject"], i["task_id"]))
+
+
+def finish(item: dict[str, Any], owner: str = LEASE) -> dict[str, Any]:
+    return {
+        "tenant_id": item["tenant_id"], "task_id": item["task_id"], "owner": owner, "status": "completed",
+        "outcome": "result", "payload": {"content": [], "isError": False}, "status_message": None,
+        "detail": {"outcome": "result"}, "epoch": 0, "subject": item["subject"],
+    }  # fmt: skip
+
+
+def retrieve(item: dict[str, Any]) -> dict[str, Any]:
+    return item | {"k": "retrieve", "detail": None}
+
+
+@pytest.fixture
+async def admin(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def as_role(
+    conn: asyncpg.Connection, role: str, sql: str, *args: Any, tenant: str | None = None
+) -> list[asyncpg.Record]:
+    """One statement in its own transaction as the service's role (its login user is a superuser here)."""
+    async with conn.transaction():
+        await conn.execute(f"SET LOCAL ROLE {role}")
+        if tenant is not None:
+            await conn.execute("SELECT set_config('app.tenant_id', $1, true)", tenant)
+        return await conn.fetch(sql, *args)
+
+
+async def batch(conn: asyncpg.Connection, items: list[dict[str, Any]]) -> list[asyncpg.Record]:
+    return await as_role(conn, APP, "SELECT * FROM task_batch($1::jsonb)", json.dumps(items))
+
+
+async def finish_batch(conn: asyncpg.Connection, items: list[dict[str, Any]]) -> list[asyncpg.Record]:
+    return await as_role(conn, RUNNER, "SELECT * FROM task_finish_batch($1::jsonb)", json.dumps(items))
+
+
+async def chain(conn: asyncpg.Connection, tenant: str) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        "SELECT seq, at, action, task_id, detail::text AS detail FROM audit_events WHERE tenant_id = $1 ORDER BY seq",
+        tenant,
+    )
+
+
+async def chain_problems(conn: asyncpg.Connection) -> list[tuple[str, int, str]]:
+    """What `mcp-tasks audit verify` reports (AuditStore.problems), for every tenant."""
+    return [(r["tenant_id"], r["seq"], r["problem"]) for r in await conn.fetch(Q["audit_chain_problems"], None)]
+
+
+async def counters_match(conn: asyncpg.Connection) -> None:
+    """Every requestor's counter is the real number of its active tasks (zero rows aside)."""
+    counted = await conn.fetch("SELECT tenant_id, subject, active FROM active_tasks WHERE active <> 0 ORDER BY 1, 2")
+    real = await conn.fetch(
+        """SELECT tenant_id, subject, count(*) AS active FROM tasks WHERE task_status_active(status)
+           GROUP BY 1, 2 ORDER BY 1, 2"""
+    )
+    assert [tuple(r) for r in counted] == [tuple(r) for r in real]
+
+
+async def test_a_batch_of_one_tenant_appends_its_chain_in_item_order_and_it_verifies_T_SEC_10(
+    admin: asyncpg.Connection,
+) -> None:
+    """A chain begun one event at a time (audit_append) goes on with batches: seqs follow the
+    items without gaps, times never go back, and verification finds nothing."""
+    await as_role(
+        admin, APP, "SELECT audit_append('acme', 'deny', 'x', '', '', '', NULL, NULL, NULL, NULL)", tenant="acme"
+    )
+    items = ordered([create("acme", "alice") for _ in range(24)] + [create("acme", "bob") for _ in range(8)])
+    rows = await batch(admin, items)
+    assert [r["task_id"] for r in rows] == [i["task_id"] for i in items]
+    events = await chain(admin, "acme")
+    assert [e["seq"] for e in events] == list(range(1, 34))
+    assert [e["task_id"] for e in events[1:]] == [i["task_id"] for i in items]
+    assert all(a["at"] <= b["at"] for a, b in itertools.pairwise(events))
+    done = await finish_batch(admin, [finish(i) for i in items])
+    assert all(r["status"] == "completed" for r in done)
+    again = await batch(admin, [retrieve(i) for i in items])
+    assert [r["task_id"] for r in again] == [i["task_id"] for i in items]
+    events = await chain(admin, "acme")
+    assert [e["seq"] for e in events] == list(range(1, 1 + 1 + 32 * 3))
+    assert [e["action"] for e in events[33:]] == ["complete"] * 32 + ["retrieve"] * 32
+    assert [e["task_id"] for e in events[65:]] == [i["task_id"] for i in items]
+    await as_role(
+        admin, APP, "SELECT audit_append('acme', 'deny', 'y', '', '', '', NULL, NULL, NULL, NULL)", tenant="acme"
+    )
+    head = await admin.fetchrow("SELECT seq, encode(hash, 'hex') AS hash FROM audit_heads WHERE tenant_id = 'acme'")
+    last = await admin.fetchrow("SELECT seq, encode(hash, 'hex') AS hash FROM audit_events WHERE tenant_id = 'acme' ORDER BY seq DESC LIMIT 1")  # fmt: skip
+    assert tuple(head) == tuple(last) == (98, last["hash"])
+    assert await chain_problems(admin) == []
+
+
+async def test_a_batch_writes_each_tenants_head_and_each_requestors_counter_once(admin: asyncpg.Connection) -> None:
+    """Issue 15, point 2: 32 creates (then finishes) of one requestor changed its counter and its
+    tenant's audit head 32 times each in one transaction; now once per tenant and requestor."""
+    items = ordered(
+        [create("acme", "alice") for _ in range(20)]
+        + [create("acme", "bob") for _ in range(4)]
+        + [create("globex", "carol") for _ in range(8)]
+    )
+    await batch(admin, items[:1] + items[20:21] + items[24:25])  # the rows exist: changes are updates
+    items = items[1:20] + items[21:24] + items[25:]
+
+    async def written() -> dict[str, int]:
+        # The xact view adds this transaction's writes to what earlier ones have not flushed yet.
+        rows = await admin.fetch(
+            """SELECT relname, n_tup_ins + n_tup_upd AS n FROM pg_stat_xact_user_tables
+               WHERE relname IN ('audit_heads', 'active_tasks')"""
+        )
+        return {r["relname"]: r["n"] for r in rows}
+
+    async def writes(sql: str, payload: list[dict[str, Any]], role: str) -> dict[str, int]:
+        async with admin.transaction():
+            before = await written()
+            await admin.execute(f"SET LOCAL ROLE {role}")
+            await admin.fetch(sql, json.dumps(payload))
+            await admin.execute("RESET ROLE")
+            after = await written()
+        return {name: n - before.get(name, 0) for name, n in after.items()}
+
+    assert await writes("SELECT * FROM task_batch($1::jsonb)", items, APP) == {"audit_heads": 2, "active_tasks": 3}
+    finishes = [finish(i) for i in items]
+    assert await writes("SELECT * FROM task_finish_batch($1::jsonb)", finishes, RUNNER) == {
+        "audit_heads": 2,
+        "active_tasks": 3,
+    }
+    await counters_match(admin)
+    assert await chain_problems(admin) == []
+
+
+async def test_counters_equal_a_real_count_after_every_kind_of_writer_T_SEC_7(admin: asyncpg.Connection) -> None:
+    """Creates, finishes, cancels, hand-backs (re-queued and failed), questions and answers,
+    claims, renewals and expiry deletes, of one requestor and of many, in batches and alone."""
+    many = [create(f"t{t}", f"s{s}") for t in range(3) for s in range(3) for _ in range(2)]
+    solo = [create("solo", "alice") for _ in range(16)]
+    unleased = [create("solo", "alice", lease_owner=None, lease_key=None, lease_ms=None) for _ in range(4)]
+    await batch(admin, ordered(many + solo + unleased))
+    await counters_match(admin)
+    # A claim and a renewal change leases, not activity.
+    claimed = await as_role(admin, RUNNER, Q["claim_tasks"], LEASE, 1, 600_000, 2, ["echo"], 100, [], [], "{}")
+    assert len(claimed) == 2
+    renewed = await as_role(
+        admin, RUNNER, Q["renew_leases"], LEASE, 600_000,
+        [i["tenant_id"] for i in solo], [i["task_id"] for i in solo], [0] * len(solo),
+    )  # fmt: skip
+    assert len(renewed) == len(solo)
+    await counters_match(admin)
+    # Finishes, one of them not the runner's lease (nothing changes for it).
+    done = await finish_batch(admin, ordered([finish(i) for i in solo[:6] + many[:5]] + [finish(solo[6], "other")]))
+    assert sum(r["task_id"] is not None for r in done) == 11
+    await counters_match(admin)
+    # A cancel (the app role, one task per statement), and a cancel of a finished task (refused).
+    for item in (solo[7], many[6], solo[0]):
+        await as_role(
+            admin, APP, Q["cancel_task"], item["tenant_id"], item["task_id"], item["subject"], "stop",
+            tenant=item["tenant_id"],
+        )  # fmt: skip
+    await counters_match(admin)
+    # A question and its answer: active to active.
+    await admin.execute("UPDATE tasks SET status = 'input_required' WHERE task_id = $1", solo[8]["task_id"])
+    await admin.execute("UPDATE tasks SET status = 'working' WHERE task_id = $1", solo[8]["task_id"])
+    await counters_match(admin)
+    # Hand-backs: one re-queued (stays active), one failed (no attempts left).
+    released = [
+        {"tenant_id": i["tenant_id"], "task_id": i["task_id"], "owner": LEASE, "rerunnable": True,
+         "max_attempts": attempts, "requeue_message": "requeued", "epoch": 0, "only_if_lapsed": False,
+         "failure": {"reason": "lost", "message": "the run was lost"}}
+        for i, attempts in ((solo[9], 3), (solo[10], 1))
+    ]  # fmt: skip
+    moved = await as_role(admin, RUNNER, "SELECT * FROM task_release_batch($1::jsonb)", json.dumps(released))
+    assert [r["status"] for r in moved] == ["working", "failed"]
+    await counters_match(admin)
+    # Expiry: active and finished tasks deleted by the sweeper.
+    await admin.execute(
+        "UPDATE tasks SET expires_at = clock_timestamp() - interval '1 second' WHERE task_id = ANY ($1)",
+        [i["task_id"] for i in solo[:4] + solo[11:14] + many[:3] + many[10:12]],
+    )
+    deleted = await as_role(admin, RUNNER, Q["delete_expired_tasks"], 100)
+    assert len(deleted) == 12
+    await counters_match(admin)
+    # And creates again after all that, capped: exactly up to the cap.
+    capped = [create("solo", "alice", max_per_requestor=12) for _ in range(6)]
+    made = await batch(admin, ordered(capped))
+    active = await admin.fetchval(
+        "SELECT count(*) FROM tasks WHERE tenant_id = 'solo' AND subject = 'alice' AND task_status_active(status)"
+    )
+    assert active == 12
+    assert sum(r["task_id"] is not None for r in made) < 6
+    await counters_match(admin)
+    assert await chain_problems(admin) == []
+
+
+async def test_caps_count_a_tenants_creates_not_inserted_yet_T_SEC_7(admin: asyncpg.Connection) -> None:
+    """A tenant's creates go in with one INSERT at the end of its run: the caps of its next
+    requestor count the ones of this batch already accepted, as before."""
+    items = ordered(
+        [create("acme", "alice", max_per_requestor=2, max_per_tenant=3) for _ in range(3)]
+        + [create("acme", "bob", max_per_requestor=2, max_per_tenant=3) for _ in range(3)]
+        + [create("globex", "alice", max_per_requestor=2, max_per_tenant=3) for _ in range(3)]
+    )
+    made = await batch(admin, items)
+    created = [(r["tenant_id"], r["subject"]) for r in made if r["task_id"] is not None]
+    assert created == [("acme", "alice")] * 2 + [("acme", "bob")] + [("globex", "alice")] * 2
+    await counters_match(admin)
+
+
+async def test_the_retrieve_interval_records_once_and_counts_the_repeats_before_T_SEC_10(
+    admin: asyncpg.Connection,
+) -> None:
+    """Once per requestor per interval, in one batch and across batches; the next recorded
+    retrieve carries the repeats since the last one (repeats_before), as in migration 0003."""
+    item = create("acme", "alice")
+    await batch(admin, [item])
+    await finish_batch(admin, [finish(item)])
+    await admin.execute("SET mcp_tasks.audit_retrieve_interval_s = '1'")
+    await batch(admin, [retrieve(item)] * 3)
+    await batch(admin, [retrieve(item)])
+    other = retrieve(item | {"subject": "bob"})  # someone else's: no task, no event
+    assert [r["task_id"] for r in await batch(admin, [other])] == [None]
+    retrieves = [e for e in await chain(admin, "acme") if e["action"] == "retrieve"]
+    assert [e["detail"] for e in retrieves] == [None]
+    await asyncio.sleep(1.1)
+    await batch(admin, [retrieve(item)] * 2)
+    retrieves = [e for e in await chain(admin, "acme") if e["action"] == "retrieve"]
+    assert [json.loads(e["detail"]) if e["detail"] else None for e in retrieves] == [None, {"repeats_before": 3}]
+    seen = await admin.fetchrow("SELECT repeats FROM audit_retrievals WHERE task_id = $1", item["task_id"])
+    assert seen["repeats"] == 1
+    # Interval 0: every retrieve is recorded, nothing is remembered.
+    await admin.execute("SET mcp_tasks.audit_retrieve_interval_s = '0'")
+    await batch(admin, [retrieve(item)] * 2)
+    assert len([e for e in await chain(admin, "acme") if e["action"] == "retrieve"]) == 4
+    assert await chain_problems(admin) == []
+
+
+async def test_audit_append_many_appends_only_for_the_transactions_tenant_T_SEC_10(admin: asyncpg.Connection) -> None:
+    """The same check as audit_append: the app role appends only to the tenant its transaction names."""
+    event = "ARRAY[ROW('deny', 'forged', '', '', '', NULL, NULL, NULL, NULL)::audit_event_item]"
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_role(admin, APP, f"SELECT audit_append_many('acme', {event})", tenant="globex")
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_role(admin, APP, "SELECT audit_retrieval_due('acme', 'x', 'alice')", tenant="acme")
+    assert (await as_role(admin, APP, f"SELECT audit_append_many('acme', {event}) AS seq", tenant="acme"))[0][
+        "seq"
+    ] == 1
+    assert await chain_problems(admin) == []
