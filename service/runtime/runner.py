@@ -278,7 +278,12 @@ class Runner:
                 log.exception("runner could not publish its tools")
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, TaskCreated | Resync):
+        if isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
+            # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
+            # walking past every one of them (one busy tenant's creates each woke a claim that
+            # scanned its whole queue). One of its slots freed here claims again (the backlog).
+            self._backlog = True
+        elif isinstance(event, TaskCreated | Resync):
             self._wake.set()
         elif isinstance(event, TaskCancelRequested | TaskDeleted):
             key = (event.tenant_id, event.task_id)

@@ -141,3 +141,39 @@ def test_the_share_defaults_to_half_in_hosted_mode_and_all_in_single_user_mode(d
     assert make_settings(database_url, runner_concurrency=32).effective_tenant_share == 32
     assert make_settings(database_url, runner_concurrency=32, runner_tenant_share="8").effective_tenant_share == 8
     assert make_settings(database_url, runner_concurrency=8, runner_tenant_share="99").effective_tenant_share == 8
+
+
+async def test_creates_of_a_tenant_at_its_share_wake_no_claim_and_a_freed_slot_claims_them(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Issue 15 (one busy tenant's creates each woke a claim that walked past every queued row of
+    that tenant and found nothing): a tenant at its share queues its next tasks without waking the
+    runner; when one of its tasks ends, the freed slot claims the oldest of them."""
+    settings = make_settings(database_url, runner_concurrency=4, runner_tenant_share="2", poll_interval_ms=10_000)
+    async with serve(settings) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        runner = server.app.state.core.runner
+        running = [(await s.call_tool_as_task("sleep", {"seconds": 60}))["task"]["taskId"] for _ in range(2)]
+        async with asyncio.timeout(5):
+            while runner.held()["local"] < 2:
+                await asyncio.sleep(0.02)
+        claims = 0
+        claim = runner.store.claim
+
+        async def counting(*args: object, **kwargs: object) -> object:
+            nonlocal claims
+            claims += 1
+            return await claim(*args, **kwargs)  # type: ignore[arg-type]
+
+        runner.store.claim = counting
+        queued = [(await s.call_tool_as_task("echo", {"text": f"q{i}"}))["task"]["taskId"] for i in range(6)]
+        await asyncio.sleep(0.3)  # the created events have arrived (NOTIFY) and woken nothing
+        assert claims == 0
+        assert (await s.result("tasks/get", {"taskId": queued[0]}))["status"] == "working"
+        await s.result("tasks/cancel", {"taskId": running[0]})
+        async with asyncio.timeout(START_BOUND_S):  # the freed slot claims at once, not at the next poll
+            result = await s.result("tasks/result", {"taskId": queued[0]})
+        assert result["content"] == [{"type": "text", "text": "q0"}]
+        assert claims >= 1
+        await s.result("tasks/cancel", {"taskId": running[1]})
