@@ -118,6 +118,8 @@ fenced_writes = Counter(
     "owner or epoch had changed, so the write changed nothing",
     ["op"],
 )  # fmt: skip
+for _op in ("finish", "release"):  # series at 0 from the start: a first refusal shows as a rise
+    fenced_writes.labels(_op)
 runner_fenced = Counter(
     "mcp_tasks_runner_fenced_tasks_total",
     "Tasks whose tool this runner stopped because it could not renew their lease in time (outcome not written)",
@@ -129,6 +131,8 @@ http_refusals = Counter(
     "requests (MCP_TASKS_MAX_CONCURRENT_REQUESTS), header_timeout (408), headers_too_large (431)",
     ["reason"],
 )  # fmt: skip
+for _reason in ("connections", "requests", "header_timeout", "headers_too_large"):
+    http_refusals.labels(_reason)
 db_pool_connections = Gauge(
     "mcp_tasks_db_pool_connections", "Database pool connections (as of the last sweep; mcp_tasks_db_pool_in_use is exact)",
     ["pool", "state"], multiprocess_mode="livesum",
