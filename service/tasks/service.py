@@ -168,11 +168,9 @@ class TaskService:
         try:
             over = self.plain_calls[key] > limit
             if not over:
-                remembered = self._task_counts.get(key)
-                fresh = remembered is None or time.monotonic() - remembered[1] > PLAIN_CAP_RECOUNT_S
-                tasks = await self._count_tasks(caller.principal) if fresh else remembered[0]  # type: ignore[index]
-                if not fresh and tasks + self.plain_calls[key] > limit:
-                    tasks = await self._count_tasks(caller.principal)  # refused only on a fresh count
+                tasks = self._remembered_tasks(key)
+                if tasks is None or tasks + self.plain_calls[key] > limit:  # refused only on a fresh count
+                    tasks = await self._count_tasks(caller.principal)
                 over = tasks + self.plain_calls[key] > limit
             if over:
                 raise await self._refuse_capacity(caller, tool, plain=self.plain_calls[key] - 1)
@@ -188,6 +186,13 @@ class TaskService:
                 self._release_plain(key)
 
         return release
+
+    def _remembered_tasks(self, key: tuple[str, str]) -> int | None:
+        """The requestor's active tasks as read for a plain call within PLAIN_CAP_RECOUNT_S, if any."""
+        remembered = self._task_counts.get(key)
+        if remembered is None or time.monotonic() - remembered[1] > PLAIN_CAP_RECOUNT_S:
+            return None
+        return remembered[0]
 
     async def _count_tasks(self, principal: Principal) -> int:
         """The requestor's active tasks from the counters, remembered for the next plain calls."""
