@@ -2,7 +2,9 @@
 
 Every write of a run (outcome, hand-back, renewal, question) carries its fencing token and lands
 only while that still holds the lease; a run whose lease could not be renewed in time has its
-tool stopped before another runner may take the task (fencing.py).
+tool stopped before another runner may take the task (fencing.py). The runner's row in
+``runners`` is the lease on all its tasks: the heartbeat extends it in one statement, and a task's
+own (long) lease only once it is a lease old.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class Runner:
         self.times = LeaseTimes.of(lease_ms)
         self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, self.times.renew_every))
         self._running: dict[TaskKey, Run] = {}
+        # When the last statement that extended our row while it held was sent (start, a beat, a
+        # claim): our row holds for at least a lease after it. New runs count on it.
+        self._row_sent = 0.0
         # Fenced runs whose leases we still hold: handed back once the database answers again.
         self._fenced: dict[TaskKey, tuple[Task, float]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
@@ -115,12 +120,14 @@ class Runner:
         here (it began inside its request), so it takes a slot even when none is free rather than stop."""
         if self._stopping or self._draining or not self.liveness.held:
             return None
+        if time.monotonic() - self._row_sent >= self.times.fence_after / 2:  # our row may be lapsing
+            return None
         if not running and (self.busy + self._reserved >= self.concurrency or self._at_share(tenant_id)):
             return None
         self._reserved += 1
         self._reserved_by_tenant[tenant_id] += 1
         self._reserved_at.append(time.monotonic())
-        return Lease(self.owner, self.liveness.key, self.lease_ms)
+        return Lease(self.owner, self.liveness.key, self.times.task_lease_ms)
 
     def _unreserve(self, tenant_id: str) -> float:
         """Give a create's reserved slot back; a time no later than the start of its lease."""
@@ -149,7 +156,7 @@ class Runner:
             return
         attach(task.task_id, self._sink(task))
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since, job)
+        self._start(task, since, job, covered_since=min(since, self._row_sent))
 
     def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None:
         """Run a task of ``tenant_id`` created under a reserved lease (None: a cap refused it,
@@ -166,7 +173,7 @@ class Runner:
             )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since, capabilities=capabilities)
+        self._start(task, since, capabilities=capabilities, covered_since=min(since, self._row_sent))
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
         """The create under a reserved lease failed without an answer (cancelled, connection lost):
@@ -206,23 +213,27 @@ class Runner:
 
     def _start(
         self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None, *,
-        capabilities: dict[str, Any] | None = None,
+        capabilities: dict[str, Any] | None = None, covered_since: float | None = None,
     ) -> None:  # fmt: skip
+        """``leased_at``: no later than the statement that set the task's own lease; ``covered_since``:
+        no later than the one that extended our row for it (a claim does both)."""
         key = (task.tenant_id, task.task_id)
         execute = self._execute(task, job, capabilities)
-        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), leased_at)
+        covered = leased_at if covered_since is None else covered_since
+        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
         await self.liveness.acquire()
+        sent = time.monotonic()
         await self._publish()
+        self._row_sent = sent
         self.hub.listeners.append(self._on_event)
         self._loops = [
             asyncio.create_task(self._claim_loop(), name="runner-claim"),
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
-            asyncio.create_task(self._presence_loop(), name="runner-presence"),
             asyncio.create_task(self._fence_loop(), name="runner-fence"),
         ]
 
@@ -262,20 +273,11 @@ class Runner:
 
     async def _publish(self) -> None:
         """Say what this runner can run, for a lease's time (the maintenance pass tells tasks whose
-        tool no live runner has so, see runners.sql)."""
+        tool no live runner has so, see runners.sql): at start, and afresh after our row lapsed.
+        The heartbeat keeps it live in between."""
         tools = {name: {"version": spec.version, "rerunnable": spec.rerunnable}
                  for name, spec in self.registry.tools.items()}  # fmt: skip
         await self.store.publish(self.owner, self.liveness.key, tools, self.lease_ms)
-
-    async def _presence_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_ms / 3000)
-            try:
-                await self._publish()
-            except Unavailable as exc:
-                self._database_lost("published its tools", exc)
-            except Exception:
-                log.exception("runner could not publish its tools")
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
@@ -338,7 +340,7 @@ class Runner:
             tasks = await asyncio.wait_for(
                 self.store.claim(
                     self.owner, self.liveness.key, self.lease_ms, want, self._tools,
-                    tenant_share=self.tenant_share, held=held,
+                    tenant_share=self.tenant_share, held=held, task_lease_ms=self.times.task_lease_ms,
                 ),
                 timeout=self.times.claim_timeout,
             )  # fmt: skip
@@ -347,6 +349,8 @@ class Runner:
         finally:
             self._reserved -= want
             self._claiming = None
+        if tasks:  # the claim extended our row (it claims nothing once the row lapsed)
+            self._row_sent = max(self._row_sent, sent)
         # A full claim, or a tenant at its share whose queued tasks the claim skipped: there may be
         # more, so a freed slot claims again.
         for task in tasks:
@@ -367,17 +371,19 @@ class Runner:
                 await self._hand_back_fenced()
 
     async def _renew(self) -> bool:
-        """Renew the lease of every run still going under the epoch it was given; stop the tools of
-        those the database no longer gives us. False when the database did not answer in time."""
-        # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
-        held_by = [(key, run.task.lease_epoch) for key, run in self._running.items() if not run.fenced]
-        if not held_by:
-            return True
+        """The heartbeat: extend our row, the lease of every run at once, and the tasks' own leases
+        of the runs whose lease is due; stop the tools of those the database no longer gives us.
+        False when the database did not answer in time."""
+        # Snapshot first: a task claimed while the beat is in flight is not judged by it.
+        runs = [(key, run) for key, run in self._running.items() if not run.fenced]
         sent = time.monotonic()
+        due = [(key, run.task.lease_epoch) for key, run in runs
+               if sent - run.task_lease_set_at >= self.times.task_renew_after]  # fmt: skip
         try:
             # Bounded: an answer that does not come must not hold up the next attempt.
-            held = await asyncio.wait_for(
-                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self.times.renew_every
+            extended, held = await asyncio.wait_for(
+                self.store.renew(self.owner, self.lease_ms, due, self.times.task_lease_ms),
+                timeout=self.times.renew_every,
             )
         except TimeoutError:
             self._database_lost("renewed its leases", Unavailable(f"no answer within {self.times.renew_every:.1f} s"))
@@ -389,15 +395,45 @@ class Runner:
             log.exception("runner lease renewal failed")
             return False
         self._database_back()
-        for key, epoch in held_by:
-            run = self._running.get(key)
-            if run is None or run.task.lease_epoch != epoch:
+        if not extended:
+            await self._row_lapsed()
+            return True
+        self._row_sent = max(self._row_sent, sent)
+        due_keys = {key for key, _epoch in due}
+        for key, run in runs:
+            if self._running.get(key) is not run:
                 continue
-            if key in held:
+            if key not in due_keys:  # its own lease has three leases left: the row was all it needed
                 run.renewed_at = max(run.renewed_at, sent)
+            elif key in held:
+                run.renewed_at = max(run.renewed_at, sent)
+                run.task_lease_set_at = sent
             else:  # cancelled, expired, or the lease was taken
                 self._stop_tool(run)
         return True
+
+    async def _row_lapsed(self) -> None:
+        """The database answered, but our row had lapsed (no beat landed for a lease): the reaper may
+        take any task we run, so every run still going stops now (as a fence would), and the row is
+        published afresh, for new work only. Not before: a revived row must not cover old runs."""
+        stopped = [run for run in self._running.values() if not run.tool_done and not run.fenced]
+        for run in stopped:
+            run.fenced = True
+            run.job.cancel()
+        if stopped:
+            metrics.runner_fenced.inc(len(stopped))
+        log.warning(
+            "runner's row had lapsed (no heartbeat reached the database for a lease): %d running tool(s) "
+            "stopped, their tasks go back (re-run or failed); publishing the runner afresh",
+            len(stopped),
+        )
+        sent = time.monotonic()
+        try:
+            await self._publish()
+        except Exception as exc:  # the next beat finds it still lapsed and tries again
+            log.warning("runner could not publish itself afresh: %s", exc)
+            return
+        self._row_sent = sent
 
     async def _fence_loop(self) -> None:
         """Stop the tools of runs whose lease could not be renewed in time, before the reaper could
