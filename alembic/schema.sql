@@ -361,11 +361,14 @@ CREATE POLICY runners_record_reads ON runners FOR SELECT TO mcp_tasks_record
 -- then, and its owner's row in runners, which the runner's heartbeat renews for all its tasks at
 -- once. So a dead or cut-off runner's tasks lapse with its row (a lease's time after its last
 -- heartbeat), and a task a live runner no longer runs (a claim whose answer was lost) with its own
--- lease. The one rule for find_lost_leases and task_release_batch.
+-- lease. Only for owners named so ('+row', service/runtime/fencing.py ROW_LEASE): a runner of an
+-- earlier release renews each task's own lease and is judged by that alone. The rule of
+-- task_release_batch's re-check under the row lock; find_lost_leases searches with the same rule.
 CREATE FUNCTION lease_lapsed(p_owner text, p_expires_at timestamptz) RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE sql VOLATILE
 RETURN p_expires_at < clock_timestamp()
-    OR NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp());
+    OR (p_owner LIKE '%+row'
+        AND NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp()));
 
 
 -- ============================================================================== service keys ==

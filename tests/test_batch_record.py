@@ -179,7 +179,7 @@ async def test_counters_equal_a_real_count_after_every_kind_of_writer_T_SEC_7(ad
     await counters_match(admin)
     # A claim and a renewal change leases, not activity.
     await as_role(admin, RUNNER, Q["publish_runner"], LEASE, 1, "{}", 600_000)  # its row: the lease on its tasks
-    claimed = await as_role(admin, RUNNER, Q["claim_tasks"], LEASE, 1, 600_000, 2, ["echo"], 100, [], [], "{}", 600_000)
+    claimed = await as_role(admin, RUNNER, Q["claim_tasks"], LEASE, 1, 600_000, 2, ["echo"], 100, [], [], "{}")
     assert len(claimed) == 2
     renewed = await as_role(
         admin, RUNNER, Q["renew_leases"], LEASE, 600_000,

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY as METRICS
 from service.domain.inputs import InputKind, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
+from service.runtime.fencing import ROW_LEASE
 from service.runtime.handback import hand_back
 from service.runtime.maintenance import Maintenance
 from service.store import requests as rq
@@ -32,7 +33,7 @@ from tests.rpc import RpcSession
 from tests.test_audit import audit_rows
 from tests.toolpack import signal
 
-OWNER = "runner-1"
+OWNER = "runner-1" + ROW_LEASE
 RESULT = Outcome(OutcomeKind.RESULT, {"content": [{"type": "text", "text": "late"}], "isError": False})
 REGISTRY = Registry.load(["service.tools.demo"])  # echo may re-run, crash may not
 
@@ -75,7 +76,7 @@ async def queued(tasks: TaskStore, tool: str = "echo") -> str:
 
 
 async def claim_one(runner: RunnerStore, tool: str = "echo") -> Task:
-    (task,) = await runner.claim(OWNER, 1, 60_000, 1, {tool: None}, tenant_share=32, held={}, task_lease_ms=240_000)
+    (task,) = await runner.claim(OWNER, 1, 240_000, 1, {tool: None}, tenant_share=32, held={})
     return task
 
 
@@ -255,6 +256,24 @@ async def test_a_lease_lapses_with_its_runners_row_whatever_the_tasks_own_lease_
     assert ((await row(db, task_id))["lease_owner"], moved.status.value) == (None, "working")  # re-queued
 
 
+async def test_a_runner_of_an_earlier_release_is_judged_by_its_tasks_own_leases_alone(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
+) -> None:
+    """During the rolling upgrade a runner of the previous release renews every task's own lease
+    and fences on those renewals, not on its row (which it republished only now and then): its
+    tasks (an owner name without ROW_LEASE) lapse by their own leases only."""
+    tasks, runner = stores
+    task_id = await queued(tasks)
+    old = "old-runner:1:cafe"
+    await runner.publish(old, 2, {}, 60_000)
+    (task,) = await runner.claim(old, 2, 30_000, 1, {"echo": None}, tenant_share=32, held={})
+    await lapse_row(db, old)
+    assert await runner.lost_leases(10) == []
+    await db.execute("UPDATE tasks SET lease_expires_at = now() - interval '1 second' WHERE task_id = $1", task_id)
+    (lost,) = await runner.lost_leases(10)
+    assert (lost.task_id, lost.owner, lost.epoch) == (task_id, old, task.lease_epoch)
+
+
 async def test_a_beat_extends_the_runners_row_and_only_the_due_task_leases(
     stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
 ) -> None:
@@ -290,8 +309,7 @@ async def test_a_beat_does_not_revive_a_lapsed_row_and_a_lapsed_runner_claims_no
     assert await runner.renew(OWNER, 60_000, [(key, held.lease_epoch)], 240_000) == (False, set())
     assert await db.fetchval("SELECT live_until < now() FROM runners WHERE owner = $1", OWNER)
     assert (await row(db, held_id))["lease_expires_at"] == before
-    assert await runner.claim(OWNER, 1, 60_000, 1, {"echo": None}, tenant_share=32, held={},
-                              task_lease_ms=240_000) == []  # fmt: skip
+    assert await runner.claim(OWNER, 1, 240_000, 1, {"echo": None}, tenant_share=32, held={}) == []
     assert (await row(db, waiting_id))["lease_owner"] is None
     await runner.publish(OWNER, 1, {}, 60_000)
     assert (await claim_one(runner)).task_id == waiting_id
@@ -387,3 +405,36 @@ async def test_a_runner_whose_row_lapsed_stops_its_tools_and_publishes_itself_af
         async with asyncio.timeout(10):
             result = await s.result("tasks/result", {"taskId": echoed["task"]["taskId"]})
         assert result["content"][0]["text"] == "after"
+
+
+async def test_a_create_whose_covering_row_extension_is_too_old_when_it_lands_does_not_start(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """A slot reserved under one extension of the runner's row, adopted after that extension stopped
+    covering it (the row may have lapsed and been revived meanwhile, the reaper may hold the task),
+    must not start here: the task goes back unstarted and runs through a claim, once."""
+    key = secrets.token_hex(4)
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
+        runner = running.app.state.core.runner
+        reserve = runner.reserve
+
+        def reserved_under_an_old_extension(tenant_id: str, *, running: bool = False) -> rq.Lease | None:
+            lease = reserve(tenant_id, running=running)
+            if lease is not None:  # as if the create had taken longer than a fence to land
+                at, _row_sent = runner._reserved_at[-1]
+                runner._reserved_at[-1] = (at, at - runner.times.fence_after - 1)
+            return lease
+
+        runner.reserve = reserved_under_an_old_extension  # type: ignore[method-assign]
+        before = fenced_tasks()
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await signal(key, "started").wait()
+        assert fenced_tasks() == before + 1
+        task = await s.result("tasks/get", {"taskId": task_id})
+        assert "lease ran out before the task started" in task.get("statusMessage", "")
+        # Two leases (the create's, never started, and the claim's under which it runs), one run.
+        assert (await row(db, task_id))["attempts"] == 2
+        await s.result("tasks/cancel", {"taskId": task_id})

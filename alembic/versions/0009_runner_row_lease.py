@@ -12,15 +12,16 @@ held, not with the work done.
 
 A lease now holds while both hold: the task's own ``lease_expires_at``, set for four leases and
 renewed by its runner only once it is a lease old, and the runner's row in ``runners``, whose
-``live_until`` the heartbeat (and a claim) extends for all its tasks at once, and never revives once
-it has lapsed. ``lease_lapsed`` is that rule, for the reaper (``find_lost_leases``) and for the
-release function's re-check under the row lock. The runner's reckoning (self-fencing) is unchanged:
-it stops a run not covered by a successful heartbeat for three quarters of a lease.
+``live_until`` the heartbeat extends for all its tasks at once, and never revives once it has
+lapsed. ``lease_lapsed`` is that rule, for the release function's re-check under the row lock
+(``find_lost_leases`` writes it as a set). The runner's reckoning (self-fencing) is unchanged: it
+stops a run not covered by a successful heartbeat for three quarters of a lease.
 
-During the rolling upgrade: a runner of the previous release renews its tasks' leases as before and
-publishes its row every third of a lease, so it is judged as before (its tasks lapse with their own
-short leases, or with its row). A reaper of the previous release reads only ``lease_expires_at``, so
-it takes a crashed new runner's tasks after four leases instead of one.
+During the rolling upgrade: the row counts only for owners whose name ends in ``+row`` (this
+release's runners). A runner of the previous release fences on its per-task renewals and
+republishes its row only now and then, so it is judged by its tasks' own leases alone, as before.
+A reaper of the previous release reads only ``lease_expires_at``, so it takes a crashed new
+runner's tasks after four leases instead of one.
 """
 
 from service.store.sqlscript import run_script
@@ -36,9 +37,10 @@ CREATE POLICY runners_record_reads ON runners FOR SELECT TO mcp_tasks_record
     USING (current_user = 'mcp_tasks_record');
 
 CREATE FUNCTION lease_lapsed(p_owner text, p_expires_at timestamptz) RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE sql VOLATILE
 RETURN p_expires_at < clock_timestamp()
-    OR NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp());
+    OR (p_owner LIKE '%+row'
+        AND NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp()));
 """
 
 RELEASE_NEW = """

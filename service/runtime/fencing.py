@@ -26,6 +26,10 @@ FENCE_AFTER = 3 / 4
 # takes it. Renewed once it is one lease old, so it always has three left when a beat counts it.
 TASK_LEASE = 4
 TASK_RENEW_AFTER = 1
+# The end of the name of a runner whose row is the lease on its tasks (lease_lapsed in
+# alembic/schema.sql reads it): a runner of an earlier release renews every task's own lease and
+# is judged by those alone, whatever becomes of its row.
+ROW_LEASE = "+row"
 
 
 @dataclass(frozen=True, slots=True)

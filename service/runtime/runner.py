@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import socket
@@ -27,7 +28,7 @@ from service.domain.stopping import cancel_and_wait
 from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
 from service.runtime.context import TaskRunContext, TaskSink
-from service.runtime.fencing import LeaseTimes, Run, overdue
+from service.runtime.fencing import ROW_LEASE, LeaseTimes, Run, overdue
 from service.runtime.handback import hand_back
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -66,12 +67,14 @@ class Runner:
         self.tenant_share = max(1, min(tenant_share or concurrency, concurrency))
         self.lease_ms = lease_ms
         self.poll_s = poll_s
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # ROW_LEASE marks an owner whose row is its lease on its tasks (lease_lapsed): a runner of an
+        # earlier release is judged by its tasks' own leases only.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}{ROW_LEASE}"
         self.times = LeaseTimes.of(lease_ms)
         self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, self.times.renew_every))
         self._running: dict[TaskKey, Run] = {}
-        # When the last statement that extended our row while it held was sent (start, a beat, a
-        # claim): our row holds for at least a lease after it. New runs count on it.
+        # When the last statement that extended our row while it held was sent (start, a beat): our
+        # row holds for at least a lease after it. New runs count on it.
         self._row_sent = 0.0
         # Fenced runs whose leases we still hold: handed back once the database answers again.
         self._fenced: dict[TaskKey, tuple[Task, float]] = {}
@@ -79,8 +82,9 @@ class Runner:
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
         # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
         self._claiming: tuple[dict[str, int], int] | None = None
-        # When each reservation of a create was made (its lease's start is later): see _reserved_since.
-        self._reserved_at: deque[float] = deque()
+        # When each reservation of a create was made (its lease's start is later), and when our row
+        # was last extended at that moment (what covers the create): see _reserved_since.
+        self._reserved_at: deque[tuple[float, float]] = deque()
         self._jobs: set[asyncio.Task[object]] = set()
         self._wake = asyncio.Event()
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
@@ -126,21 +130,25 @@ class Runner:
             return None
         self._reserved += 1
         self._reserved_by_tenant[tenant_id] += 1
-        self._reserved_at.append(time.monotonic())
+        self._reserved_at.append((time.monotonic(), self._row_sent))
         return Lease(self.owner, self.liveness.key, self.times.task_lease_ms)
 
-    def _unreserve(self, tenant_id: str) -> float:
-        """Give a create's reserved slot back; a time no later than the start of its lease."""
+    def _unreserve(self, tenant_id: str) -> tuple[float, float]:
+        """Give a create's reserved slot back; times no later than the start of its own lease and
+        than the extension of our row that covers it."""
         self._reserved -= 1
         self._reserved_by_tenant[tenant_id] -= 1
         if self._reserved_by_tenant[tenant_id] <= 0:
             del self._reserved_by_tenant[tenant_id]
         return self._reserved_since()
 
-    def _reserved_since(self) -> float:
-        """A time no later than the start of the lease of the create being adopted: the oldest
-        outstanding reservation (its own is among them)."""
-        return self._reserved_at.popleft() if self._reserved_at else time.monotonic()
+    def _reserved_since(self) -> tuple[float, float]:
+        """Times no later than the start of the lease of the create being adopted and than the row
+        extension covering it: those of the oldest outstanding reservation (its own is among them).
+        Taken when the slot was reserved: a row revived since then does not cover it."""
+        if self._reserved_at:
+            return self._reserved_at.popleft()
+        return time.monotonic(), self._row_sent
 
     def _sink(self, task: Task) -> TaskSink:
         return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
@@ -149,20 +157,20 @@ class Runner:
         """A call that began inside its request became ``task`` (created under a reserved lease):
         from now on its events and questions go through the task, and its outcome is recorded
         like any other run's."""
-        since = self._unreserve(task.tenant_id)
+        since, row_sent = self._unreserve(task.tenant_id)
         if self._stopping:  # too late to run it here: stop it and give it back like any other
             job.cancel()
             self._background(self._hand_back([task], "re-queued: the runner was shut down"))
             return
         attach(task.task_id, self._sink(task))
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since, job, covered_since=min(since, self._row_sent))
+        self._start(task, since, job, covered_since=min(since, row_sent))
 
     def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None:
         """Run a task of ``tenant_id`` created under a reserved lease (None: a cap refused it,
         nothing was written). ``capabilities``: what the client of the task's session declared,
         as the creating request knew it (the run then need not read them from the session row)."""
-        since = self._unreserve(tenant_id)
+        since, row_sent = self._unreserve(tenant_id)
         if task is None:
             if self._backlog:  # the slot it held is free again
                 self._wake.set()
@@ -173,7 +181,7 @@ class Runner:
             )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since, capabilities=capabilities, covered_since=min(since, self._row_sent))
+        self._start(task, since, capabilities=capabilities, covered_since=min(since, row_sent))
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
         """The create under a reserved lease failed without an answer (cancelled, connection lost):
@@ -185,6 +193,8 @@ class Runner:
             task = await self.store.leased(tenant_id, task_id, self.owner)
         except Exception as exc:  # the lease lapses and the reaper takes the task over
             log.warning("could not look up task %s after a failed create: %s", task_id[:8], exc)
+            task = None
+        if (tenant_id, task_id) in self._running:  # meanwhile our own claim took it (one run per task)
             task = None
         self.adopt(task, tenant_id=tenant_id)
 
@@ -218,8 +228,16 @@ class Runner:
         """``leased_at``: no later than the statement that set the task's own lease; ``covered_since``:
         no later than the one that extended our row for it (a claim does both)."""
         key = (task.tenant_id, task.task_id)
-        execute = self._execute(task, job, capabilities)
         covered = leased_at if covered_since is None else covered_since
+        if covered + self.times.fence_after <= time.monotonic():
+            # Its lease may have lapsed already (our row did, say): it must not start here.
+            if job is not None:
+                job.cancel()
+            metrics.runner_fenced.inc()
+            self._background(self._hand_back([task], "re-queued: the runner's lease ran out before the task started",
+                                              never_started=job is None))  # fmt: skip
+            return
+        execute = self._execute(task, job, capabilities)
         run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
@@ -286,6 +304,10 @@ class Runner:
             # scanned its whole queue). One of its slots freed here claims again (the backlog).
             self._backlog = True
         elif isinstance(event, TaskCreated | Resync):
+            if isinstance(event, Resync):
+                # Cancels or deletes may have been missed: the next beat reads every run's row.
+                for run in self._running.values():
+                    run.task_lease_set_at = -math.inf
             self._wake.set()
         elif isinstance(event, TaskCancelRequested | TaskDeleted):
             key = (event.tenant_id, event.task_id)
@@ -334,13 +356,13 @@ class Runner:
         held = dict(self.held())
         self._reserved += want  # creates meanwhile must not promise these slots too
         self._claiming = (held, want)  # nor take a tenant past its share with what this claim brings
-        sent = time.monotonic()
+        sent, row_sent = time.monotonic(), self._row_sent
         try:
             # Bounded: a claim answered late would start runs whose leases are already old.
             tasks = await asyncio.wait_for(
                 self.store.claim(
-                    self.owner, self.liveness.key, self.lease_ms, want, self._tools,
-                    tenant_share=self.tenant_share, held=held, task_lease_ms=self.times.task_lease_ms,
+                    self.owner, self.liveness.key, self.times.task_lease_ms, want, self._tools,
+                    tenant_share=self.tenant_share, held=held,
                 ),
                 timeout=self.times.claim_timeout,
             )  # fmt: skip
@@ -349,8 +371,6 @@ class Runner:
         finally:
             self._reserved -= want
             self._claiming = None
-        if tasks:  # the claim extended our row (it claims nothing once the row lapsed)
-            self._row_sent = max(self._row_sent, sent)
         # A full claim, or a tenant at its share whose queued tasks the claim skipped: there may be
         # more, so a freed slot claims again.
         for task in tasks:
@@ -359,7 +379,7 @@ class Runner:
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
-            self._start(task, sent)
+            self._start(task, sent, covered_since=min(sent, row_sent))  # the claim reads our row, never extends it
         return len(tasks)
 
     async def _heartbeat_loop(self) -> None:
@@ -460,7 +480,7 @@ class Runner:
         those the reaper took meanwhile are refused and dropped). Older than two leases: the reaper's."""
         now = time.monotonic()
         for key, (_task, at) in list(self._fenced.items()):
-            if now - at > 2 * self.times.fence_after:
+            if now - at > self.times.task_lease_ms / 1000 + self.times.fence_after:  # lapsed by its own lease
                 del self._fenced[key]
         tasks = [task for task, _at in self._fenced.values()]
         if not tasks:

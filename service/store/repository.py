@@ -306,20 +306,19 @@ class RunnerStore:
         self.db = db
 
     async def claim(
-        self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: Mapping[str, str | None], *,
-        tenant_share: int, held: dict[str, int], task_lease_ms: int,
+        self, owner: str, owner_key: int, task_lease_ms: int, limit: int, tools: Mapping[str, str | None], *,
+        tenant_share: int, held: dict[str, int],
     ) -> list[Task]:  # fmt: skip
         """Up to ``limit`` queued tasks of the tools loaded here (``tools``: name → version, None if
         unversioned), round-robin over tenants and their subjects, none taking a tenant past
-        ``tenant_share`` slots counting what it ``held`` here already. The owner's row is extended
-        for ``lease_ms`` (nothing is claimed once it lapsed); the tasks' own leases are
-        ``task_lease_ms`` long."""
+        ``tenant_share`` slots counting what it ``held`` here already; nothing once the owner's row
+        lapsed. The tasks' own leases are ``task_lease_ms`` long."""
         versions = {name: version for name, version in tools.items() if version is not None}
         tenants, slots = list(held), list(held.values())
         async with self.db.connection() as conn:  # one statement: its own transaction
             rows = await conn.fetch(
                 Q["claim_tasks"], owner, owner_key, task_lease_ms, limit, list(tools), tenant_share, tenants,
-                slots, versions, lease_ms,
+                slots, versions,
             )  # fmt: skip
         return [task_from_row(r) for r in rows]
 

@@ -119,17 +119,7 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
         await db.execute("ANALYZE tasks")
         owner = f"explain:{secrets.token_hex(4)}"
         plan = await db.fetchval(
-            "EXPLAIN (FORMAT JSON) " + Q["claim_tasks"],
-            owner,
-            1,
-            120_000,
-            16,
-            ["echo"],
-            16,
-            ["t1"],
-            [16],
-            "{}",
-            30_000,
+            "EXPLAIN (FORMAT JSON) " + Q["claim_tasks"], owner, 1, 120_000, 16, ["echo"], 16, ["t1"], [16], "{}"
         )
     finally:
         await db.close()

@@ -49,14 +49,9 @@ RETURNING *;
 -- for a version of its tool waits for that version ($9: tool → version). A "no worker runs tool"
 -- message of the maintenance pass (mark_tasks_without_runner) no longer holds.
 -- A new epoch: a runner that held this task before (even this one) can no longer write its outcome.
--- The claimed tasks' lease is the runner's row too: extended here for at least $10 ms, and nothing
--- is claimed by a runner whose row has lapsed (its presence loop publishes it again first). $3: the
--- tasks' own, long lease.
-WITH runner AS (
-    UPDATE runners SET live_until = greatest(live_until, clock_timestamp() + $10 * interval '1 millisecond')
-    WHERE owner = $1 AND live_until > clock_timestamp()
-    RETURNING owner
-)
+-- The claimed tasks' lease is the runner's row too: nothing is claimed by a runner whose row has
+-- lapsed (its heartbeat publishes it afresh first). Read, not extended: a claim must not hold the
+-- row the heartbeat extends. $3: the tasks' own, long lease.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
@@ -75,7 +70,7 @@ FROM (
             FROM (
                 SELECT tenant_id, task_id, subject, created_at FROM tasks
                 WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
-                  AND EXISTS (SELECT 1 FROM runner)
+                  AND EXISTS (SELECT 1 FROM runners r WHERE r.owner = $1 AND r.live_until > clock_timestamp())
                   AND tool = ANY ($5::text[]) AND (tool_version IS NULL OR tool_version = $9::jsonb ->> tool)
                   AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
                                                 AS held(tenant_id, slots) WHERE held.slots >= $6))
@@ -96,7 +91,7 @@ RETURNING t.*;
 -- name: renew_leases
 -- The heartbeat (docs/decisions.md, "Fencing"). The runner's row is its lease on every task it
 -- runs: extended here ($2) while it still holds, never revived once lapsed (the reaper may have
--- taken its tasks by then; the presence loop publishes it afresh for new work). The tasks' own
+-- taken its tasks by then; the runner stops its runs and publishes it afresh). The tasks' own
 -- leases are long ($6) and extended only for the runs given ($3-$5: those whose lease is a lease
 -- old), under the epoch each was given; rows gone, cancelled or taken are not returned. A first row
 -- with a NULL task_id says the runner's row was extended; without it nothing was.
@@ -131,8 +126,12 @@ SELECT tenant_id, task_id FROM renewed;
 -- owner's liveness lock that is gone proves nothing: a runner cut off from the database loses it
 -- too, and still runs. Not locked here: task_release_batch re-checks owner, epoch and the lapse
 -- under the row lock.
+-- The rule of lease_lapsed, written as a set: the live owners are read once, not per leased row.
 SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable, lease_epoch FROM tasks
-WHERE lease_owner IS NOT NULL AND lease_lapsed(lease_owner, lease_expires_at)
+WHERE lease_owner IS NOT NULL
+  AND (lease_expires_at < clock_timestamp()
+       OR (lease_owner LIKE '%+row'
+           AND lease_owner <> ALL (ARRAY(SELECT owner FROM runners WHERE live_until > clock_timestamp()))))
 ORDER BY lease_expires_at
 LIMIT $1;
 
