@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Any
 
 import asyncpg
 import httpx
-import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -119,18 +117,13 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
         await db.execute("ANALYZE tasks")
         owner = f"explain:{secrets.token_hex(4)}"
         plan = await db.fetchval(
-            "EXPLAIN (FORMAT JSON) " + Q["claim_tasks"], owner, 1, 120_000, 16, ["echo"], 16, ["t1"], [16], "{}"
+            "EXPLAIN (FORMAT JSON) " + Q["claim_tasks"], owner, 1, 30_000, 16, ["echo"], 16, ["t1"], [16], "{}"
         )
     finally:
         await db.close()
     text = str(plan)
     assert "tasks_claimable" in text
-    assert not [node for node in plan_nodes(orjson.loads(plan)[0]["Plan"])
-                if node["Node Type"] == "Seq Scan" and node.get("Relation Name") == "tasks"]  # fmt: skip
-
-
-def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-    return [node, *(n for child in node.get("Plans", []) for n in plan_nodes(child))]
+    assert "Seq Scan" not in text
 
 
 @pytest.mark.parametrize("share", ["0%", "101%", "0", "half", "-1"])
