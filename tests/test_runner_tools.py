@@ -22,7 +22,7 @@ from service.store.queries import Q
 from service.tools.registry import Registry
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
-from tests.test_batch_record import create
+from tests.test_batch_record import create, ordered
 from tests.test_durability import mcp_tasks
 
 pytestmark = pytest.mark.slow
@@ -127,11 +127,10 @@ async def test_the_maintenance_pass_stays_linear_in_the_queue_on_a_table_without
     joins no queued row with another, so a young table the planner knows nothing about cannot make
     it quadratic (it once spent 8 s of PostgreSQL per pass with 6,400 tasks queued). Both shapes:
     every message to write (no runner), then nothing to change."""
-    items = sorted(
-        (create(f"t{n % 4}", f"s{n % 3}", tool="hang" if n % 2 else "echo", lease_owner=None, lease_key=None,
-                lease_ms=None) for n in range(600)),
-        key=lambda i: (i["tenant_id"], i["subject"], i["task_id"]),
-    )  # fmt: skip
+    items = ordered([
+        create(f"t{n % 4}", f"s{n % 3}", tool="hang" if n % 2 else "echo", lease_owner=None, lease_key=None,
+               lease_ms=None) for n in range(600)
+    ])  # fmt: skip
     db = await asyncpg.connect(database_url)
     try:
         await db.execute("SET ROLE mcp_tasks_app")
