@@ -339,6 +339,35 @@ async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(da
             await db.close()
 
 
+async def test_a_lost_create_answer_for_a_task_the_runner_already_runs_does_not_start_it_again(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """The look-up after a lost create answer finds the row leased to this runner; when the runner
+    already runs that task (its create was adopted after all, or its claim took it), the look-up
+    only gives the slot back: one run per task, never two under one key ("nothing runs twice")."""
+    from tests.toolpack import signal as tool_signal
+
+    key = f"adopt-twice-{os.getpid()}"
+    async with serve(make_settings(database_url)) as running:
+        runner = running.app.state.core.runner
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+        started = tool_signal(key, "started")
+        async with asyncio.timeout(10):
+            await started.wait()
+        started.clear()
+        assert runner.reserve("local") is not None
+        runner.adopt_unknown("local", task_id)
+        async with asyncio.timeout(10):
+            while runner._reserved_by_tenant.get("local", 0):  # the look-up ends by giving the slot back
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # a second run, if one were started, would have begun by now
+        assert not started.is_set(), "the task was started a second time"
+        assert runner.busy == 1
+        await s.result("tasks/cancel", {"taskId": task_id})
+
+
 async def test_a_runner_claims_only_tasks_whose_tool_it_has(database_url: str, http: httpx.AsyncClient) -> None:
     """Issue 13, point 3: a task accepted where its tool pack is loaded waits for a runner that has
     the pack, instead of being claimed and failed ("unknown tool") by one that does not."""

@@ -179,6 +179,8 @@ class Runner:
         except Exception as exc:  # the lease lapses and the reaper takes the task over
             log.warning("could not look up task %s after a failed create: %s", task_id[:8], exc)
             task = None
+        if (tenant_id, task_id) in self._running:  # it runs here already (one run per task, never two)
+            task = None
         self.adopt(task, tenant_id=tenant_id)
 
     async def _cancel_if_not_ours(self, key: TaskKey) -> None:

@@ -468,12 +468,15 @@ async def settle(database_url: str, task_ids: set[str], timeout: float) -> dict[
 
 
 def judge(
-    rows: dict[str, asyncpg.Record], known: dict[str, str], log_path: Path
+    rows: dict[str, asyncpg.Record], known: dict[str, str], log_path: Path, *, killed: frozenset[int] = frozenset()
 ) -> tuple[int, int, list[str], dict[str, dict[str, list[int]]]]:
     """(lost, stuck, duplicated task ids, runs) for the tasks the clients were told about (id -> tool).
     Lost: no row. Stuck: not terminal. Duplicated: a non-rerunnable tool started more than once,
     or any tool that ran to its end more than once, in any task (also one whose create a client
-    retried and never heard of)."""
+    retried and never heard of). ``killed``: processes SIGKILLed in the test. A rerunnable tool's
+    run that ended in one of them may have lost its outcome with the process (killed between the
+    tool's return and the commit of its finish), and running it again is what the tool allows:
+    such an end does not count."""
     runs = executions(str(log_path))
     once = not_rerunnable(str(log_path))
     lost = sum(1 for t in known if t not in rows)
@@ -481,7 +484,8 @@ def judge(
     duplicated = [
         task_id
         for task_id, seen in runs.items()
-        if len(seen["end"]) > 1 or (task_id in once and len(seen["start"]) > 1)
+        if (task_id in once and len(seen["start"]) > 1)
+        or len([pid for pid in seen["end"] if task_id in once or pid not in killed]) > 1
     ]
     return lost, stuck, duplicated, runs
 
