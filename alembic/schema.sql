@@ -351,6 +351,25 @@ ALTER TABLE runners FORCE ROW LEVEL SECURITY;
 CREATE POLICY runners_runner_only ON runners TO mcp_tasks_runner
     USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
 
+-- The release function (owned by mcp_tasks_record) reads whether a lease's owner is live.
+GRANT SELECT ON runners TO mcp_tasks_record;
+CREATE POLICY runners_record_reads ON runners FOR SELECT TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record');
+
+-- Has a task's lease lapsed, so that the reaper may take it (docs/decisions.md, "Fencing")? A lease
+-- holds while both hold: the task's own (long) lease_expires_at, which a runner renews only now and
+-- then, and its owner's row in runners, which the runner's heartbeat renews for all its tasks at
+-- once. So a dead or cut-off runner's tasks lapse with its row (a lease's time after its last
+-- heartbeat), and a task a live runner no longer runs (a claim whose answer was lost) with its own
+-- lease. Only for owners named so ('+row', service/runtime/fencing.py ROW_LEASE): a runner of an
+-- earlier release renews each task's own lease and is judged by that alone. The rule of
+-- task_release_batch's re-check under the row lock; find_lost_leases searches with the same rule.
+CREATE FUNCTION lease_lapsed(p_owner text, p_expires_at timestamptz) RETURNS boolean
+LANGUAGE sql VOLATILE
+RETURN p_expires_at < clock_timestamp()
+    OR (p_owner LIKE '%+row'
+        AND NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp()));
+
 
 -- ============================================================================== service keys ==
 -- Server-wide secrets shared by all replicas (e.g. the tasks/list cursor key); not per tenant.
@@ -1003,7 +1022,7 @@ BEGIN
             lease_epoch = lease_epoch + 1
         WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
           AND (it.epoch IS NULL OR lease_epoch = it.epoch)
-          AND (it.only_if_lapsed IS NOT TRUE OR lease_expires_at < clock_timestamp())
+          AND (it.only_if_lapsed IS NOT TRUE OR lease_lapsed(lease_owner, lease_expires_at))
           AND task_status_active(status) AND it.rerunnable AND attempts < it.max_attempts
         RETURNING * INTO t;
         IF t.task_id IS NOT NULL THEN
@@ -1019,7 +1038,7 @@ BEGIN
                 lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1
             WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
               AND (it.epoch IS NULL OR lease_epoch = it.epoch)
-              AND (it.only_if_lapsed IS NOT TRUE OR lease_expires_at < clock_timestamp())
+              AND (it.only_if_lapsed IS NOT TRUE OR lease_lapsed(lease_owner, lease_expires_at))
               AND task_status_active(status)
             RETURNING * INTO t;
         END IF;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -251,7 +252,7 @@ async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database
             )  # fmt: skip
 
         legacy = await asyncio.to_thread(
-            call, "count", "--arg", "n=2", "--arg", "interval_ms=10", "--wire", "2025-11-25"
+            call, "count", "--arg", "n=2", "--arg", "interval_ms=50", "--wire", "2025-11-25"
         )
         # 2026-07-28 (the default): long enough to become a task, followed through subscriptions/listen.
         modern = await asyncio.to_thread(call, "sleep", "--arg", "seconds=1.5")
@@ -259,7 +260,9 @@ async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database
         asked = await asyncio.to_thread(call, "confirm", "--arg", "prompt=Ship it?", stdin="y\n")
     assert legacy.returncode == 0, legacy.stderr
     assert '"text": "counted to 2"' in legacy.stdout
-    assert "progress 2/2" in legacy.stderr
+    # Progress is best effort (P-2): the last one may travel behind the outcome and be cut off by it
+    # (the stream ends at the terminal state its poll saw first); some progress must show.
+    assert re.search(r"progress [12]/2 counted [12] of 2", legacy.stderr), legacy.stderr
     assert modern.returncode == 0, modern.stderr
     assert '"text": "slept 1.5s"' in modern.stdout
     assert "status completed" in modern.stderr

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY as METRICS
 from service.domain.inputs import InputKind, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
+from service.runtime.fencing import ROW_LEASE
 from service.runtime.handback import hand_back
 from service.runtime.maintenance import Maintenance
 from service.store import requests as rq
@@ -32,7 +33,7 @@ from tests.rpc import RpcSession
 from tests.test_audit import audit_rows
 from tests.toolpack import signal
 
-OWNER = "runner-1"
+OWNER = "runner-1" + ROW_LEASE
 RESULT = Outcome(OutcomeKind.RESULT, {"content": [{"type": "text", "text": "late"}], "isError": False})
 REGISTRY = Registry.load(["service.tools.demo"])  # echo may re-run, crash may not
 
@@ -43,8 +44,10 @@ async def stores(database_url: str) -> AsyncIterator[tuple[TaskStore, RunnerStor
     runner_db = Database(database_url, pool_size=2, role=RUNNER_ROLE)
     await app_db.open()
     await runner_db.open()
+    runner = RunnerStore(runner_db)
+    await runner.publish(OWNER, 1, {}, 60_000)  # the runner's row: the lease on all its tasks
     try:
-        yield TaskStore(app_db), RunnerStore(runner_db)
+        yield TaskStore(app_db), runner
     finally:
         await runner_db.close()
         await app_db.close()
@@ -73,7 +76,7 @@ async def queued(tasks: TaskStore, tool: str = "echo") -> str:
 
 
 async def claim_one(runner: RunnerStore, tool: str = "echo") -> Task:
-    (task,) = await runner.claim(OWNER, 1, 60_000, 1, {tool: None}, tenant_share=32, held={})
+    (task,) = await runner.claim(OWNER, 1, 240_000, 1, {tool: None}, tenant_share=32, held={})
     return task
 
 
@@ -168,9 +171,9 @@ async def test_a_renewal_with_a_stale_epoch_extends_nothing(
     await db.execute("UPDATE tasks SET lease_expires_at = now() + interval '5 seconds' WHERE task_id = $1", task_id)
     before = (await row(db, task_id))["lease_expires_at"]
     key = (first.tenant_id, task_id)
-    assert await runner.renew(OWNER, 60_000, [(key, first.lease_epoch)]) == set()
+    assert await runner.renew(OWNER, 60_000, [(key, first.lease_epoch)], 240_000) == (True, set())
     assert (await row(db, task_id))["lease_expires_at"] == before
-    assert await runner.renew(OWNER, 60_000, [(key, second.lease_epoch)]) == {key}
+    assert await runner.renew(OWNER, 60_000, [(key, second.lease_epoch)], 240_000) == (True, {key})
     assert (await row(db, task_id))["lease_expires_at"] > before
 
 
@@ -221,10 +224,95 @@ async def test_the_reapers_release_rechecks_under_the_row_lock_that_the_lease_ra
     await db.execute("UPDATE tasks SET lease_expires_at = now() - interval '1 second' WHERE task_id = $1", task_id)
     (lost,) = await runner.lost_leases(10)
     assert (lost.task_id, lost.epoch) == (task_id, task.lease_epoch)
-    assert await runner.renew(OWNER, 60_000, [((task.tenant_id, task_id), task.lease_epoch)])
+    assert await runner.renew(OWNER, 60_000, [((task.tenant_id, task_id), task.lease_epoch)], 240_000) == (
+        True, {(task.tenant_id, task_id)},
+    )  # fmt: skip
     assert await runner.release([release(task, only_if_lapsed=True)]) == [None]
     after = await row(db, task_id)
     assert (after["status"], after["lease_owner"], after["lease_epoch"]) == ("working", OWNER, task.lease_epoch)
+
+
+async def lapse_row(db: asyncpg.Connection, owner: str = OWNER) -> None:
+    await db.execute("UPDATE runners SET live_until = now() - interval '1 second' WHERE owner = $1", owner)
+
+
+async def test_a_lease_lapses_with_its_runners_row_whatever_the_tasks_own_lease_says(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
+) -> None:
+    """docs/decisions.md, "Fencing": a lease holds while the task's own lease and its owner's row
+    both hold. A runner that stopped beating (dead, cut off) loses every task with its row, though
+    their own leases run for minutes; the release re-checks that under the row lock."""
+    tasks, runner = stores
+    task_id = await queued(tasks)
+    task = await claim_one(runner)
+    assert await runner.lost_leases(10) == []
+    await lapse_row(db)
+    (lost,) = await runner.lost_leases(10)
+    assert (lost.task_id, lost.epoch) == (task_id, task.lease_epoch)
+    assert await db.fetchval("SELECT lease_expires_at > now() + interval '1 minute' FROM tasks WHERE task_id = $1",
+                             task_id)  # fmt: skip
+    (moved,) = await runner.release([release(task, only_if_lapsed=True)])
+    assert moved is not None
+    assert ((await row(db, task_id))["lease_owner"], moved.status.value) == (None, "working")  # re-queued
+
+
+async def test_a_runner_of_an_earlier_release_is_judged_by_its_tasks_own_leases_alone(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
+) -> None:
+    """During the rolling upgrade a runner of the previous release renews every task's own lease
+    and fences on those renewals, not on its row (which it republished only now and then): its
+    tasks (an owner name without ROW_LEASE) lapse by their own leases only."""
+    tasks, runner = stores
+    task_id = await queued(tasks)
+    old = "old-runner:1:cafe"
+    await runner.publish(old, 2, {}, 60_000)
+    (task,) = await runner.claim(old, 2, 30_000, 1, {"echo": None}, tenant_share=32, held={})
+    await lapse_row(db, old)
+    assert await runner.lost_leases(10) == []
+    await db.execute("UPDATE tasks SET lease_expires_at = now() - interval '1 second' WHERE task_id = $1", task_id)
+    (lost,) = await runner.lost_leases(10)
+    assert (lost.task_id, lost.owner, lost.epoch) == (task_id, old, task.lease_epoch)
+
+
+async def test_a_beat_extends_the_runners_row_and_only_the_due_task_leases(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
+) -> None:
+    """A heartbeat writes one row for all of a runner's tasks, and a task's own lease only when the
+    runner says it is due (issue 15: 6,400 running tasks cost 0.7 s of PostgreSQL per beat when
+    every beat rewrote every one of them)."""
+    tasks, runner = stores
+    due_id, other_id = await queued(tasks), await queued(tasks)
+    first, second = await claim_one(runner), await claim_one(runner)
+    due = first if first.task_id == due_id else second
+    leases = {t: (await row(db, t))["lease_expires_at"] for t in (due_id, other_id)}
+    live_until = await db.fetchval("SELECT live_until FROM runners WHERE owner = $1", OWNER)
+    key = (due.tenant_id, due.task_id)
+    assert await runner.renew(OWNER, 120_000, [(key, due.lease_epoch)], 240_000) == (True, {key})
+    assert await db.fetchval("SELECT live_until FROM runners WHERE owner = $1", OWNER) > live_until
+    assert (await row(db, due_id))["lease_expires_at"] > leases[due_id]
+    assert (await row(db, other_id))["lease_expires_at"] == leases[other_id]
+
+
+async def test_a_beat_does_not_revive_a_lapsed_row_and_a_lapsed_runner_claims_nothing(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
+) -> None:
+    """Once a runner's row lapsed the reaper may have taken its tasks: a late beat must not make
+    its old runs count again (it says the row was not extended, and renews no task), and a claim
+    must not lease new tasks under it. Publishing afresh (after stopping every run) revives it."""
+    tasks, runner = stores
+    held_id = await queued(tasks)
+    held = await claim_one(runner)
+    waiting_id = await queued(tasks)
+    await lapse_row(db)
+    before = (await row(db, held_id))["lease_expires_at"]
+    key = (held.tenant_id, held_id)
+    assert await runner.renew(OWNER, 60_000, [(key, held.lease_epoch)], 240_000) == (False, set())
+    assert await db.fetchval("SELECT live_until < now() FROM runners WHERE owner = $1", OWNER)
+    assert (await row(db, held_id))["lease_expires_at"] == before
+    assert await runner.claim(OWNER, 1, 240_000, 1, {"echo": None}, tenant_share=32, held={}) == []
+    assert (await row(db, waiting_id))["lease_owner"] is None
+    await runner.publish(OWNER, 1, {}, 60_000)
+    assert (await claim_one(runner)).task_id == waiting_id
 
 
 def fenced_tasks() -> float:
@@ -262,3 +350,91 @@ async def test_a_runner_cut_off_its_database_stops_its_tool_before_its_lease_run
                     await asyncio.sleep(0.05)
     after = await row(db, task_id)
     assert (after["lease_owner"], after["lease_epoch"], after["attempts"]) == (None, 1, 1)
+
+
+async def test_a_running_runner_beats_one_row_and_renews_a_tasks_own_lease_once_a_lease(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """Issue 15 (docs/decisions.md, "Fencing"): every eighth of the lease the runner extends its row
+    (the lease on all its tasks), and a running task's own row is written only once its lease is a
+    lease old, not on every beat."""
+    key = secrets.token_hex(4)
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:  # a beat every 0.25 s
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await signal(key, "started").wait()
+        first = (await row(db, task_id))["lease_expires_at"]
+        beats = []
+        for _ in range(3):
+            beats.append(await db.fetchval("SELECT live_until FROM runners"))
+            await asyncio.sleep(0.4)
+        assert beats[0] < beats[1] < beats[2]
+        assert (await row(db, task_id))["lease_expires_at"] == first  # 1.2 s of beats, no task write
+        async with asyncio.timeout(10):
+            while (await row(db, task_id))["lease_expires_at"] == first:
+                await asyncio.sleep(0.1)
+        await s.result("tasks/cancel", {"taskId": task_id})
+
+
+async def test_a_runner_whose_row_lapsed_stops_its_tools_and_publishes_itself_afresh(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """Its tasks may already be the reaper's: its next beat (which does not revive the row) stops
+    every tool still running, the task goes back (hang may not re-run: failed), and the runner
+    publishes a fresh row for new work."""
+    key = secrets.token_hex(4)
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await signal(key, "started").wait()
+        before = fenced_tasks()
+        await db.execute("UPDATE runners SET live_until = now() - interval '1 second'")
+        async with asyncio.timeout(5):
+            await signal(key, "cancelled").wait()
+        assert fenced_tasks() == before + 1
+        async with asyncio.timeout(10):
+            while (await row(db, task_id))["status"] != "failed":
+                await asyncio.sleep(0.05)
+            while not await db.fetchval("SELECT live_until > now() FROM runners"):
+                await asyncio.sleep(0.05)
+        echoed = await s.call_tool_as_task("echo", {"text": "after"})
+        async with asyncio.timeout(10):
+            result = await s.result("tasks/result", {"taskId": echoed["task"]["taskId"]})
+        assert result["content"][0]["text"] == "after"
+
+
+async def test_a_create_whose_covering_row_extension_is_too_old_when_it_lands_does_not_start(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """A slot reserved under one extension of the runner's row, adopted after that extension stopped
+    covering it (the row may have lapsed and been revived meanwhile, the reaper may hold the task),
+    must not start here: the task goes back unstarted and runs through a claim, once."""
+    key = secrets.token_hex(4)
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
+        runner = running.app.state.core.runner
+        reserve = runner.reserve
+
+        def reserved_under_an_old_extension(tenant_id: str, *, running: bool = False) -> rq.Lease | None:
+            lease = reserve(tenant_id, running=running)
+            if lease is not None:  # as if the create had taken longer than a fence to land
+                at, _row_sent = runner._reserved_at[-1]
+                runner._reserved_at[-1] = (at, at - runner.times.fence_after - 1)
+            return lease
+
+        runner.reserve = reserved_under_an_old_extension  # type: ignore[method-assign]
+        before = fenced_tasks()
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await signal(key, "started").wait()
+        assert fenced_tasks() == before + 1
+        task = await s.result("tasks/get", {"taskId": task_id})
+        assert "lease ran out before the task started" in task.get("statusMessage", "")
+        # Two leases (the create's, never started, and the claim's under which it runs), one run.
+        assert (await row(db, task_id))["attempts"] == 2
+        await s.result("tasks/cancel", {"taskId": task_id})

@@ -1,12 +1,14 @@
 """A runner's reckoning of its leases: when to renew, when to give up on them (docs/decisions.md, "Fencing").
 
 Each run keeps the fencing token it was given (the runner's owner name and the task's lease
-epoch); the database accepts its writes only while that token holds the lease. The runner's own
-part is time: it renews every eighth of the lease (an attempt waits as long for its answer, and
-attempts come a quarter of that apart while they fail), and a run not renewed for three quarters
-of its lease is fenced (its tool stopped, nothing of it written), a quarter of the lease before
-the reaper could take the task. So a database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about 47 %)
-of the lease changes nothing, whatever its phase.
+epoch); the database accepts its writes only while that token holds the lease. A lease holds while
+both the task's own lease (four leases long, renewed once it is a lease old) and the runner's row
+(extended by every heartbeat for all its runs at once) hold. The runner's own part is time: it
+beats every eighth of the lease (an attempt waits as long for its answer, and attempts come a
+quarter of that apart while they fail), and a run not covered by a successful beat for three
+quarters of the lease is fenced (its tool stopped, nothing of it written), a quarter of the lease
+before the reaper could take the task. So a database blip of up to 3/4 - 1/8 - 1/8 - 1/32 (about
+47 %) of the lease changes nothing, whatever its phase.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from service.domain.task import Task
 RENEW_EVERY = 1 / 8
 RETRY_EVERY = RENEW_EVERY / 4
 FENCE_AFTER = 3 / 4
+# A task's own lease, in leases: what a task a live runner no longer runs waits before the reaper
+# takes it. Renewed once it is one lease old, so it always has three left when a beat counts it.
+TASK_LEASE = 4
+TASK_RENEW_AFTER = 1
+# The end of the name of a runner whose row is the lease on its tasks (lease_lapsed in
+# alembic/schema.sql reads it): a runner of an earlier release renews every task's own lease and
+# is judged by those alone, whatever becomes of its row.
+ROW_LEASE = "+row"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +39,16 @@ class LeaseTimes:
     renew_every: float
     retry_every: float
     fence_after: float
+    task_lease_ms: int  # the tasks' own lease
+    task_renew_after: float  # a run's task lease is renewed by the first beat this long after it was set
 
     @classmethod
     def of(cls, lease_ms: int) -> LeaseTimes:
         lease_s = lease_ms / 1000
-        return cls(lease_s * RENEW_EVERY, lease_s * RETRY_EVERY, lease_s * FENCE_AFTER)
+        return cls(
+            lease_s * RENEW_EVERY, lease_s * RETRY_EVERY, lease_s * FENCE_AFTER, lease_ms * TASK_LEASE,
+            lease_s * TASK_RENEW_AFTER,
+        )  # fmt: skip
 
     @property
     def claim_timeout(self) -> float:
@@ -47,9 +62,11 @@ class Run:
 
     task: Task  # its lease_epoch and the runner's owner name are the run's fencing token
     job: asyncio.Task[None]
-    # Monotonic time at which the last statement that set the lease (claim, create, renewal) was
-    # sent: the database set the expiry later than this plus the lease, never earlier.
+    # Monotonic time at which the last statement that made the lease hold for at least a lease was
+    # sent (claim, create, a beat): the database set both expiries later than this plus the lease.
     renewed_at: float
+    # Monotonic time at which the task's own lease was last set (claim, create, its renewal).
+    task_lease_set_at: float
     tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
     fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
 

@@ -2,7 +2,9 @@
 
 Every write of a run (outcome, hand-back, renewal, question) carries its fencing token and lands
 only while that still holds the lease; a run whose lease could not be renewed in time has its
-tool stopped before another runner may take the task (fencing.py).
+tool stopped before another runner may take the task (fencing.py). The runner's row in
+``runners`` is the lease on all its tasks: the heartbeat extends it in one statement, and a task's
+own (long) lease only once it is a lease old.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import socket
@@ -25,7 +28,7 @@ from service.domain.stopping import cancel_and_wait
 from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
 from service.runtime.context import TaskRunContext, TaskSink
-from service.runtime.fencing import LeaseTimes, Run, overdue
+from service.runtime.fencing import ROW_LEASE, LeaseTimes, Run, overdue
 from service.runtime.handback import hand_back
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -64,18 +67,24 @@ class Runner:
         self.tenant_share = max(1, min(tenant_share or concurrency, concurrency))
         self.lease_ms = lease_ms
         self.poll_s = poll_s
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # ROW_LEASE marks an owner whose row is its lease on its tasks (lease_lapsed): a runner of an
+        # earlier release is judged by its tasks' own leases only.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}{ROW_LEASE}"
         self.times = LeaseTimes.of(lease_ms)
         self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, self.times.renew_every))
         self._running: dict[TaskKey, Run] = {}
+        # When the last statement that extended our row while it held was sent (start, a beat): our
+        # row holds for at least a lease after it. New runs count on it.
+        self._row_sent = 0.0
         # Fenced runs whose leases we still hold: handed back once the database answers again.
         self._fenced: dict[TaskKey, tuple[Task, float]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
         # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
         self._claiming: tuple[dict[str, int], int] | None = None
-        # When each reservation of a create was made (its lease's start is later): see _reserved_since.
-        self._reserved_at: deque[float] = deque()
+        # When each reservation of a create was made (its lease's start is later), and when our row
+        # was last extended at that moment (what covers the create): see _reserved_since.
+        self._reserved_at: deque[tuple[float, float]] = deque()
         self._jobs: set[asyncio.Task[object]] = set()
         self._wake = asyncio.Event()
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
@@ -115,25 +124,31 @@ class Runner:
         here (it began inside its request), so it takes a slot even when none is free rather than stop."""
         if self._stopping or self._draining or not self.liveness.held:
             return None
+        if time.monotonic() - self._row_sent >= self.times.fence_after / 2:  # our row may be lapsing
+            return None
         if not running and (self.busy + self._reserved >= self.concurrency or self._at_share(tenant_id)):
             return None
         self._reserved += 1
         self._reserved_by_tenant[tenant_id] += 1
-        self._reserved_at.append(time.monotonic())
-        return Lease(self.owner, self.liveness.key, self.lease_ms)
+        self._reserved_at.append((time.monotonic(), self._row_sent))
+        return Lease(self.owner, self.liveness.key, self.times.task_lease_ms)
 
-    def _unreserve(self, tenant_id: str) -> float:
-        """Give a create's reserved slot back; a time no later than the start of its lease."""
+    def _unreserve(self, tenant_id: str) -> tuple[float, float]:
+        """Give a create's reserved slot back; times no later than the start of its own lease and
+        than the extension of our row that covers it."""
         self._reserved -= 1
         self._reserved_by_tenant[tenant_id] -= 1
         if self._reserved_by_tenant[tenant_id] <= 0:
             del self._reserved_by_tenant[tenant_id]
         return self._reserved_since()
 
-    def _reserved_since(self) -> float:
-        """A time no later than the start of the lease of the create being adopted: the oldest
-        outstanding reservation (its own is among them)."""
-        return self._reserved_at.popleft() if self._reserved_at else time.monotonic()
+    def _reserved_since(self) -> tuple[float, float]:
+        """Times no later than the start of the lease of the create being adopted and than the row
+        extension covering it: those of the oldest outstanding reservation (its own is among them).
+        Taken when the slot was reserved: a row revived since then does not cover it."""
+        if self._reserved_at:
+            return self._reserved_at.popleft()
+        return time.monotonic(), self._row_sent
 
     def _sink(self, task: Task) -> TaskSink:
         return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
@@ -142,20 +157,20 @@ class Runner:
         """A call that began inside its request became ``task`` (created under a reserved lease):
         from now on its events and questions go through the task, and its outcome is recorded
         like any other run's."""
-        since = self._unreserve(task.tenant_id)
+        since, row_sent = self._unreserve(task.tenant_id)
         if self._stopping:  # too late to run it here: stop it and give it back like any other
             job.cancel()
             self._background(self._hand_back([task], "re-queued: the runner was shut down"))
             return
         attach(task.task_id, self._sink(task))
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since, job)
+        self._start(task, since, job, covered_since=min(since, row_sent))
 
     def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None:
         """Run a task of ``tenant_id`` created under a reserved lease (None: a cap refused it,
         nothing was written). ``capabilities``: what the client of the task's session declared,
         as the creating request knew it (the run then need not read them from the session row)."""
-        since = self._unreserve(tenant_id)
+        since, row_sent = self._unreserve(tenant_id)
         if task is None:
             if self._backlog:  # the slot it held is free again
                 self._wake.set()
@@ -166,7 +181,7 @@ class Runner:
             )
             return
         metrics.task_start_delay.labels(task.tool).observe(0.0)
-        self._start(task, since, capabilities=capabilities)
+        self._start(task, since, capabilities=capabilities, covered_since=min(since, row_sent))
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
         """The create under a reserved lease failed without an answer (cancelled, connection lost):
@@ -208,23 +223,35 @@ class Runner:
 
     def _start(
         self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None, *,
-        capabilities: dict[str, Any] | None = None,
+        capabilities: dict[str, Any] | None = None, covered_since: float | None = None,
     ) -> None:  # fmt: skip
+        """``leased_at``: no later than the statement that set the task's own lease; ``covered_since``:
+        no later than the one that extended our row for it (a claim does both)."""
         key = (task.tenant_id, task.task_id)
+        covered = leased_at if covered_since is None else covered_since
+        if covered + self.times.fence_after <= time.monotonic():
+            # Its lease may have lapsed already (our row did, say): it must not start here.
+            if job is not None:
+                job.cancel()
+            metrics.runner_fenced.inc()
+            self._background(self._hand_back([task], "re-queued: the runner's lease ran out before the task started",
+                                              never_started=job is None))  # fmt: skip
+            return
         execute = self._execute(task, job, capabilities)
-        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), leased_at)
+        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
         await self.liveness.acquire()
+        sent = time.monotonic()
         await self._publish()
+        self._row_sent = sent
         self.hub.listeners.append(self._on_event)
         self._loops = [
             asyncio.create_task(self._claim_loop(), name="runner-claim"),
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
-            asyncio.create_task(self._presence_loop(), name="runner-presence"),
             asyncio.create_task(self._fence_loop(), name="runner-fence"),
         ]
 
@@ -264,20 +291,11 @@ class Runner:
 
     async def _publish(self) -> None:
         """Say what this runner can run, for a lease's time (the maintenance pass tells tasks whose
-        tool no live runner has so, see runners.sql)."""
+        tool no live runner has so, see runners.sql): at start, and afresh after our row lapsed.
+        The heartbeat keeps it live in between."""
         tools = {name: {"version": spec.version, "rerunnable": spec.rerunnable}
                  for name, spec in self.registry.tools.items()}  # fmt: skip
         await self.store.publish(self.owner, self.liveness.key, tools, self.lease_ms)
-
-    async def _presence_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_ms / 3000)
-            try:
-                await self._publish()
-            except Unavailable as exc:
-                self._database_lost("published its tools", exc)
-            except Exception:
-                log.exception("runner could not publish its tools")
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
@@ -286,6 +304,10 @@ class Runner:
             # scanned its whole queue). One of its slots freed here claims again (the backlog).
             self._backlog = True
         elif isinstance(event, TaskCreated | Resync):
+            if isinstance(event, Resync):
+                # Cancels or deletes may have been missed: the next beat reads every run's row.
+                for run in self._running.values():
+                    run.task_lease_set_at = -math.inf
             self._wake.set()
         elif isinstance(event, TaskCancelRequested | TaskDeleted):
             key = (event.tenant_id, event.task_id)
@@ -334,13 +356,14 @@ class Runner:
         held = dict(self.held())
         self._reserved += want  # creates meanwhile must not promise these slots too
         self._claiming = (held, want)  # nor take a tenant past its share with what this claim brings
-        sent = time.monotonic()
+        sent, row_sent = time.monotonic(), self._row_sent
         try:
             # Bounded: a claim answered late would start runs whose leases are already old.
             tasks = await asyncio.wait_for(
                 self.store.claim(
-                    self.owner, self.liveness.key, self.lease_ms, want, self._tools,
+                    self.owner, self.liveness.key, self.times.task_lease_ms, want, self._tools,
                     tenant_share=self.tenant_share, held=held,
+                    running=Counter((run.task.tenant_id, run.task.subject) for run in self._running.values()),
                 ),
                 timeout=self.times.claim_timeout,
             )  # fmt: skip
@@ -357,7 +380,7 @@ class Runner:
         now = datetime.now(UTC)
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
-            self._start(task, sent)
+            self._start(task, sent, covered_since=min(sent, row_sent))  # the claim reads our row, never extends it
         return len(tasks)
 
     async def _heartbeat_loop(self) -> None:
@@ -369,17 +392,19 @@ class Runner:
                 await self._hand_back_fenced()
 
     async def _renew(self) -> bool:
-        """Renew the lease of every run still going under the epoch it was given; stop the tools of
-        those the database no longer gives us. False when the database did not answer in time."""
-        # Snapshot first: a task claimed while the renewal is in flight is not judged by it.
-        held_by = [(key, run.task.lease_epoch) for key, run in self._running.items() if not run.fenced]
-        if not held_by:
-            return True
+        """The heartbeat: extend our row, the lease of every run at once, and the tasks' own leases
+        of the runs whose lease is due; stop the tools of those the database no longer gives us.
+        False when the database did not answer in time."""
+        # Snapshot first: a task claimed while the beat is in flight is not judged by it.
+        runs = [(key, run) for key, run in self._running.items() if not run.fenced]
         sent = time.monotonic()
+        due = [(key, run.task.lease_epoch) for key, run in runs
+               if sent - run.task_lease_set_at >= self.times.task_renew_after]  # fmt: skip
         try:
             # Bounded: an answer that does not come must not hold up the next attempt.
-            held = await asyncio.wait_for(
-                self.store.renew(self.owner, self.lease_ms, held_by), timeout=self.times.renew_every
+            extended, held = await asyncio.wait_for(
+                self.store.renew(self.owner, self.lease_ms, due, self.times.task_lease_ms),
+                timeout=self.times.renew_every,
             )
         except TimeoutError:
             self._database_lost("renewed its leases", Unavailable(f"no answer within {self.times.renew_every:.1f} s"))
@@ -391,15 +416,45 @@ class Runner:
             log.exception("runner lease renewal failed")
             return False
         self._database_back()
-        for key, epoch in held_by:
-            run = self._running.get(key)
-            if run is None or run.task.lease_epoch != epoch:
+        if not extended:
+            await self._row_lapsed()
+            return True
+        self._row_sent = max(self._row_sent, sent)
+        due_keys = {key for key, _epoch in due}
+        for key, run in runs:
+            if self._running.get(key) is not run:
                 continue
-            if key in held:
+            if key not in due_keys:  # its own lease has three leases left: the row was all it needed
                 run.renewed_at = max(run.renewed_at, sent)
+            elif key in held:
+                run.renewed_at = max(run.renewed_at, sent)
+                run.task_lease_set_at = sent
             else:  # cancelled, expired, or the lease was taken
                 self._stop_tool(run)
         return True
+
+    async def _row_lapsed(self) -> None:
+        """The database answered, but our row had lapsed (no beat landed for a lease): the reaper may
+        take any task we run, so every run still going stops now (as a fence would), and the row is
+        published afresh, for new work only. Not before: a revived row must not cover old runs."""
+        stopped = [run for run in self._running.values() if not run.tool_done and not run.fenced]
+        for run in stopped:
+            run.fenced = True
+            run.job.cancel()
+        if stopped:
+            metrics.runner_fenced.inc(len(stopped))
+        log.warning(
+            "runner's row had lapsed (no heartbeat reached the database for a lease): %d running tool(s) "
+            "stopped, their tasks go back (re-run or failed); publishing the runner afresh",
+            len(stopped),
+        )
+        sent = time.monotonic()
+        try:
+            await self._publish()
+        except Exception as exc:  # the next beat finds it still lapsed and tries again
+            log.warning("runner could not publish itself afresh: %s", exc)
+            return
+        self._row_sent = sent
 
     async def _fence_loop(self) -> None:
         """Stop the tools of runs whose lease could not be renewed in time, before the reaper could
@@ -426,7 +481,7 @@ class Runner:
         those the reaper took meanwhile are refused and dropped). Older than two leases: the reaper's."""
         now = time.monotonic()
         for key, (_task, at) in list(self._fenced.items()):
-            if now - at > 2 * self.times.fence_after:
+            if now - at > self.times.task_lease_ms / 1000 + self.times.fence_after:  # lapsed by its own lease
                 del self._fenced[key]
         tasks = [task for task, _at in self._fenced.values()]
         if not tasks:

@@ -306,18 +306,21 @@ class RunnerStore:
         self.db = db
 
     async def claim(
-        self, owner: str, owner_key: int, lease_ms: int, limit: int, tools: Mapping[str, str | None], *,
-        tenant_share: int, held: dict[str, int],
+        self, owner: str, owner_key: int, task_lease_ms: int, limit: int, tools: Mapping[str, str | None], *,
+        tenant_share: int, held: dict[str, int], running: Mapping[tuple[str, str], int] | None = None,
     ) -> list[Task]:  # fmt: skip
         """Up to ``limit`` queued tasks of the tools loaded here (``tools``: name → version, None if
         unversioned), round-robin over tenants and their subjects, none taking a tenant past
-        ``tenant_share`` slots counting what it ``held`` here already."""
+        ``tenant_share`` slots counting what it ``held`` here already, each subject's turns coming
+        after the runs it has here (``running``: (tenant, subject) → runs); nothing once the
+        owner's row lapsed. The tasks' own leases are ``task_lease_ms`` long."""
         versions = {name: version for name, version in tools.items() if version is not None}
         tenants, slots = list(held), list(held.values())
+        runs = running or {}
         async with self.db.connection() as conn:  # one statement: its own transaction
             rows = await conn.fetch(
-                Q["claim_tasks"], owner, owner_key, lease_ms, limit, list(tools), tenant_share, tenants, slots,
-                versions,
+                Q["claim_tasks"], owner, owner_key, task_lease_ms, limit, list(tools), tenant_share, tenants,
+                slots, versions, [t for t, _s in runs], [s for _t, s in runs], list(runs.values()),
             )  # fmt: skip
         return [task_from_row(r) for r in rows]
 
@@ -350,13 +353,16 @@ class RunnerStore:
             return _task_or_none(await conn.fetchrow(Q["get_leased_task"], tenant_id, task_id, owner))
 
     async def renew(
-        self, owner: str, lease_ms: int, running: list[tuple[tuple[str, str], int]]
-    ) -> set[tuple[str, str]]:
-        """Extend the leases ``owner`` holds under the given epochs; the keys still held come back."""
-        tenants, task_ids, epochs = [k[0] for k, _ in running], [k[1] for k, _ in running], [e for _, e in running]
+        self, owner: str, lease_ms: int, due: list[tuple[tuple[str, str], int]], task_lease_ms: int
+    ) -> tuple[bool, set[tuple[str, str]]]:
+        """The heartbeat: extend ``owner``'s row for ``lease_ms`` if it has not lapsed, and the
+        tasks' own leases of the ``due`` runs (under their epochs) for ``task_lease_ms``. Whether
+        the row was extended, and the due keys still held (none when it was not)."""
+        tenants, task_ids, epochs = [k[0] for k, _ in due], [k[1] for k, _ in due], [e for _, e in due]
         async with self.db.connection() as conn:
-            rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids, epochs)
-        return {(r["tenant_id"], r["task_id"]) for r in rows}
+            rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids, epochs, task_lease_ms)
+        held = {(r["tenant_id"], r["task_id"]) for r in rows if r["task_id"] is not None}
+        return any(r["task_id"] is None for r in rows), held
 
     async def lease_state(self, tenant_id: str, task_id: str) -> LeaseState | None:
         """Where a task stands after a runner's write was refused (None: it is gone)."""
@@ -409,8 +415,8 @@ class RunnerStore:
         return InputResponse.from_stored(stored) if stored is not None else None
 
     async def lost_leases(self, limit: int) -> list[LostLease]:
-        """Leases whose time ran out (not locked: the release re-checks owner, epoch and expiry under
-        the row lock)."""
+        """Leases that lapsed, their own or their owner's row (not locked: the release re-checks
+        owner, epoch and the lapse under the row lock)."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["find_lost_leases"], limit)
         return [LostLease(r["tenant_id"], r["task_id"], r["subject"], r["tool"], r["attempts"], r["lease_owner"],

@@ -319,9 +319,9 @@ class TaskService:
         assert runner is not None
         ctx.begin_conversion()  # a question from here on waits for the task (no round to end)
         lease = runner.reserve(caller.principal.tenant_id, running=True)
-        if lease is None:  # shutting down: nothing is created, the client retries elsewhere
+        if lease is None:  # shutting down or its lease lapsing: nothing is created, the client retries
             job.cancel()
-            raise Unavailable("the service is shutting down; retry")
+            raise Unavailable("this replica cannot run the task now (it is shutting down or lost its database); retry")
         request = self._extension_request(caller, spec, valid, client_capabilities, lease)
         created = self._enqueue_create(request)
 

@@ -45,10 +45,15 @@ RETURNING *;
 -- tenant holds at most $6 of this process's slots ($7/$8: what each tenant holds here now), so its
 -- queued rows are skipped in the index scan once it is at its share (at most the tenant cap of
 -- rows to skip); of a window of the oldest other queued rows, the picks go round-robin: each
--- tenant's first (its subjects taking turns), then each one's second, and so on. A task accepted
+-- tenant's first (its subjects taking turns, each after the runs it has here already: $10-$12,
+-- so one claim cut short, by rows another statement held, is evened out by the next), then each
+-- one's second, and so on. A task accepted
 -- for a version of its tool waits for that version ($9: tool → version). A "no worker runs tool"
 -- message of the maintenance pass (mark_tasks_without_runner) no longer holds.
 -- A new epoch: a runner that held this task before (even this one) can no longer write its outcome.
+-- The claimed tasks' lease is the runner's row too: nothing is claimed by a runner whose row has
+-- lapsed (its heartbeat publishes it afresh first). Read, not extended: a claim must not hold the
+-- row the heartbeat extends. $3: the tasks' own, long lease.
 UPDATE tasks t
 SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
@@ -63,10 +68,15 @@ FROM (
         FROM (
             SELECT window_rows.*,
                    row_number() OVER (PARTITION BY window_rows.tenant_id, window_rows.subject
-                                      ORDER BY window_rows.created_at) AS subject_turn
+                                      ORDER BY window_rows.created_at)
+                   + coalesce((SELECT runs.slots FROM unnest($10::text[], $11::text[], $12::int[])
+                                                   AS runs(tenant_id, subject, slots)
+                               WHERE runs.tenant_id = window_rows.tenant_id
+                                 AND runs.subject = window_rows.subject), 0) AS subject_turn
             FROM (
                 SELECT tenant_id, task_id, subject, created_at FROM tasks
                 WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
+                  AND EXISTS (SELECT 1 FROM runners r WHERE r.owner = $1 AND r.live_until > clock_timestamp())
                   AND tool = ANY ($5::text[]) AND (tool_version IS NULL OR tool_version = $9::jsonb ->> tool)
                   AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
                                                 AS held(tenant_id, slots) WHERE held.slots >= $6))
@@ -85,30 +95,49 @@ WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id
 RETURNING t.*;
 
 -- name: renew_leases
--- Heartbeat for the tasks this runner is executing now, under the epoch it was given ($5); rows
--- gone, cancelled or taken (another owner or epoch) are not returned.
--- Leases of tasks it no longer executes are left to lapse, so the reaper handles them.
+-- The heartbeat (docs/decisions.md, "Fencing"). The runner's row is its lease on every task it
+-- runs: extended here ($2) while it still holds, never revived once lapsed (the reaper may have
+-- taken its tasks by then; the runner stops its runs and publishes it afresh). The tasks' own
+-- leases are long ($6) and extended only for the runs given ($3-$5: those whose lease is a lease
+-- old), under the epoch each was given; rows gone, cancelled or taken are not returned. A first row
+-- with a NULL task_id says the runner's row was extended; without it nothing was.
 -- Rows are locked in (tenant, subject, task) order, as a batch of finishes locks them.
-UPDATE tasks t
-SET lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond'
-FROM (
-    SELECT h.tenant_id, h.task_id FROM tasks h
-    JOIN unnest($3::text[], $4::text[], $5::bigint[]) AS running(tenant_id, task_id, epoch)
-      ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
-    WHERE h.lease_owner = $1 AND h.lease_epoch = running.epoch AND task_status_active(h.status)
-    ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
-    FOR NO KEY UPDATE OF h
-) held
-WHERE t.tenant_id = held.tenant_id AND t.task_id = held.task_id
-RETURNING t.tenant_id, t.task_id;
+WITH runner AS (
+    UPDATE runners SET live_until = clock_timestamp() + $2 * interval '1 millisecond', seen_at = clock_timestamp()
+    WHERE owner = $1 AND live_until > clock_timestamp()
+    RETURNING owner
+),
+renewed AS (
+    UPDATE tasks t
+    SET lease_expires_at = clock_timestamp() + $6 * interval '1 millisecond'
+    FROM (
+        SELECT h.tenant_id, h.task_id FROM tasks h
+        JOIN unnest($3::text[], $4::text[], $5::bigint[]) AS running(tenant_id, task_id, epoch)
+          ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
+        WHERE EXISTS (SELECT 1 FROM runner)
+          AND h.lease_owner = $1 AND h.lease_epoch = running.epoch AND task_status_active(h.status)
+        ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
+        FOR NO KEY UPDATE OF h
+    ) held
+    WHERE t.tenant_id = held.tenant_id AND t.task_id = held.task_id
+    RETURNING t.tenant_id, t.task_id
+)
+SELECT NULL::text AS tenant_id, NULL::text AS task_id FROM runner
+UNION ALL
+SELECT tenant_id, task_id FROM renewed;
 
 -- name: find_lost_leases
--- Leases whose time ran out: only then can the owner no longer hold them (it stops its tools before,
--- see docs/decisions.md "Fencing"). An owner's liveness lock that is gone proves nothing: a runner
--- cut off from the database loses it too, and still runs. Not locked here: task_release_batch
--- re-checks owner, epoch and expiry under the row lock.
+-- Leases that lapsed (lease_lapsed: the task's own ran out, or its owner's row did): only then can
+-- the owner no longer hold them (it stops its tools before, see docs/decisions.md "Fencing"). An
+-- owner's liveness lock that is gone proves nothing: a runner cut off from the database loses it
+-- too, and still runs. Not locked here: task_release_batch re-checks owner, epoch and the lapse
+-- under the row lock.
+-- The rule of lease_lapsed, written as a set: the live owners are read once, not per leased row.
 SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable, lease_epoch FROM tasks
-WHERE lease_owner IS NOT NULL AND lease_expires_at < clock_timestamp()
+WHERE lease_owner IS NOT NULL
+  AND (lease_expires_at < clock_timestamp()
+       OR (lease_owner LIKE '%+row'
+           AND lease_owner <> ALL (ARRAY(SELECT owner FROM runners WHERE live_until > clock_timestamp()))))
 ORDER BY lease_expires_at
 LIMIT $1;
 
