@@ -59,7 +59,7 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from service.app import begin_shutdown, create_app
-    from service.core import check_schema
+    from service.core import check_schema, tune_gc
     from service.http_server import raise_open_files_limit, server_config
 
     settings = _settings()
@@ -90,11 +90,12 @@ def _serve(args: argparse.Namespace) -> None:
         # Open streams (tasks/result) get the same grace as running tasks; both end by its deadline.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
     )
+    tune_gc()
     Server(config).run()
 
 
 async def _worker_main() -> None:
-    from service.core import check_schema, open_core
+    from service.core import check_schema, open_core, tune_gc
 
     settings = _settings()
     try:
@@ -103,6 +104,7 @@ async def _worker_main() -> None:
         core = await open_core(settings, run_tasks=True)
     except (RuntimeError, OSError) as exc:
         sys.exit(f"mcp-tasks worker: {exc}")
+    tune_gc()
     from service import __version__
     from service.app import readiness
     from service.observability import metrics

@@ -49,6 +49,25 @@ async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "mcp-task-service"
 
 
+async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(
+    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+) -> None:
+    """ToolContext.reports_progress: True only with a progress token, so a tool that wakes up just
+    to report progress (the demo sleep) need not; a 2026-07-28 call never has one (X-NOTIF-8),
+    a 2025-11-25 call has one when its request sent progressToken, as a task or not."""
+    texts = []
+    modern = await m.result("tools/call", {"name": "progress_wanted", "arguments": {}})
+    texts.append(modern["content"][0]["text"])
+    s = RpcSession(http, server.url)
+    await s.initialize()
+    for meta in ({}, {"_meta": {"progressToken": "p"}}):
+        plain = await s.result("tools/call", {"name": "progress_wanted", "arguments": {}, **meta})
+        texts.append(plain["content"][0]["text"])
+        task_id = (await s.call_tool_as_task("progress_wanted", {}, **meta))["task"]["taskId"]
+        texts.append((await s.result("tasks/result", {"taskId": task_id}))["content"][0]["text"])
+    assert texts == ["reports_progress=False"] * 3 + ["reports_progress=True"] * 2
+
+
 async def test_a_fast_optional_tool_answers_synchronously_X_CREATE_7(m: ModernClient) -> None:
     result = await m.result("tools/call", {"name": "echo", "arguments": {"text": "hi"}})
     assert result["resultType"] == "complete"

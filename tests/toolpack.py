@@ -103,3 +103,9 @@ async def slow_fail(ctx: ToolContext, seconds: float = 0.3) -> ToolResult:
     """Runs only as a task, then ends with a tool error (isError: true)."""
     await asyncio.sleep(seconds)
     return ToolResult([text("it broke")], is_error=True)
+
+
+@pack.tool(task_support="optional")
+async def progress_wanted(ctx: ToolContext) -> str:
+    """Says whether its progress would reach anyone (ToolContext.reports_progress)."""
+    return f"reports_progress={ctx.reports_progress}"

@@ -64,6 +64,13 @@ class ToolContext(Protocol):
     @property
     def task_id(self) -> str | None: ...
 
+    @property
+    def reports_progress(self) -> bool:
+        """Whether ``progress`` reaches anyone: the client sent a progress token with the call (a
+        2026-07-28 call never has one: no progress for tasks, X-NOTIF-8). A tool whose only reason to
+        wake up is to report progress can skip it when this is False."""
+        ...
+
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None: ...
 
     async def elicit(self, message: str, requested_schema: dict[str, Any], *, key: str | None = None) -> ElicitAnswer:

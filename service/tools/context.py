@@ -62,6 +62,10 @@ class ToolContextBase(abc.ABC):
     def task_id(self) -> str | None:
         return self._task_id
 
+    @property
+    def reports_progress(self) -> bool:
+        return self._token is not None
+
     @abc.abstractmethod
     async def _emit(self, event: TaskEvent) -> None:
         """Pass an event on (best effort: progress and logs are never stored)."""

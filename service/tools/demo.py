@@ -18,9 +18,13 @@ async def echo(ctx: ToolContext, text: str) -> str:
 
 @pack.tool(rerunnable=True)
 async def sleep(ctx: ToolContext, seconds: float) -> str:
-    """Wait the given number of seconds (cancellable), reporting progress about once a second."""
+    """Wait the given number of seconds (cancellable), reporting progress about once a second (when
+    the client asked for progress)."""
     if not 0 <= seconds <= 86_400:  # also refuses NaN
         raise ToolError("seconds must be a number between 0 and 86400")
+    if not ctx.reports_progress:  # no one to tell: one wait, not a wake-up a second
+        await asyncio.sleep(seconds)
+        return f"slept {seconds:g}s"
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     step = 0
