@@ -1,8 +1,8 @@
 -- name: publish_runner
 -- A runner says what it can run (tools: name → {version, rerunnable}) and for how long its word
 -- holds: at start, and afresh once its row lapsed and it stopped every run the row covered. Its
--- heartbeat (renew_leases) and its claims extend live_until in between, so a runner that stops
--- beating drops out by itself, and its row is the lease on all its tasks (lease_lapsed).
+-- heartbeat (renew_leases) extends live_until in between (claims only read it), so a runner that
+-- stops beating drops out by itself, and its row is the lease on all its tasks (lease_lapsed).
 INSERT INTO runners (owner, lease_key, tools, live_until)
 VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond')
 ON CONFLICT (owner) DO UPDATE
