@@ -438,3 +438,39 @@ async def test_a_create_whose_covering_row_extension_is_too_old_when_it_lands_do
         # Two leases (the create's, never started, and the claim's under which it runs), one run.
         assert (await row(db, task_id))["attempts"] == 2
         await s.result("tasks/cancel", {"taskId": task_id})
+
+
+async def test_a_runner_whose_row_looks_stale_claims_nothing_until_a_beat_lands(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """A claim sent while no beat has landed for half the fence time would lease tasks its runs
+    could not start (the runner hands back what its row may no longer cover), and each hand-back
+    costs the task one of its attempts: three such claims failed a task that never ran. The
+    runner claims nothing then, and claims again as soon as a beat lands."""
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
+        runner = running.app.state.core.runner
+        renew = runner.store.renew
+        beats, unanswered = asyncio.Event(), asyncio.Event()
+
+        async def no_answer(*args: object, **kwargs: object) -> tuple[bool, set[object]]:
+            unanswered.set()
+            await beats.wait()  # the database does not answer the beat (until told to)
+            return await renew(*args, **kwargs)  # type: ignore[arg-type]
+
+        runner.store.renew = no_answer  # type: ignore[method-assign]
+        async with asyncio.timeout(5):  # a beat sent before the swap has landed (beats run one by one)
+            await unanswered.wait()
+        # As if the last beat that landed were older than the fence: the row itself still holds.
+        runner._row_sent = time.monotonic() - runner.times.fence_after
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("echo", {"text": "once"}))["task"]["taskId"]
+        await asyncio.sleep(0.5)  # claims would have been answered (and handed back) by now
+        queued_row = await row(db, task_id)
+        assert (queued_row["lease_owner"], queued_row["attempts"]) == (None, 0)
+        assert queued_row["status"] == "working"
+        beats.set()
+        async with asyncio.timeout(10):
+            result = await s.result("tasks/result", {"taskId": task_id})
+        assert result["content"][0]["text"] == "once"
+        assert (await row(db, task_id))["attempts"] == 1

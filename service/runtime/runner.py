@@ -90,6 +90,8 @@ class Runner:
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
         # freed slot trigger a claim (otherwise the claim loop's poll finds stragglers).
         self._backlog = True
+        # A claim was held back because our row looked stale: the next beat that lands wakes one.
+        self._claim_after_beat = False
         self._loops: list[asyncio.Task[None]] = []
         self._stopping = False
         self._draining = False
@@ -117,6 +119,11 @@ class Runner:
             held += max(0, min(want, self.tenant_share - sent.get(tenant_id, 0)))
         return held >= self.tenant_share
 
+    def _row_stale(self) -> bool:
+        """Our row may be lapsing (no beat landed for half the fence time): a lease taken now might
+        not be covered by the time its statement is answered, so none is taken."""
+        return time.monotonic() - self._row_sent >= self.times.fence_after / 2
+
     def reserve(self, tenant_id: str, *, running: bool = False) -> Lease | None:
         """A free slot for a task of ``tenant_id`` this process is about to create: the lease to
         create it under, or None (no free slot, or the tenant holds its share of them). The creator
@@ -124,7 +131,7 @@ class Runner:
         here (it began inside its request), so it takes a slot even when none is free rather than stop."""
         if self._stopping or self._draining or not self.liveness.held:
             return None
-        if time.monotonic() - self._row_sent >= self.times.fence_after / 2:  # our row may be lapsing
+        if self._row_stale():
             return None
         if not running and (self.busy + self._reserved >= self.concurrency or self._at_share(tenant_id)):
             return None
@@ -224,9 +231,10 @@ class Runner:
     def _start(
         self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None, *,
         capabilities: dict[str, Any] | None = None, covered_since: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> bool:  # fmt: skip
         """``leased_at``: no later than the statement that set the task's own lease; ``covered_since``:
-        no later than the one that extended our row for it (a claim does both)."""
+        no later than the one that extended our row for it (a claim does both). False: it was
+        handed back unstarted, its lease being possibly lapsed."""
         key = (task.tenant_id, task.task_id)
         covered = leased_at if covered_since is None else covered_since
         if covered + self.times.fence_after <= time.monotonic():
@@ -236,11 +244,12 @@ class Runner:
             metrics.runner_fenced.inc()
             self._background(self._hand_back([task], "re-queued: the runner's lease ran out before the task started",
                                               never_started=job is None))  # fmt: skip
-            return
+            return False
         execute = self._execute(task, job, capabilities)
         run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
+        return True
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
@@ -350,6 +359,11 @@ class Runner:
         if free <= 0:
             self._backlog = True  # whatever woke us waits for a slot
             return 0
+        if self._row_stale():
+            # What it claimed could not start (_start hands back runs our row may no longer cover),
+            # and each hand-back costs the task an attempt: claim again once a beat lands.
+            self._claim_after_beat = True
+            return 0
         with contextlib.suppress(Unavailable):  # best effort: the lock decides nothing (liveness.py)
             await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
@@ -378,10 +392,12 @@ class Runner:
             held[task.tenant_id] = held.get(task.tenant_id, 0) + 1
         self._backlog = len(tasks) == want or any(n >= self.tenant_share for n in held.values())
         now = datetime.now(UTC)
+        started = 0
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
-            self._start(task, sent, covered_since=min(sent, row_sent))  # the claim reads our row, never extends it
-        return len(tasks)
+            # The claim reads our row, never extends it.
+            started += self._start(task, sent, covered_since=min(sent, row_sent))
+        return started
 
     async def _heartbeat_loop(self) -> None:
         ok = True
@@ -420,6 +436,9 @@ class Runner:
             await self._row_lapsed()
             return True
         self._row_sent = max(self._row_sent, sent)
+        if self._claim_after_beat:
+            self._claim_after_beat = False
+            self._wake.set()
         due_keys = {key for key, _epoch in due}
         for key, run in runs:
             if self._running.get(key) is not run:
@@ -455,6 +474,7 @@ class Runner:
             log.warning("runner could not publish itself afresh: %s", exc)
             return
         self._row_sent = sent
+        self._wake.set()  # new work may be claimed under the fresh row
 
     async def _fence_loop(self) -> None:
         """Stop the tools of runs whose lease could not be renewed in time, before the reaper could
