@@ -63,6 +63,14 @@ def executions(path: str) -> dict[str, dict[str, list[int]]]:
     return runs
 
 
+def events(path: str) -> dict[str, list[tuple[str, int]]]:
+    """task id -> its starts and ends in the order they were written, as (event, pid)."""
+    ordered: dict[str, list[tuple[str, int]]] = {}
+    for event, task_id, pid, _tool in _lines(path):
+        ordered.setdefault(task_id, []).append((event, int(pid)))
+    return ordered
+
+
 def not_rerunnable(path: str) -> set[str]:
     """The tasks of the log that ran ``work_once`` (whether or not a client heard of them)."""
     return {task_id for _event, task_id, _pid, tool in _lines(path) if tool == "work_once"}

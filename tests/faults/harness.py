@@ -30,7 +30,7 @@ import orjson
 import pytest
 
 from service.client import sse_messages
-from tests.faults.faultpack import executions, not_rerunnable
+from tests.faults.faultpack import events, executions, not_rerunnable
 
 ROOT = Path(__file__).resolve().parents[2]
 WIRE = "2025-11-25"
@@ -471,23 +471,35 @@ def judge(
     rows: dict[str, asyncpg.Record], known: dict[str, str], log_path: Path, *, killed: frozenset[int] = frozenset()
 ) -> tuple[int, int, list[str], dict[str, dict[str, list[int]]]]:
     """(lost, stuck, duplicated task ids, runs) for the tasks the clients were told about (id -> tool).
-    Lost: no row. Stuck: not terminal. Duplicated: a non-rerunnable tool started more than once,
-    or any tool that ran to its end more than once, in any task (also one whose create a client
-    retried and never heard of). ``killed``: processes SIGKILLed in the test. A rerunnable tool's
-    run that ended in one of them may have lost its outcome with the process (killed between the
-    tool's return and the commit of its finish), and running it again is what the tool allows:
-    such an end does not count."""
+    Lost: no row. Stuck: not terminal. Duplicated: see ``duplicated``."""
     runs = executions(str(log_path))
     once = not_rerunnable(str(log_path))
     lost = sum(1 for t in known if t not in rows)
     stuck = sum(1 for t in known if t in rows and rows[t]["status"] not in TERMINAL)
-    duplicated = [
-        task_id
-        for task_id, seen in runs.items()
-        if (task_id in once and len(seen["start"]) > 1)
-        or len([pid for pid in seen["end"] if task_id in once or pid not in killed]) > 1
-    ]
-    return lost, stuck, duplicated, runs
+    ordered = events(str(log_path))
+    return lost, stuck, [t for t, seen in ordered.items() if duplicated(seen, once=t in once, killed=killed)], runs
+
+
+def duplicated(seen: list[tuple[str, int]], *, once: bool, killed: frozenset[int] = frozenset()) -> bool:
+    """Did one task run more often than its tool allows? ``seen``: its starts and ends in order, as
+    (event, pid), in any task (also one whose create a client retried and never heard of).
+
+    A non-rerunnable tool (``once``) may start only once. Any tool may run to its end only once,
+    but for one excuse: a rerunnable tool's run that ended in a process SIGKILLed in the test
+    (``killed``) may have lost its outcome with the process (killed between the tool's return and
+    the commit of its finish), and running it again elsewhere is what the tool allows. So one such
+    end does not count, and only if a start in another process came after it."""
+    starts = [pid for event, pid in seen if event == "start"]
+    if once and len(starts) > 1:
+        return True
+    ends = [i for i, (event, _pid) in enumerate(seen) if event == "end"]
+    if not once:
+        for i in ends:
+            pid = seen[i][1]
+            if pid in killed and any(event == "start" and other != pid for event, other in seen[i + 1 :]):
+                ends.remove(i)
+                break
+    return len(ends) > 1
 
 
 async def audit_verify(database_url: str) -> subprocess.CompletedProcess[str]:
