@@ -52,12 +52,27 @@ async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m
 async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(
     m: ModernClient, http: httpx.AsyncClient, server: RunningServer
 ) -> None:
-    """ToolContext.reports_progress: True only with a progress token, so a tool that wakes up just
-    to report progress (the demo sleep) need not; a 2026-07-28 call never has one (X-NOTIF-8),
-    a 2025-11-25 call has one when its request sent progressToken, as a task or not."""
+    """ToolContext.reports_progress: True only while its progress reaches someone, so a tool that
+    wakes up just to report progress (the demo sleep) need not. A 2025-11-25 call: when its request
+    sent progressToken, as a task or not. A 2026-07-28 call: while it runs inside a request that
+    sent one (XD-18), and never once it became a task (no progress for tasks, X-NOTIF-8)."""
     texts = []
     modern = await m.result("tools/call", {"name": "progress_wanted", "arguments": {}})
     texts.append(modern["content"][0]["text"])
+
+    async def with_token(arguments: dict[str, Any]) -> dict[str, Any]:
+        body = m.body("tools/call", {"name": "progress_wanted", "arguments": arguments}, progressToken="p")
+        async with http.stream("POST", m.url, content=orjson.dumps(body),
+                               headers=m.headers("tools/call", "progress_wanted")) as r:  # fmt: skip
+            result: dict[str, Any] = [msg async for msg in sse_messages(r)][-1]["result"]
+            return result
+
+    inline = await with_token({})
+    assert inline["content"][0]["text"] == "reports_progress=True"
+    became = await with_token({"seconds": 1.0})
+    assert became["resultType"] == "task"  # past the grace (task_grace_ms): it became a task
+    done = await settle(m, became["taskId"], "completed")
+    assert done["result"]["content"][0]["text"] == "reports_progress=True->False"
     s = RpcSession(http, server.url)
     await s.initialize()
     for meta in ({}, {"_meta": {"progressToken": "p"}}):

@@ -106,6 +106,11 @@ async def slow_fail(ctx: ToolContext, seconds: float = 0.3) -> ToolResult:
 
 
 @pack.tool(task_support="optional")
-async def progress_wanted(ctx: ToolContext) -> str:
-    """Says whether its progress would reach anyone (ToolContext.reports_progress)."""
-    return f"reports_progress={ctx.reports_progress}"
+async def progress_wanted(ctx: ToolContext, seconds: float = 0.0) -> str:
+    """Says whether its progress would reach anyone (ToolContext.reports_progress); with
+    ``seconds``, at its start and again after sleeping that long (a call may become a task meanwhile)."""
+    if not seconds:
+        return f"reports_progress={ctx.reports_progress}"
+    before = ctx.reports_progress
+    await asyncio.sleep(seconds)
+    return f"reports_progress={before}->{ctx.reports_progress}"

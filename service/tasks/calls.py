@@ -60,8 +60,11 @@ class InlineCallContext(ToolContextBase):
         self.used: set[str] = set()
 
     def begin_conversion(self) -> None:
-        """The call is about to become a task: questions from now on wait for it."""
+        """The call is about to become a task: questions from now on wait for it, and its progress
+        reaches no one (the request's stream ends with the task's creation; no progress for tasks,
+        X-NOTIF-8), so the tool's ``progress`` does nothing and ``reports_progress`` says so."""
         self._converting = True
+        self._token = None
 
     def attach(self, task_id: str, sink: Sink) -> None:
         """The call became a task: events and questions go through it from now on."""

@@ -66,9 +66,10 @@ class ToolContext(Protocol):
 
     @property
     def reports_progress(self) -> bool:
-        """Whether ``progress`` reaches anyone: the client sent a progress token with the call (a
-        2026-07-28 call never has one: no progress for tasks, X-NOTIF-8). A tool whose only reason to
-        wake up is to report progress can skip it when this is False."""
+        """Whether ``progress`` reaches anyone now: the client sent a progress token with the call,
+        and (2026-07-28) the call still runs inside that request (XD-18): once it became a task its
+        progress reaches no one (X-NOTIF-8). It may turn False while the tool runs, never True. A tool
+        whose only reason to wake up is to report progress can skip it when this is False."""
         ...
 
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None: ...

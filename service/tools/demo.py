@@ -22,13 +22,13 @@ async def sleep(ctx: ToolContext, seconds: float) -> str:
     the client asked for progress)."""
     if not 0 <= seconds <= 86_400:  # also refuses NaN
         raise ToolError("seconds must be a number between 0 and 86400")
-    if not ctx.reports_progress:  # no one to tell: one wait, not a wake-up a second
-        await asyncio.sleep(seconds)
-        return f"slept {seconds:g}s"
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     step = 0
     while (left := end - loop.time()) > 0:
+        if not ctx.reports_progress:  # no one to tell (or no longer): one wait, not a wake-up a second
+            await asyncio.sleep(left)
+            break
         await asyncio.sleep(min(1.0, left))
         step += 1
         await ctx.progress(min(step, seconds), seconds, f"slept {min(step, seconds):g} of {seconds:g}s")
