@@ -330,9 +330,11 @@ CREATE POLICY event_payloads_runner_all_tenants ON event_payloads TO mcp_tasks_r
 -- =================================================================================== runners ==
 -- What each runner process can run, so a task whose tool no live runner has is told so (the
 -- maintenance pass sets its status message) and counted (mcp_tasks_tasks_without_runner). A runner
--- upserts its row at start and on every heartbeat, saying how long its word holds (live_until),
--- and deletes it when it stops; "live" also needs its liveness lock (lease_key) held, so a runner
--- that died is not counted for a moment longer. Not tenant data: only the runner role sees it.
+-- upserts its row at start (and afresh after it lapsed), saying how long its word holds
+-- (live_until); every heartbeat extends live_until while the row still holds (a lapsed row is not
+-- revived by a beat, see lease_lapsed), and it deletes the row when it stops. "Live" also needs its
+-- liveness lock (lease_key) held, so a runner that died is not counted for a moment longer. Not
+-- tenant data: only the runner role sees it.
 -- tools: {"<name>": {"version": <text or null>, "rerunnable": <bool>}, ...}
 CREATE TABLE runners (
     owner       text        NOT NULL,
