@@ -98,7 +98,7 @@ class Runner:
         self._database_ok = True
         # Claims take only tasks of tools loaded here, at their version (name → version or None).
         self._tools = {name: registry.tools[name].version for name in sorted(registry.tools)}
-        self._finishes = Batcher(self.store.finish, name="finishes")
+        self._finishes = Batcher(self.store.finish, name="finishes", hold=db.holding)
 
     @property
     def busy(self) -> int:
@@ -339,7 +339,6 @@ class Runner:
         while True:
             try:
                 claimed = await self._claim()
-                self._database_back()
             except Unavailable as exc:
                 self._database_lost("claimed", exc)
                 claimed = 0
@@ -359,13 +358,13 @@ class Runner:
         if free <= 0:
             self._backlog = True  # whatever woke us waits for a slot
             return 0
-        if self._row_stale():
+        with contextlib.suppress(Unavailable):  # best effort: the lock decides nothing (liveness.py)
+            await self.liveness.ensure()
+        if self._row_stale():  # checked after the last await before the claim is sent
             # What it claimed could not start (_start hands back runs our row may no longer cover),
             # and each hand-back costs the task an attempt: claim again once a beat lands.
             self._claim_after_beat = True
             return 0
-        with contextlib.suppress(Unavailable):  # best effort: the lock decides nothing (liveness.py)
-            await self.liveness.ensure()
         want = min(free, CLAIM_BATCH)
         held = dict(self.held())
         self._reserved += want  # creates meanwhile must not promise these slots too
@@ -386,6 +385,7 @@ class Runner:
         finally:
             self._reserved -= want
             self._claiming = None
+        self._database_back()  # only an answered claim says so (a held-back one asked nothing)
         # A full claim, or a tenant at its share whose queued tasks the claim skipped: there may be
         # more, so a freed slot claims again.
         for task in tasks:
@@ -474,6 +474,7 @@ class Runner:
             log.warning("runner could not publish itself afresh: %s", exc)
             return
         self._row_sent = sent
+        self._claim_after_beat = False
         self._wake.set()  # new work may be claimed under the fresh row
 
     async def _fence_loop(self) -> None:

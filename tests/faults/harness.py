@@ -480,6 +480,17 @@ def judge(
     return lost, stuck, [t for t, seen in ordered.items() if duplicated(seen, once=t in once, killed=killed)], runs
 
 
+def excused(log_path: Path, killed: frozenset[int]) -> dict[str, list[tuple[str, int]]]:
+    """The tasks whose second run only the SIGKILL excuse allows (see ``duplicated``), with their
+    runs in order: what a report of the excuse counts."""
+    once = not_rerunnable(str(log_path))
+    return {
+        t: seen
+        for t, seen in events(str(log_path)).items()
+        if t not in once and duplicated(seen, once=False) and not duplicated(seen, once=False, killed=killed)
+    }
+
+
 def duplicated(seen: list[tuple[str, int]], *, once: bool, killed: frozenset[int] = frozenset()) -> bool:
     """Did one task run more often than its tool allows? ``seen``: its starts and ends in order, as
     (event, pid), in any task (also one whose create a client retried and never heard of).

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import httpx
 
+from tests.faults.faultpack import events
 from tests.faults.harness import (
     FaultClient,
     OperationFailed,
     Tally,
     audit_verify,
+    excused,
     figures,
     judge,
     replicas,
@@ -84,8 +86,9 @@ async def test_sigkill_mid_batch_loses_no_answered_create_and_leaves_nothing_stu
     audit = await audit_verify(database_url)
 
     lost, stuck, duplicated, runs = judge(rows, known, runs_log, killed=frozenset({killed_pid}))
+    ordered = events(str(runs_log))  # the verdict reads the runs in order: the message shows them so
     # A rerunnable tool that returned on a just before the kill and ran again on b (allowed: above).
-    rerun_after_kill = sum(1 for seen in runs.values() if seen["end"].count(killed_pid) and len(seen["end"]) > 1)
+    rerun_after_kill = len(excused(runs_log, frozenset({killed_pid})))
     failed = {t: rows[t] for t in known if t in rows and rows[t]["status"] == "failed"}
     interrupted = {t for t, r in failed.items() if STOPPED in (r["status_message"] or "") and known[t] == "work_once"}
     unexplained = {t: dict(r) for t, r in failed.items() if t not in interrupted}
@@ -106,7 +109,7 @@ async def test_sigkill_mid_batch_loses_no_answered_create_and_leaves_nothing_stu
     print(f"  retries by kind: {dict(tally.retries)}; failures: {dict(tally.failures)} {tally.examples}")
     assert (tally.failed_ops, lost, stuck, len(duplicated)) == (0, 0, 0, 0), (
         tally.examples,
-        {t: (dict(rows[t]) if t in rows else None, runs[t]) for t in duplicated},
+        {t: (dict(rows[t]) if t in rows else None, ordered[t]) for t in duplicated},
         log[-3000:],
     )
     assert not unexplained, unexplained
