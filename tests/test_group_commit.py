@@ -4,6 +4,7 @@ answers, isolation and audit events they would get alone (a single request is a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator
@@ -355,3 +356,79 @@ async def test_tenants_take_turns_and_large_items_go_in_a_lane_of_their_own(app_
     small = [b for b in batches if all(i.endswith(":small") for i in b)]
     assert "other:small" in small[1]  # the first batch after the one in flight
     assert [b for b in batches if b not in small] == [["flood:large"], ["flood:large"]]
+
+
+async def backend(db: Database) -> int:
+    pid: int = await db.fetchval("SELECT pg_backend_pid()")
+    return pid
+
+
+async def test_a_drain_keeps_one_connection_for_its_statements_and_gives_it_back(app_db: Database) -> None:
+    """Database.holding (a batcher's drain): the statements of the holding task share one pooled
+    connection, held between them and given back when the block ends; a failed statement gives it
+    back at once (the next one takes another); a statement begun while it is busy, or one of another
+    task, takes its own."""
+    async with app_db.holding():
+        first = await backend(app_db)
+        assert app_db.pool_usage()[0] == 1  # held between statements
+        assert await backend(app_db) == first
+        async with app_db.connection() as outer, app_db.connection() as inner:  # nested: busy
+            assert outer is not inner
+            assert await outer.fetchval("SELECT 1") == await inner.fetchval("SELECT 1") == 1
+        other = asyncio.create_task(backend(app_db))  # another task: its own connection from the pool
+        assert await other > 0
+        assert app_db.pool_usage()[0] == 1
+        with pytest.raises(asyncpg.DivisionByZeroError):
+            await app_db.fetchval("SELECT 1 / 0")
+        assert app_db.pool_usage()[0] == 0  # given back with the failure
+        assert await backend(app_db) > 0
+        assert app_db.pool_usage()[0] == 1
+    assert app_db.pool_usage()[0] == 0
+
+
+async def test_a_burst_of_batches_goes_over_one_connection(app_db: Database) -> None:
+    """The reads of a burst, drained batch after batch, use one connection (one acquire and one
+    release for the burst); an idle batcher holds none."""
+    pids: list[int] = []
+
+    async def run_many(items: list[rq.TaskRequest]) -> list[int]:
+        pid = await backend(app_db)
+        pids.append(pid)
+        await asyncio.sleep(0.01)  # a statement in flight: the next ones queue up meanwhile
+        return [pid] * len(items)
+
+    batcher: Batcher[rq.TaskRequest, int] = Batcher(run_many, name="test-hold", max_items=2, hold=app_db.holding)
+    owner = principal("acme", "alice")
+    gets = [rq.lookup(Caller(owner, "r", "127.0.0.1"), f"t{i}", retrieve=False) for i in range(8)]
+    before = acquires()
+    assert len(set(await asyncio.gather(*(batcher.submit(g) for g in gets)))) == 1
+    assert len(pids) == 4
+    assert acquires() == before + 1
+    assert app_db.pool_usage()[0] == 0
+
+
+def acquires() -> float:
+    return REGISTRY.get_sample_value("mcp_tasks_db_pool_acquire_seconds_count", {"pool": "app"}) or 0.0
+
+
+async def test_an_item_queued_while_a_drain_gives_its_hold_back_is_still_sent() -> None:
+    """Giving the hold back is an await: an item queued meanwhile finds the drainer still there, so
+    the drainer must take it (it was answered "shutting down" once, unsent)."""
+    giving_back = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def slow_hold() -> AsyncIterator[None]:
+        yield
+        giving_back.set()
+        await asyncio.sleep(0.05)
+
+    async def run_many(items: list[rq.TaskRequest]) -> list[str]:
+        return [item.task_id for item in items]
+
+    batcher: Batcher[rq.TaskRequest, str] = Batcher(run_many, name="test-hold-race", hold=slow_hold)
+    caller = Caller(principal("acme", "alice"), "r", "127.0.0.1")
+    first = asyncio.create_task(batcher.submit(rq.lookup(caller, "t1", retrieve=False)))
+    async with asyncio.timeout(5):
+        await giving_back.wait()
+        assert await batcher.submit(rq.lookup(caller, "t2", retrieve=False)) == "t2"
+        assert await first == "t1"

@@ -22,6 +22,7 @@ the error, and nothing is replayed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
@@ -57,8 +58,12 @@ class Batcher(Generic[T, R]):
     """Coalesces calls of ``run_many``; an item is answered alone (a batch of one) when its batch failed."""
 
     def __init__(
-        self, run_many: Callable[[list[T]], Awaitable[list[R]]], *, name: str, max_items: int = MAX_ITEMS
-    ) -> None:
+        self, run_many: Callable[[list[T]], Awaitable[list[R]]], *, name: str, max_items: int = MAX_ITEMS,
+        hold: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
+    ) -> None:  # fmt: skip
+        """``hold``: entered around each drain (a burst of batches), e.g. ``Database.holding`` so the
+        batches of a burst share one pooled connection."""
+        self._hold = hold
         self._sizes = metrics.db_batch_items.labels(name)
         self._fallbacks = metrics.db_batch_fallbacks.labels(name)
         self._run_many = run_many
@@ -87,8 +92,12 @@ class Batcher(Generic[T, R]):
     async def _drain(self, lane: int) -> None:
         queue = self._queues[lane]
         try:
+            # Items queued while the hold is given back (an await) find this drainer still set:
+            # the outer loop takes them. No await between its last look and the finally below.
             while queue:
-                await self._run(_take(queue, self._max_items))
+                async with self._hold() if self._hold is not None else contextlib.nullcontext():
+                    while queue:
+                        await self._run(_take(queue, self._max_items))
         finally:
             self._drainers[lane] = None
             # Cancelled (shutdown): nobody who queued meanwhile is left waiting.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -82,6 +84,21 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         schema="pg_catalog",
         format="binary",
     )
+
+
+class _Held:
+    """The pooled connection one asyncio task keeps between its statements (Database.holding)."""
+
+    __slots__ = ("busy", "conn", "db", "task")
+
+    def __init__(self, db: Database, task: asyncio.Task[Any] | None) -> None:
+        self.db = db
+        self.task = task
+        self.conn: asyncpg.Connection | None = None
+        self.busy = False
+
+
+_held: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("mcp_tasks_held_connection", default=None)
 
 
 class Database:
@@ -176,8 +193,46 @@ class Database:
             raise InvalidArguments(f"the request holds text PostgreSQL cannot store ({exc.sqlstate})") from exc
 
     @contextlib.asynccontextmanager
+    async def holding(self) -> AsyncIterator[None]:
+        """Until the block ends, the statements of the calling asyncio task (its own, not those of
+        tasks it starts) reuse one pooled connection, taken at the first: a batcher's drain pays
+        one acquire and one release for a burst of batches, not one of each per batch (asyncpg's
+        release alone starts a task). A statement that fails gives the connection back (the pool
+        drops a broken one) and the next one takes another; a statement begun while the held
+        connection is busy takes its own from the pool."""
+        held = _Held(self, asyncio.current_task())
+        token = _held.set(held)
+        try:
+            yield
+        finally:
+            _held.reset(token)
+            held.task = None  # a statement still running under it (none should) takes its own
+            conn, held.conn = held.conn, None
+            if conn is not None and self._pool is not None:
+                await self._pool.release(conn)
+
+    @contextlib.asynccontextmanager
     async def _acquire(self) -> AsyncIterator[asyncpg.Connection]:
-        """A pooled connection, timing the wait for it; reaching the database marks it up."""
+        """A pooled connection, timing the wait for it; reaching the database marks it up. Inside
+        ``holding``, the held one."""
+        held = _held.get()
+        if held is not None and held.db is self and not held.busy and held.task is asyncio.current_task():
+            if held.conn is None:
+                started = time.perf_counter()
+                held.conn = await self.pool.acquire()
+                self._acquire_seconds.observe(time.perf_counter() - started)
+                self._up.set(1)
+            held.busy = True
+            try:
+                yield held.conn
+            except BaseException:
+                conn, held.conn = held.conn, None
+                if conn is not None:
+                    await self.pool.release(conn)
+                raise
+            finally:
+                held.busy = False
+            return
         started = time.perf_counter()
         async with self.pool.acquire() as conn:
             self._acquire_seconds.observe(time.perf_counter() - started)

@@ -137,8 +137,8 @@ class TaskService:
         self.runner: LocalRunner | None = None
         # Group commit: creates and retrieves (which audit) share statements and commits; gets
         # share read-only statements of their own, so they never wait for a commit.
-        self._writes = Batcher(self.store.run, name="writes")
-        self._reads = Batcher(self.store.run, name="reads")
+        self._writes = Batcher(self.store.run, name="writes", hold=self.store.db.holding)
+        self._reads = Batcher(self.store.run, name="reads", hold=self.store.db.holding)
         # Plain (non-task) calls running in this process, per requestor: each holds one of its
         # requestor's active-task slots while it runs (issue 14 §7).
         self.plain_calls: Counter[tuple[str, str]] = Counter()
