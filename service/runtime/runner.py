@@ -98,7 +98,7 @@ class Runner:
         self._database_ok = True
         # Claims take only tasks of tools loaded here, at their version (name → version or None).
         self._tools = {name: registry.tools[name].version for name in sorted(registry.tools)}
-        self._finishes = Batcher(self.store.finish, name="finishes", hold=db.holding)
+        self._finishes = Batcher(self.store.finish, name="finishes")  # writes: see TaskService._writes
 
     @property
     def busy(self) -> int:
