@@ -10,6 +10,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY as METRICS
 
+from service.domain.errors import Unavailable
 from service.domain.inputs import InputKind, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
@@ -474,3 +476,37 @@ async def test_a_runner_whose_row_looks_stale_claims_nothing_until_a_beat_lands(
             result = await s.result("tasks/result", {"taskId": task_id})
         assert result["content"][0]["text"] == "once"
         assert (await row(db, task_id))["attempts"] == 1
+
+
+async def test_the_tasks_of_a_claim_whose_answer_was_lost_are_taken_over_after_a_lease_and_a_half(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """A claim that committed but whose answer never came leaves its tasks leased to a live runner
+    that does not run them: they wait for their own lease, which a claim sets to a lease and a half
+    (CLAIM_LEASE; the next beat would extend a run's to four), then the reaper gives them back and
+    they run once (docs/decisions.md, "Fencing")."""
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
+        runner = running.app.state.core.runner
+        claim = runner.store.claim
+        lost: list[str] = []
+
+        async def answer_lost(*args: Any, **kwargs: Any) -> list[Task]:
+            tasks: list[Task] = await claim(*args, **kwargs)
+            if tasks and not lost:
+                lost.extend(t.task_id for t in tasks)
+                raise Unavailable("the claim's answer was lost")
+            return tasks
+
+        runner.store.claim = answer_lost  # type: ignore[method-assign]
+        runner.reserve = lambda tenant_id, *, running=False: None  # type: ignore[method-assign]  # via a claim
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        created = time.monotonic()
+        task_id = (await s.call_tool_as_task("echo", {"text": "once"}))["task"]["taskId"]
+        async with asyncio.timeout(15):
+            result = await s.result("tasks/result", {"taskId": task_id})
+        taken_over_after = time.monotonic() - created
+        assert lost == [task_id]
+        assert result["content"][0]["text"] == "once"
+        assert (await row(db, task_id))["attempts"] == 2  # the lost claim's, and the one it ran under
+        assert taken_over_after < 6.0, "waited for four leases (8 s), not a lease and a half (3 s)"

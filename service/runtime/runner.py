@@ -374,7 +374,7 @@ class Runner:
             # Bounded: a claim answered late would start runs whose leases are already old.
             tasks = await asyncio.wait_for(
                 self.store.claim(
-                    self.owner, self.liveness.key, self.times.task_lease_ms, want, self._tools,
+                    self.owner, self.liveness.key, self.times.claim_lease_ms, want, self._tools,
                     tenant_share=self.tenant_share, held=held,
                     running=Counter((run.task.tenant_id, run.task.subject) for run in self._running.values()),
                 ),
@@ -396,7 +396,10 @@ class Runner:
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
             # The claim reads our row, never extends it.
-            started += self._start(task, sent, covered_since=min(sent, row_sent))
+            if self._start(task, sent, covered_since=min(sent, row_sent)):
+                started += 1
+                # Its own lease is the short claim lease: the next beat extends it (fencing.py).
+                self._running[(task.tenant_id, task.task_id)].task_lease_set_at = -math.inf
         return started
 
     async def _heartbeat_loop(self) -> None:
