@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from service.domain.errors import InvalidArguments
+from service.domain.errors import InvalidArguments, Unavailable
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
 from service.store import requests as rq
@@ -432,3 +432,34 @@ async def test_an_item_queued_while_a_drain_gives_its_hold_back_is_still_sent() 
         await giving_back.wait()
         assert await batcher.submit(rq.lookup(caller, "t2", retrieve=False)) == "t2"
         assert await first == "t1"
+
+
+async def test_a_held_connection_killed_between_statements_is_replaced(app_db: Database, database_url: str) -> None:
+    """The server ended the held connection between two batches (a failover, pg_terminate_backend):
+    the next statement does not fail on it, it goes through the pool as any other."""
+    async with app_db.holding():
+        first = await backend(app_db)
+        admin = await asyncpg.connect(database_url)
+        try:
+            assert await admin.fetchval("SELECT pg_terminate_backend($1)", first)
+        finally:
+            await admin.close()
+        await asyncio.sleep(0.2)  # the driver reads the server's goodbye
+        assert await backend(app_db) != first
+
+
+async def test_a_pool_closing_under_a_hold_gets_the_held_connection_back(database_url: str) -> None:
+    """Closing the pool waits for every connection: the held one goes back at the drain's next
+    statement (which finds the pool closing and fails as any statement would then), so the close
+    ends while a burst is still draining."""
+    db = Database(database_url, pool_size=2, role=APP_ROLE)
+    await db.open()
+    async with db.holding():
+        await backend(db)
+        closing = asyncio.create_task(db.close())
+        await asyncio.sleep(0.1)
+        assert not closing.done()  # waiting for the held connection
+        with pytest.raises(Unavailable):
+            await backend(db)
+        async with asyncio.timeout(5):
+            await closing

@@ -86,6 +86,14 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     )
 
 
+def _gone(conn: asyncpg.Connection) -> bool:
+    """Is this pooled connection closed, or already taken back by the pool (its server end went away)?"""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
+
+
 class _Held:
     """The pooled connection one asyncio task keeps between its statements (Database.holding)."""
 
@@ -207,16 +215,35 @@ class Database:
         finally:
             _held.reset(token)
             held.task = None  # a statement still running under it (none should) takes its own
-            conn, held.conn = held.conn, None
-            if conn is not None and self._pool is not None:
-                await self._pool.release(conn)
+            await self._give_back(held)
+
+    async def _give_back(self, held: _Held) -> None:
+        """Release the held connection, if any. A failed release is logged, not raised (asyncpg
+        terminates that connection): the statement's own outcome is what its caller needs."""
+        conn, held.conn = held.conn, None
+        if conn is None or self._pool is None:
+            return
+        try:
+            await self._pool.release(conn)
+        except asyncpg.InterfaceError:
+            pass  # the pool took it back already (its server end went away)
+        except Exception as exc:
+            log.warning("could not give a held database connection back to the pool: %s", exc)
 
     @contextlib.asynccontextmanager
     async def _acquire(self) -> AsyncIterator[asyncpg.Connection]:
         """A pooled connection, timing the wait for it; reaching the database marks it up. Inside
         ``holding``, the held one."""
         held = _held.get()
-        if held is not None and held.db is self and not held.busy and held.task is asyncio.current_task():
+        if held is not None and (held.db is not self or held.busy or held.task is not asyncio.current_task()):
+            held = None
+        if held is not None and (self.pool.is_closing() or (held.conn is not None and _gone(held.conn))):
+            # The pool is closing (its close waits for every connection), or the held one was killed
+            # between two statements: give it back, and the rest of this block goes through the pool.
+            await self._give_back(held)
+            held.task = None
+            held = None
+        if held is not None:
             if held.conn is None:
                 started = time.perf_counter()
                 held.conn = await self.pool.acquire()
@@ -226,9 +253,7 @@ class Database:
             try:
                 yield held.conn
             except BaseException:
-                conn, held.conn = held.conn, None
-                if conn is not None:
-                    await self.pool.release(conn)
+                await self._give_back(held)
                 raise
             finally:
                 held.busy = False
