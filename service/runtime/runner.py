@@ -398,8 +398,11 @@ class Runner:
             # The claim reads our row, never extends it.
             if self._start(task, sent, covered_since=min(sent, row_sent)):
                 started += 1
-                # Its own lease is the short claim lease: the next beat extends it (fencing.py).
-                self._running[(task.tenant_id, task.task_id)].task_lease_set_at = -math.inf
+                # Its own lease is the short claim lease: the first beat half a lease after the
+                # claim extends it (fencing.py, CLAIM_RENEW_AFTER), as if it had been set earlier.
+                self._running[(task.tenant_id, task.task_id)].task_lease_set_at = (
+                    sent + self.times.claim_renew_after - self.times.task_renew_after
+                )
         return started
 
     async def _heartbeat_loop(self) -> None:
@@ -502,7 +505,8 @@ class Runner:
 
     async def _hand_back_fenced(self) -> None:
         """The database answers again: give back the fenced runs' tasks at once (under their epochs;
-        those the reaper took meanwhile are refused and dropped). Older than two leases: the reaper's."""
+        those the reaper took meanwhile are refused and dropped). Older than a task's own (full) lease
+        and a fence: the reaper's; one fenced before its first renewal may be refused sooner."""
         now = time.monotonic()
         for key, (_task, at) in list(self._fenced.items()):
             if now - at > self.times.task_lease_ms / 1000 + self.times.fence_after:  # lapsed by its own lease
