@@ -58,6 +58,7 @@ async def test_tasks_list_get_and_cancel_work_against_a_running_server(
         assert listed == {*echoes, hung, slow}
         assert "--cursor" in text.stderr  # told how to get the next page
         rest = await run("list", "--url", url, "--json", "--cursor", page["nextCursor"])
+        assert rest.returncode == 0, rest.stderr
         assert {t["taskId"] for t in json.loads(rest.stdout)["tasks"]} == listed - {t["taskId"] for t in page["tasks"]}
 
         got = await run("get", hung, "--url", url, "--json")
