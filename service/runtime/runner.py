@@ -231,10 +231,10 @@ class Runner:
     def _start(
         self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None, *,
         capabilities: dict[str, Any] | None = None, covered_since: float | None = None,
-    ) -> bool:  # fmt: skip
+    ) -> Run | None:  # fmt: skip
         """``leased_at``: no later than the statement that set the task's own lease; ``covered_since``:
-        no later than the one that extended our row for it (a claim does both). False: it was
-        handed back unstarted, its lease being possibly lapsed."""
+        no later than the one that extended our row for it (a claim does both). The run, or None:
+        it was handed back unstarted, its lease being possibly lapsed."""
         key = (task.tenant_id, task.task_id)
         covered = leased_at if covered_since is None else covered_since
         if covered + self.times.fence_after <= time.monotonic():
@@ -244,12 +244,12 @@ class Runner:
             metrics.runner_fenced.inc()
             self._background(self._hand_back([task], "re-queued: the runner's lease ran out before the task started",
                                               never_started=job is None))  # fmt: skip
-            return False
+            return None
         execute = self._execute(task, job, capabilities)
         run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
         metrics.runner_slots_in_use.set(self.busy)
-        return True
+        return run
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
@@ -396,13 +396,12 @@ class Runner:
         for task in tasks:
             metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
             # The claim reads our row, never extends it.
-            if self._start(task, sent, covered_since=min(sent, row_sent)):
+            run = self._start(task, sent, covered_since=min(sent, row_sent))
+            if run is not None:
                 started += 1
                 # Its own lease is the short claim lease: the first beat half a lease after the
                 # claim extends it (fencing.py, CLAIM_RENEW_AFTER), as if it had been set earlier.
-                self._running[(task.tenant_id, task.task_id)].task_lease_set_at = (
-                    sent + self.times.claim_renew_after - self.times.task_renew_after
-                )
+                run.task_lease_set_at = sent + self.times.claim_renew_after - self.times.task_renew_after
         return started
 
     async def _heartbeat_loop(self) -> None:

@@ -504,13 +504,11 @@ def duplicated(seen: list[tuple[str, int]], *, once: bool, killed: frozenset[int
     if once and len(starts) > 1:
         return True
     ends = [i for i, (event, _pid) in enumerate(seen) if event == "end"]
-    if not once:
-        for i in ends:
-            pid = seen[i][1]
-            if pid in killed and any(event == "start" and other != pid for event, other in seen[i + 1 :]):
-                ends.remove(i)
-                break
-    return len(ends) > 1
+    excuse = not once and any(
+        seen[i][1] in killed and any(event == "start" and pid != seen[i][1] for event, pid in seen[i + 1 :])
+        for i in ends
+    )
+    return len(ends) - excuse > 1
 
 
 async def audit_verify(database_url: str) -> subprocess.CompletedProcess[str]:
