@@ -463,3 +463,40 @@ async def test_a_pool_closing_under_a_hold_gets_the_held_connection_back(databas
             await backend(db)
         async with asyncio.timeout(5):
             await closing
+
+
+async def test_a_run_whose_tool_ended_gives_its_slot_back_before_its_outcome_is_written(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A runner slot is a tool running, not an outcome on its way: with one slot, a second task
+    starts while the first one's outcome write still waits (here behind a row lock held by another
+    transaction), and the first outcome lands once the lock goes. Before, the slow write held the
+    only slot, and every later task waited for it."""
+    from tests.toolpack import signal
+
+    first_key, second_key = secrets.token_hex(4), secrets.token_hex(4)
+    admin = await asyncpg.connect(database_url)
+    try:
+        async with serve(make_settings(database_url, runner_concurrency=1)) as running:
+            s = RpcSession(http, running.url)
+            await s.initialize()
+            first = (await s.call_tool_as_task("stubborn", {"seconds": 1.0, "key": first_key}))["task"]["taskId"]
+            async with asyncio.timeout(10):  # running (a claim, had it been queued, writes its row)
+                await signal(first_key, "started").wait()
+            lock = admin.transaction()
+            await lock.start()
+            await admin.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", first)
+            async with asyncio.timeout(10):
+                await signal(first_key, "returned").wait()
+            second = (await s.call_tool_as_task("hang", {"key": second_key}))["task"]["taskId"]
+            async with asyncio.timeout(5):
+                await signal(second_key, "started").wait()
+            status = await admin.fetchval("SELECT status FROM tasks WHERE task_id = $1", first)
+            assert status == "working"  # its outcome is still waiting for the lock
+            await lock.rollback()
+            async with asyncio.timeout(10):
+                result = await s.result("tasks/result", {"taskId": first})
+            assert result["content"][0]["text"] == "finished anyway"
+            await s.result("tasks/cancel", {"taskId": second})
+    finally:
+        await admin.close()

@@ -82,6 +82,7 @@ class Run:
     task_lease_set_at: float
     tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
     fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
+    holds_slot: bool = True  # its tool runs (or is about to): it counts against the runner's slots
 
 
 def overdue(runs: Iterable[Run], now: float, times: LeaseTimes) -> tuple[list[Run], float]:

@@ -73,6 +73,12 @@ class Runner:
         self.times = LeaseTimes.of(lease_ms)
         self.liveness = LivenessLock(db.dsn, timeout_s=max(1.0, self.times.renew_every))
         self._running: dict[TaskKey, Run] = {}
+        # A slot is a tool running: a run whose tool has ended (its outcome on its way to the
+        # database) gives its slot back at once, so a slow outcome write holds up no next task. Per
+        # tenant, kept as runs start and their tools end (no walk over the runs per create).
+        self._slots_by_tenant: Counter[str] = Counter()
+        self._slots_in_use = 0
+        self._recording = 0  # runs whose tool ended, their outcome not yet written
         # When the last statement that extended our row while it held was sent (start, a beat): our
         # row holds for at least a lease after it. New runs count on it.
         self._row_sent = 0.0
@@ -102,18 +108,42 @@ class Runner:
 
     @property
     def busy(self) -> int:
-        return len(self._running)
+        """Slots in use: tools running, plus the outcome writes beyond ``concurrency`` waiting (so
+        a database that records slower than tools end cannot pile up runs in memory unbounded)."""
+        return self._slots_in_use + max(0, self._recording - self.concurrency)
 
     def held(self) -> Counter[str]:
-        """Slots per tenant: tasks running here and creates promised a slot."""
-        held = Counter(tenant for tenant, _task in self._running)
+        """Slots per tenant: tools running here and creates promised a slot."""
+        held = self._slots_by_tenant.copy()
         held.update(self._reserved_by_tenant)
         return held
+
+    def _held_by(self, tenant_id: str) -> int:
+        return self._slots_by_tenant[tenant_id] + self._reserved_by_tenant[tenant_id]
+
+    def _take_slot(self, run: Run) -> None:
+        self._slots_in_use += 1
+        self._slots_by_tenant[run.task.tenant_id] += 1
+        metrics.runner_slots_in_use.set(self.busy)
+
+    def _give_slot(self, run: Run) -> None:
+        """The run's tool ended (or never will): its slot is free; once only."""
+        if not run.holds_slot:
+            return
+        run.holds_slot = False
+        tenant = run.task.tenant_id
+        self._slots_in_use -= 1
+        self._slots_by_tenant[tenant] -= 1
+        if self._slots_by_tenant[tenant] <= 0:
+            del self._slots_by_tenant[tenant]
+        metrics.runner_slots_in_use.set(self.busy)
+        if self._backlog:
+            self._wake.set()
 
     def _at_share(self, tenant_id: str) -> bool:
         """Would one more slot take the tenant past its share, counting what a claim in flight may
         still give it?"""
-        held = self.held()[tenant_id]
+        held = self._held_by(tenant_id)
         if self._claiming is not None:
             sent, want = self._claiming
             held += max(0, min(want, self.tenant_share - sent.get(tenant_id, 0)))
@@ -248,7 +278,7 @@ class Runner:
         execute = self._execute(task, job, capabilities)
         run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
-        metrics.runner_slots_in_use.set(self.busy)
+        self._take_slot(run)
         return run
 
     async def start(self) -> None:
@@ -376,7 +406,8 @@ class Runner:
                 self.store.claim(
                     self.owner, self.liveness.key, self.times.claim_lease_ms, want, self._tools,
                     tenant_share=self.tenant_share, held=held,
-                    running=Counter((run.task.tenant_id, run.task.subject) for run in self._running.values()),
+                    running=Counter((run.task.tenant_id, run.task.subject) for run in self._running.values()
+                                    if run.holds_slot),
                 ),
                 timeout=self.times.claim_timeout,
             )  # fmt: skip
@@ -533,6 +564,7 @@ class Runner:
         key = (task.tenant_id, task.task_id)
         run = self._running[key]  # _start put it there before this first ran
         started = time.perf_counter()
+        recording = False
         try:
             if job is None and task.session_id is not None and not task.client_capabilities:
                 if capabilities is None:
@@ -548,6 +580,9 @@ class Runner:
                 raise asyncio.CancelledError
             run.tool_done = True
             metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
+            self._recording += 1
+            recording = True
+            self._give_slot(run)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if self._stopping:
@@ -561,6 +596,9 @@ class Runner:
         finally:
             if self._running.get(key) is run:
                 del self._running[key]
+            if recording:
+                self._recording -= 1
+            self._give_slot(run)
             metrics.runner_slots_in_use.set(self.busy)
             if self._backlog:
                 self._wake.set()
