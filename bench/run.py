@@ -212,6 +212,10 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None,
         # Operators size these to their load; the defaults are for protection, not for a load test.
         "MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR": "1000000",
         "MCP_TASKS_MAX_ACTIVE_TASKS_PER_TENANT": "10000000",
+        # The runner's tenant share is such a protection too (a hard cap per tenant, 50 % of the
+        # slots by default in hosted mode): left at its default it is what one principal's 32
+        # clients meet first, and their tasks wait in the queue for a claim (docs/performance.md).
+        "MCP_TASKS_RUNNER_TENANT_SHARE": "100%",
         "MCP_TASKS_RATE_LIMIT": "10000000/minute",
         "MCP_TASKS_MAX_TTL_MS": "86400000",
         "MCP_TASKS_LOG_LEVEL": "WARNING",
