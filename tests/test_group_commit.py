@@ -500,3 +500,42 @@ async def test_a_run_whose_tool_ended_gives_its_slot_back_before_its_outcome_is_
             await s.result("tasks/cancel", {"taskId": second})
     finally:
         await admin.close()
+
+
+async def test_an_outcome_waiting_on_a_row_locked_elsewhere_holds_up_no_other_outcome(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """The runner's connections bound their lock waits too (MCP_TASKS_DB_LOCK_TIMEOUT_MS): an
+    outcome whose row another transaction holds (an operator's open psql session, say) fails its
+    batch after the timeout, the batch is answered item by item, and the other outcomes land; the
+    waiting one is retried until the lock goes, and its task ran once. Before, that batch waited
+    with the lock's holder, and every outcome of the process queued behind it."""
+    from tests.toolpack import signal
+
+    key = secrets.token_hex(4)
+    admin = await asyncpg.connect(database_url)
+    try:
+        async with serve(make_settings(database_url, db_lock_timeout_ms=300)) as running:
+            s = RpcSession(http, running.url)
+            await s.initialize()
+            first = (await s.call_tool_as_task("stubborn", {"seconds": 1.0, "key": key}))["task"]["taskId"]
+            async with asyncio.timeout(10):
+                await signal(key, "started").wait()
+            lock = admin.transaction()
+            await lock.start()
+            await admin.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", first)
+            async with asyncio.timeout(10):
+                await signal(key, "returned").wait()
+            await asyncio.sleep(0.1)  # its outcome's batch is waiting for the lock
+            second = (await s.call_tool_as_task("echo", {"text": "not held up"}))["task"]["taskId"]
+            async with asyncio.timeout(5):
+                result = await s.result("tasks/result", {"taskId": second})
+            assert result["content"][0]["text"] == "not held up"
+            assert await admin.fetchval("SELECT status FROM tasks WHERE task_id = $1", first) == "working"
+            await lock.rollback()
+            async with asyncio.timeout(15):
+                result = await s.result("tasks/result", {"taskId": first})
+            assert result["content"][0]["text"] == "finished anyway"
+            assert await admin.fetchval("SELECT attempts FROM tasks WHERE task_id = $1", first) == 1
+    finally:
+        await admin.close()
