@@ -29,7 +29,16 @@ _DASHED_TASK_ID = re.compile(r"-[A-Za-z0-9_-]{42}")
 
 def protect_task_ids(argv: list[str]) -> list[str]:
     """``tasks get|cancel`` with a task id that begins with "-": the id goes after a ``--``, so it
-    is read as the task id wherever it was written (the user may also write ``--`` themselves)."""
+    is read as the task id wherever it was written (the user may also write ``--`` themselves).
+    ``tasks list --cursor C`` with a cursor that begins with "-" (URL-safe base64 too: one in 32)
+    becomes ``--cursor=C``, which argparse reads as the option's value."""
+    if argv[:2] == ["tasks", "list"]:
+        out = list(argv)
+        for i in range(2, len(out) - 1):
+            if out[i] == "--cursor" and out[i + 1].startswith("-"):
+                out[i : i + 2] = [f"--cursor={out[i + 1]}"]
+                break
+        return out
     if argv[:1] != ["tasks"] or argv[1:2] not in (["get"], ["cancel"]) or "--" in argv:
         return argv
     ids = [arg for arg in argv[2:] if _DASHED_TASK_ID.fullmatch(arg)]
@@ -135,7 +144,7 @@ async def _list(client: McpClient, args: argparse.Namespace) -> int:
         message = f"  {t['statusMessage']}" if t.get("statusMessage") else ""
         print(f"{t['taskId']}  {t['status']:<14}  {t.get('createdAt', '')}{message}")
     if cursor:
-        print(f"more: --cursor {cursor} (or --all)", file=sys.stderr)
+        print(f"more: --cursor={cursor} (or --all)", file=sys.stderr)
     return 0
 
 

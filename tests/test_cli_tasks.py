@@ -56,7 +56,7 @@ async def test_tasks_list_get_and_cancel_work_against_a_running_server(
         assert page["nextCursor"]
         listed = {t["taskId"] for t in json.loads(everything.stdout)["tasks"]}
         assert listed == {*echoes, hung, slow}
-        assert "--cursor" in text.stderr  # told how to get the next page
+        assert f"--cursor={page['nextCursor']}" in text.stderr  # told how to get the next page
         rest = await run("list", "--url", url, "--json", "--cursor", page["nextCursor"])
         assert rest.returncode == 0, rest.stderr
         assert {t["taskId"] for t in json.loads(rest.stdout)["tasks"]} == listed - {t["taskId"] for t in page["tasks"]}
@@ -147,4 +147,25 @@ def test_a_task_id_that_begins_with_a_dash_is_read_as_the_task_id() -> None:
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert "arguments are required" not in result.stderr
+    assert result.returncode == 5, result.stderr  # server down: exit 5, not a usage error (2)
+
+
+def test_a_cursor_that_begins_with_a_dash_is_read_as_the_cursor() -> None:
+    """A cursor is URL-safe base64 of an HMAC tag first: one in 32 begins with "-", and
+    `mcp-tasks tasks list --cursor <it>` failed with "expected one argument" (exit 2, nothing on
+    stdout: the flaky page test of the sixth session). The hint prints `--cursor=C` as well."""
+    from service.cli_tasks import protect_task_ids
+
+    dashed = "-q3xW9xkVb0aKZl2m4s8"
+    assert protect_task_ids(["tasks", "list", "--cursor", dashed, "--json"]) == [
+        "tasks", "list", f"--cursor={dashed}", "--json",
+    ]  # fmt: skip
+    plain = ["tasks", "list", "--cursor", "q3xW9", "--all"]
+    assert protect_task_ids(plain) == plain
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "tasks", "list", "--cursor", dashed, "--url", "http://127.0.0.1:9/mcp",
+         "--retry-for", "0"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert "expected one argument" not in result.stderr
     assert result.returncode == 5, result.stderr  # server down: exit 5, not a usage error (2)
