@@ -129,9 +129,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     for warning in await db.configuration_warnings():
         log.warning(warning)
     runner_db = Database(
-        dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE,
-        settings={"lock_timeout": f"{settings.db_lock_timeout_ms}ms"},
-    )  # fmt: skip
+        dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
+    )
     await runner_db.open()
     hub = EventHub(db)
     await hub.start()

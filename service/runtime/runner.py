@@ -104,8 +104,7 @@ class Runner:
         self._database_ok = True
         # Claims take only tasks of tools loaded here, at their version (name → version or None).
         self._tools = {name: registry.tools[name].version for name in sorted(registry.tools)}
-        # Writes: see TaskService._writes. A row locked elsewhere holds up its own outcome only.
-        self._finishes = Batcher(self.store.finish, name="finishes", lock_waits_alone=True)
+        self._finishes = Batcher(self.store.finish, name="finishes")  # writes: see TaskService._writes
 
     @property
     def busy(self) -> int:

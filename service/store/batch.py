@@ -16,9 +16,7 @@ with the next statement of its lane however much another tenant has queued.
 A batch that PostgreSQL refuses as a whole (for example a deadlock, or one request's text it
 cannot store) rolled back, so it is retried one item at a time (each a batch of one, through the
 same statement) and each request gets its own answer or error. Any other failure leaves the batch's outcome unknown: every request in it gets
-the error, and nothing is replayed. The runner's outcomes are answered item by item after a lock
-wait past ``lock_timeout`` too (``lock_waits_alone``): one row locked elsewhere then delays its own
-outcome, not every outcome behind it.
+the error, and nothing is replayed.
 """
 
 from __future__ import annotations
@@ -62,15 +60,10 @@ class Batcher(Generic[T, R]):
     def __init__(
         self, run_many: Callable[[list[T]], Awaitable[list[R]]], *, name: str, max_items: int = MAX_ITEMS,
         hold: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
-        lock_waits_alone: bool = False,
     ) -> None:  # fmt: skip
         """``hold``: entered around each drain (a burst of batches), e.g. ``Database.holding`` so the
-        batches of a burst share one pooled connection. ``lock_waits_alone``: a batch whose lock
-        wait ran past ``lock_timeout`` (it rolled back) is answered item by item like a refused
-        one, so only the items waiting on that lock get the error and the rest land (the runner's
-        outcomes; not for requests, whose items would then each wait out the timeout in turn)."""
+        batches of a burst share one pooled connection."""
         self._hold = hold
-        self._lock_waits_alone = lock_waits_alone
         self._sizes = metrics.db_batch_items.labels(name)
         self._fallbacks = metrics.db_batch_fallbacks.labels(name)
         self._run_many = run_many
@@ -131,7 +124,7 @@ class Batcher(Generic[T, R]):
         try:
             results = await self._run_many([item for item, _future in batch])
         except Exception as exc:
-            if len(batch) == 1 or not _rolled_back(exc, lock_waits=self._lock_waits_alone):
+            if len(batch) == 1 or not _rolled_back(exc):
                 # Unavailable, or a failure after the statement may have committed: its outcome is
                 # unknown, so nothing is replayed (a replayed create could exist twice).
                 for _item, future in batch:
@@ -188,13 +181,12 @@ def _take(queue: list[tuple[T, asyncio.Future[R], int]], max_items: int) -> list
 _OUTAGE_CLASSES = frozenset({"08", "53", "57", "58", "XX"})
 
 
-def _rolled_back(exc: BaseException, *, lock_waits: bool = False) -> bool:
+def _rolled_back(exc: BaseException) -> bool:
     """Did PostgreSQL refuse the statement, so nothing of it was committed? An error it raised
     (possibly translated to a domain error by the database layer), but not an outage: a server
-    shut down after committing raises one too. ``lock_waits``: a lock wait past ``lock_timeout``
-    (Unavailable to its callers) counts as refused: it ends the statement before any commit."""
+    shut down after committing raises one too."""
     if isinstance(exc, Unavailable):
-        return lock_waits and isinstance(exc.__cause__, asyncpg.LockNotAvailableError)
+        return False
     cause = exc if isinstance(exc, asyncpg.PostgresError) else exc.__cause__
     if not isinstance(cause, asyncpg.PostgresError):
         return False
