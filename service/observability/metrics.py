@@ -107,7 +107,9 @@ rate_limit_storage_errors = Counter("mcp_tasks_rate_limit_storage_errors_total",
 auth_failures = Counter("mcp_tasks_auth_failures_total", "Authentication refusals by reason", ["reason"])
 runner_slots = Gauge("mcp_tasks_runner_slots", "Task slots of this process's runner", multiprocess_mode="livesum")
 runner_slots_in_use = Gauge(
-    "mcp_tasks_runner_slots_in_use", "Task slots executing a tool now", multiprocess_mode="livesum"
+    "mcp_tasks_runner_slots_in_use",
+    "Task slots in use: tools running, and outcome writes waiting beyond the slot count",
+    multiprocess_mode="livesum",
 )
 lease_losses = Counter(
     "mcp_tasks_lease_losses_total", "Tasks whose runner stopped, by what was done with them", ["action"]

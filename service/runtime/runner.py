@@ -79,6 +79,7 @@ class Runner:
         self._slots_by_tenant: Counter[str] = Counter()
         self._slots_in_use = 0
         self._recording = 0  # runs whose tool ended, their outcome not yet written
+        self._recording_by_tenant: Counter[str] = Counter()
         # When the last statement that extended our row while it held was sent (start, a beat): our
         # row holds for at least a lease after it. New runs count on it.
         self._row_sent = 0.0
@@ -113,13 +114,30 @@ class Runner:
         return self._slots_in_use + max(0, self._recording - self.concurrency)
 
     def held(self) -> Counter[str]:
-        """Slots per tenant: tools running here and creates promised a slot."""
+        """Slots per tenant: tools running here, creates promised a slot, and outcome writes
+        waiting beyond the tenant's share (so a tenant whose writes back up cannot, by starting
+        ever more tools, fill the process's bound on runs in memory and starve the others)."""
         held = self._slots_by_tenant.copy()
         held.update(self._reserved_by_tenant)
+        for tenant, n in self._recording_by_tenant.items():
+            if n > self.tenant_share:
+                held[tenant] += n - self.tenant_share
         return held
 
     def _held_by(self, tenant_id: str) -> int:
-        return self._slots_by_tenant[tenant_id] + self._reserved_by_tenant[tenant_id]
+        return (
+            self._slots_by_tenant[tenant_id]
+            + self._reserved_by_tenant[tenant_id]
+            + max(0, self._recording_by_tenant[tenant_id] - self.tenant_share)
+        )
+
+    def _recorded(self, run: Run, delta: int) -> None:
+        """A run's outcome write began (+1) or ended (-1)."""
+        tenant = run.task.tenant_id
+        self._recording += delta
+        self._recording_by_tenant[tenant] += delta
+        if self._recording_by_tenant[tenant] <= 0:
+            del self._recording_by_tenant[tenant]
 
     def _take_slot(self, run: Run) -> None:
         self._slots_in_use += 1
@@ -298,7 +316,9 @@ class Runner:
         """A shutdown began: claim nothing more; leases of running tasks are still renewed."""
         if not self._draining:
             self._draining = True
-            log.info("runner draining: %d task(s) running, no new claims", self.busy)
+            log.info(
+                "runner draining: %d task(s) running or recording their outcome, no new claims", len(self._running)
+            )
 
     async def stop(self, deadline: float | None = None) -> None:
         """Stop claiming; let running tasks finish until ``deadline`` (loop time), then hand what
@@ -580,7 +600,7 @@ class Runner:
                 raise asyncio.CancelledError
             run.tool_done = True
             metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
-            self._recording += 1
+            self._recorded(run, +1)
             recording = True
             self._give_slot(run)
             await self._finish(task, outcome)
@@ -597,7 +617,7 @@ class Runner:
             if self._running.get(key) is run:
                 del self._running[key]
             if recording:
-                self._recording -= 1
+                self._recorded(run, -1)
             self._give_slot(run)
             metrics.runner_slots_in_use.set(self.busy)
             if self._backlog:

@@ -227,3 +227,49 @@ async def test_creates_of_a_tenant_at_its_share_wake_no_claim_and_a_freed_slot_c
         assert result["content"] == [{"type": "text", "text": "q0"}]
         assert claims >= 1
         await s.result("tasks/cancel", {"taskId": running[1]})
+
+
+async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenants_slots(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A slot is given back when its tool ends, before the outcome is written (docs/decisions.md,
+    "A runner slot is a tool running"); the writes waiting beyond a tenant's share count against
+    that tenant. Here tenant A's first outcome waits behind a row lock, so every later outcome of
+    the process queues behind it: A's tools keep ending, but A cannot start more than its share's
+    worth meanwhile, and tenant B's task still gets a slot. Counted against the process alone, A's
+    backed-up writes filled its bound on runs in memory and B never started."""
+    from tests.toolpack import signal
+
+    first_key, victim_key = secrets.token_hex(4), secrets.token_hex(4)
+    admin = await asyncpg.connect(database_url)
+    async with run_issuer(LocalIssuer()) as issuer:
+        settings = make_settings(
+            database_url, auth="oauth", oauth_issuer=issuer.url, runner_concurrency=2, runner_tenant_share="1"
+        )
+        try:
+            async with serve(settings) as server:
+                a = await _session(http, server.url, issuer, "tenant-a", "alice")
+                b = await _session(http, server.url, issuer, "tenant-b", "bob")
+                first = (await a.call_tool_as_task("stubborn", {"seconds": 0.5, "key": first_key}))["task"]["taskId"]
+                async with asyncio.timeout(10):
+                    await signal(first_key, "started").wait()
+                lock = admin.transaction()
+                await lock.start()
+                await admin.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", first)
+                async with asyncio.timeout(10):
+                    await signal(first_key, "returned").wait()
+                for i in range(4):  # each ends at once; their outcomes queue behind the first one's
+                    await a.call_tool_as_task("echo", {"text": f"a{i}"})
+                await asyncio.sleep(0.5)
+                runner = server.app.state.core.runner
+                assert runner.held()["tenant-a"] <= 1
+                victim = (await b.call_tool_as_task("hang", {"key": victim_key}))["task"]["taskId"]
+                async with asyncio.timeout(5):
+                    await signal(victim_key, "started").wait()
+                await lock.rollback()
+                async with asyncio.timeout(15):
+                    result = await a.result("tasks/result", {"taskId": first})
+                assert result["content"][0]["text"] == "finished anyway"
+                await b.result("tasks/cancel", {"taskId": victim})
+        finally:
+            await admin.close()
