@@ -465,6 +465,24 @@ async def test_a_pool_closing_under_a_hold_gets_the_held_connection_back(databas
             await closing
 
 
+async def ended_with_its_outcome_held(s: RpcSession, admin: asyncpg.Connection) -> tuple[str, Any]:
+    """A `stubborn` task whose tool has returned while ``admin`` holds its row locked: its outcome
+    write waits until the returned transaction ends. The lock is taken once the tool runs (a
+    claim, had the task been queued, would write its row and wait too)."""
+    from tests.toolpack import signal
+
+    key = secrets.token_hex(4)
+    task_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.5, "key": key}))["task"]["taskId"]
+    async with asyncio.timeout(10):
+        await signal(key, "started").wait()
+    lock = admin.transaction()
+    await lock.start()
+    await admin.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", task_id)
+    async with asyncio.timeout(10):
+        await signal(key, "returned").wait()
+    return task_id, lock
+
+
 async def test_a_run_whose_tool_ended_gives_its_slot_back_before_its_outcome_is_written(
     database_url: str, http: httpx.AsyncClient
 ) -> None:
@@ -474,20 +492,13 @@ async def test_a_run_whose_tool_ended_gives_its_slot_back_before_its_outcome_is_
     only slot, and every later task waited for it."""
     from tests.toolpack import signal
 
-    first_key, second_key = secrets.token_hex(4), secrets.token_hex(4)
+    second_key = secrets.token_hex(4)
     admin = await asyncpg.connect(database_url)
     try:
         async with serve(make_settings(database_url, runner_concurrency=1)) as running:
             s = RpcSession(http, running.url)
             await s.initialize()
-            first = (await s.call_tool_as_task("stubborn", {"seconds": 1.0, "key": first_key}))["task"]["taskId"]
-            async with asyncio.timeout(10):  # running (a claim, had it been queued, writes its row)
-                await signal(first_key, "started").wait()
-            lock = admin.transaction()
-            await lock.start()
-            await admin.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", first)
-            async with asyncio.timeout(10):
-                await signal(first_key, "returned").wait()
+            first, lock = await ended_with_its_outcome_held(s, admin)
             second = (await s.call_tool_as_task("hang", {"key": second_key}))["task"]["taskId"]
             async with asyncio.timeout(5):
                 await signal(second_key, "started").wait()

@@ -117,12 +117,8 @@ class Runner:
         """Slots per tenant: tools running here, creates promised a slot, and outcome writes
         waiting beyond the tenant's share (so a tenant whose writes back up cannot, by starting
         ever more tools, fill the process's bound on runs in memory and starve the others)."""
-        held = self._slots_by_tenant.copy()
-        held.update(self._reserved_by_tenant)
-        for tenant, n in self._recording_by_tenant.items():
-            if n > self.tenant_share:
-                held[tenant] += n - self.tenant_share
-        return held
+        tenants = {*self._slots_by_tenant, *self._reserved_by_tenant, *self._recording_by_tenant}
+        return Counter({tenant: n for tenant in tenants if (n := self._held_by(tenant))})
 
     def _held_by(self, tenant_id: str) -> int:
         return (
@@ -584,7 +580,6 @@ class Runner:
         key = (task.tenant_id, task.task_id)
         run = self._running[key]  # _start put it there before this first ran
         started = time.perf_counter()
-        recording = False
         try:
             if job is None and task.session_id is not None and not task.client_capabilities:
                 if capabilities is None:
@@ -598,11 +593,10 @@ class Runner:
                 outcome = await job  # cancelling us cancels it
             if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
                 raise asyncio.CancelledError
-            run.tool_done = True
-            metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
+            run.tool_done = True  # from here on the run is recording its outcome
             self._recorded(run, +1)
-            recording = True
             self._give_slot(run)
+            metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if self._stopping:
@@ -616,7 +610,7 @@ class Runner:
         finally:
             if self._running.get(key) is run:
                 del self._running[key]
-            if recording:
+            if run.tool_done:
                 self._recorded(run, -1)
             self._give_slot(run)
             metrics.runner_slots_in_use.set(self.busy)

@@ -22,6 +22,7 @@ from service.store.repository import RunnerStore
 from tests.conftest import make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
+from tests.test_group_commit import ended_with_its_outcome_held
 
 # SECURITY.md: a tenant below its share starts within one claim pass of its create; 2 s is that
 # pass with a wide margin for a loaded 2-core CI machine (before the fix it waited for a slot: 60 s).
@@ -240,7 +241,7 @@ async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenan
     backed-up writes filled its bound on runs in memory and B never started."""
     from tests.toolpack import signal
 
-    first_key, victim_key = secrets.token_hex(4), secrets.token_hex(4)
+    victim_key = secrets.token_hex(4)
     admin = await asyncpg.connect(database_url)
     async with run_issuer(LocalIssuer()) as issuer:
         settings = make_settings(
@@ -250,14 +251,7 @@ async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenan
             async with serve(settings) as server:
                 a = await _session(http, server.url, issuer, "tenant-a", "alice")
                 b = await _session(http, server.url, issuer, "tenant-b", "bob")
-                first = (await a.call_tool_as_task("stubborn", {"seconds": 0.5, "key": first_key}))["task"]["taskId"]
-                async with asyncio.timeout(10):
-                    await signal(first_key, "started").wait()
-                lock = admin.transaction()
-                await lock.start()
-                await admin.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", first)
-                async with asyncio.timeout(10):
-                    await signal(first_key, "returned").wait()
+                first, lock = await ended_with_its_outcome_held(a, admin)
                 for i in range(4):  # each ends at once; their outcomes queue behind the first one's
                     await a.call_tool_as_task("echo", {"text": f"a{i}"})
                 await asyncio.sleep(0.5)
