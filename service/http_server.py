@@ -71,9 +71,9 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
         def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any], **kw: Any):
             super().__init__(config, server_state, app_state, **kw)
             self._header_timer: asyncio.TimerHandle | None = None
+            self._header_deadline: float | None = None  # when the awaited headers must be in
             self._in_headers = True
             self._phase_bytes = 0  # bytes received while the current request's headers are incomplete
-            self._header_bytes = 0  # the parsed request line and headers of the current request
             self._refused = False
             self._too_large = False  # a callback found the headers too large (the parser reports it as an error)
 
@@ -123,27 +123,19 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = True
-            self._header_bytes = 0
             self._arm_header_timer()
 
-        def on_url(self, url: bytes) -> None:
-            self._count_header(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count_header(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def _count_header(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes:
+        def on_headers_complete(self) -> None:
+            # The request line and headers are counted once they are all parsed, not per header in
+            # a callback of ours (a Python call per header): headers that arrive over several reads
+            # are bounded by data_received as they come, those of one read (at most the loop's
+            # read buffer, already in memory) here.
+            if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > max_header_bytes:
                 self._too_large = True
                 raise HeadersTooLarge
-
-        def on_headers_complete(self) -> None:
             self._in_headers = False
             self._phase_bytes = 0
-            self._disarm_header_timer()
+            self._header_deadline = None
             if len(self.tasks) >= max_requests and httptools.parse_url(self.url).path not in UNCAPPED_PATHS:
                 _warn_now_and_then(f"requests beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS ({max_requests})")
                 refused_requests.inc()
@@ -161,16 +153,27 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             self._phase_bytes = 0
 
         def _arm_header_timer(self) -> None:
+            # One timer per connection at a time, not one per request: a request's headers set
+            # their deadline, and a timer that fires before it (an earlier request's) is set again
+            # for what is left. A keep-alive connection's requests cost no timer of their own.
+            self._header_deadline = self.loop.time() + header_timeout_s
             if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+                self._header_timer = self.loop.call_at(self._header_deadline, self._header_timeout)
 
         def _disarm_header_timer(self) -> None:
+            self._header_deadline = None
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
 
         def _header_timeout(self) -> None:
             self._header_timer = None
+            deadline = self._header_deadline
+            if deadline is None:
+                return  # no headers awaited now: the next request's first byte sets a timer again
+            if deadline > self.loop.time():
+                self._header_timer = self.loop.call_at(deadline, self._header_timeout)
+                return
             if self._in_headers and not self.transport.is_closing():
                 # A request begun gets its 408; a connection that sent nothing is only closed: a
                 # client about to send on it could take an unasked-for 408 as its answer.

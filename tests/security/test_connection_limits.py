@@ -58,6 +58,38 @@ async def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_timeout(d
     assert _refused("header_timeout") == before + 1
 
 
+async def test_the_header_timeout_bounds_each_request_of_a_keep_alive_connection(database_url: str) -> None:
+    """Issue 14 §1 on a kept-alive connection: the header timer is one per connection (armed by a
+    request, not cancelled when its headers are in), so a later request whose headers trickle
+    must still be cut off its own header timeout after it began, however early the timer an
+    earlier request left fires, and quick requests must not be cut by it."""
+    settings = make_settings(database_url, http_header_timeout_s=1.0)
+    async with serve(settings) as server, raw_socket(server.url) as (reader, writer):
+        started = time.monotonic()
+        for i in range(4):  # quick requests over more than the timeout: each served
+            writer.write(_healthz())
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert status_of(head) == 200
+            length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            await asyncio.sleep(0.45 if i < 3 else 0.3)
+        # The slow request begins while the timer the last quick one armed is pending: it
+        # fires 0.3 s before this request's deadline.
+        assert time.monotonic() - started > 1.0
+        slow_from = time.monotonic()
+        closed = asyncio.ensure_future(read_until_closed(reader, timeout_s=6))
+        with contextlib.suppress(OSError):
+            for byte in b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200:
+                if closed.done():
+                    break
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        assert status_of(await closed) == 408
+        assert 0.8 < time.monotonic() - slow_from < 3
+
+
 async def test_headers_beyond_the_limit_get_431_before_they_end(database_url: str) -> None:
     """Issue 14 §1 (10 MB headers were accepted and held): an unfinished header line beyond
     MCP_TASKS_HTTP_MAX_HEADER_BYTES is refused at once, without waiting for its end."""
