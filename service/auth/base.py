@@ -37,8 +37,9 @@ class AuthFailure(Exception):
 class Authenticator(Protocol):
     async def authenticate(self, conn: HTTPConnection) -> Principal: ...
 
-    def knows(self, conn: HTTPConnection) -> bool:
-        """True when authenticating this request costs nothing (a token verified before)."""
+    def known(self, conn: HTTPConnection) -> Principal | None:
+        """The request's principal when authenticating it costs nothing (a token verified before,
+        still valid, enough for this endpoint); None: ``authenticate`` decides."""
         ...
 
     def challenge_headers(self) -> dict[str, str]:
@@ -52,8 +53,8 @@ class SingleUser:
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         return LOCAL_PRINCIPAL
 
-    def knows(self, conn: HTTPConnection) -> bool:
-        return True
+    def known(self, conn: HTTPConnection) -> Principal | None:
+        return LOCAL_PRINCIPAL
 
     def challenge_headers(self) -> dict[str, str]:
         return {}

@@ -49,6 +49,7 @@ class OAuthResourceServer:
         self.verifier = verifier
         self._metadata_url = metadata_url(settings)
         self._scope = " ".join(sorted(settings.required_scopes) or DEFAULT_SCOPES)
+        self._required_scopes = settings.required_scopes
 
     def _challenge(
         self,
@@ -79,10 +80,20 @@ class OAuthResourceServer:
     def challenge_headers(self) -> dict[str, str]:
         return self._challenge(401, None, "").headers
 
-    def knows(self, conn: HTTPConnection) -> bool:
-        """Does the request carry a token verified before and still valid (so checking it is free)?"""
+    def known(self, conn: HTTPConnection) -> Principal | None:
+        """The principal of a token verified before, still valid and with the required scopes:
+        what ``authenticate`` would answer, found without its work (the hot path). Anything else
+        (no token, a token in the URL, an unknown or insufficient one) is None: ``authenticate``
+        then refuses it with its reason."""
+        if conn.scope.get("query_string"):
+            return None
         scheme, _, token = (conn.headers.get("authorization") or "").partition(" ")
-        return scheme.lower() == "bearer" and self.verifier.is_cached(token.strip())
+        if scheme.lower() != "bearer":
+            return None
+        principal = self.verifier.cached(token.strip())
+        if principal is None or not self._required_scopes <= principal.scopes:
+            return None
+        return principal
 
     async def authenticate(self, conn: HTTPConnection) -> Principal:
         client = conn.client.host if conn.client else "-"
@@ -116,7 +127,7 @@ class OAuthResourceServer:
                 {"Retry-After": "5"},
                 reason="issuer_unavailable",
             ) from None
-        missing = self.settings.required_scopes - principal.scopes
+        missing = self._required_scopes - principal.scopes
         if missing:
             self._log_denied("insufficient_scope", client, token, principal)
             raise self._challenge(

@@ -106,22 +106,23 @@ class TokenVerifier:
         self.audience = normalize_uri(settings.effective_audience)
         self._keys: dict[str, _IssuerKeys] = {i: _IssuerKeys() for i in self.issuers}
         self._locks: dict[str, asyncio.Lock] = {i: asyncio.Lock() for i in self.issuers}
-        self._verified: OrderedDict[str, tuple[Principal, float]] = OrderedDict()
+        self._verified: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
         # MCP_TASKS_OAUTH_ISSUER_TENANTS: the tenants each issuer may name (empty: one issuer, any tenant).
         self._tenants = {issuer: _tenant_pattern(p) for issuer, p in settings.issuer_tenants.items()}
 
-    def is_cached(self, token: str) -> bool:
-        """Was this token verified before and is it still unexpired? (no I/O, no signature check)"""
-        cached = self._verified.get(hashlib.sha256(token.encode()).hexdigest())
-        return cached is not None and cached[1] > time.time()
+    def cached(self, token: str) -> Principal | None:
+        """The principal of a token verified before and still unexpired (no I/O, no signature check)."""
+        cache_key = hashlib.sha256(token.encode()).digest()
+        cached = self._verified.get(cache_key)
+        if cached is None or cached[1] <= time.time():
+            return None
+        self._verified.move_to_end(cache_key)
+        return cached[0]
 
     async def verify(self, token: str) -> Principal:
-        cache_key = hashlib.sha256(token.encode()).hexdigest()
-        cached = self._verified.get(cache_key)
-        now = time.time()
-        if cached is not None and cached[1] > now:
-            self._verified.move_to_end(cache_key)
-            return cached[0]
+        if (principal := self.cached(token)) is not None:
+            return principal
+        cache_key = hashlib.sha256(token.encode()).digest()
         try:
             if token.count(".") == 2:
                 principal, expires = await self._verify_jwt(token)

@@ -242,24 +242,11 @@ class McpEndpoint:
             address = client[0] if client else "-"
             request_id = scope["state"]["request_id"]
             connection = RequestConnection(scope, receive, headers)
-            # An address over its failed-authentication budget is refused before any token work
-            # (a token verified before costs no work, so it skips this check).
-            if not self.auth.knows(connection) and (limited := await self.limiter.unauthenticated_blocked(address)):
-                raise _throttled(limited, headers, self.auth.challenge_headers())
-            try:
-                principal = await self.auth.authenticate(connection)
-            except AuthFailure as refused:
-                metrics.auth_failures.labels(refused.reason).inc()
-                # A request without a token is the first step of OAuth discovery, not an attack:
-                # it gets its challenge and does not spend the address's budget (T-SEC-6).
-                if refused.reason != "no_token":
-                    await self.limiter.authentication_failed(address)
-                    who = Caller(refused.principal, request_id, address) if refused.principal else None
-                    if await self.limiter.may_record_denial(f"a:{address}"):
-                        await self.audit.deny(
-                            who, f"auth:{refused.reason}", address=address, request_id=request_id, **refused.detail
-                        )
-                raise
+            # A token verified before costs no work (the hot path). Any other request from an
+            # address over its failed-authentication budget is refused before any token work.
+            principal = self.auth.known(connection)
+            if principal is None:
+                principal = await self._authenticate(connection, headers, address, request_id)
             caller = Caller(principal, request_id, address)
             logctx.tenant.set(principal.tenant_id)
             if limited := await self.limiter.request(principal):
@@ -298,6 +285,27 @@ class McpEndpoint:
                 jsonrpc.error_message(None, failure.error_object()),
                 failure.headers,
             )
+
+    async def _authenticate(
+        self, connection: RequestConnection, headers: Headers, address: str, request_id: str
+    ) -> Principal:
+        """The principal of a request whose token is not known yet: verified, or refused."""
+        if limited := await self.limiter.unauthenticated_blocked(address):
+            raise _throttled(limited, headers, self.auth.challenge_headers())
+        try:
+            return await self.auth.authenticate(connection)
+        except AuthFailure as refused:
+            metrics.auth_failures.labels(refused.reason).inc()
+            # A request without a token is the first step of OAuth discovery, not an attack:
+            # it gets its challenge and does not spend the address's budget (T-SEC-6).
+            if refused.reason != "no_token":
+                await self.limiter.authentication_failed(address)
+                who = Caller(refused.principal, request_id, address) if refused.principal else None
+                if await self.limiter.may_record_denial(f"a:{address}"):
+                    await self.audit.deny(
+                        who, f"auth:{refused.reason}", address=address, request_id=request_id, **refused.detail
+                    )
+            raise
 
     # --- envelope checks -----------------------------------------------------------------------
 
