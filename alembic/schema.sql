@@ -986,6 +986,36 @@ GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
 ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
 ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
 
+-- task_get_batch reads a batch of gets (migration 0010): one set-based read per tenant, under that
+-- tenant's row-level security; a row per item found (its place in ``o``), nothing for the others.
+CREATE FUNCTION task_get_batch(p_tenants text[], p_task_ids text[], p_subjects text[])
+RETURNS TABLE (o integer, tenant_id text, task_id text, subject text, issuer text, client_id text,
+               session_id text, surface text, tool text, progress_token jsonb, status task_status,
+               status_message text, outcome text, payload jsonb, ttl_ms bigint, poll_interval_ms integer,
+               created_at timestamptz, last_updated_at timestamptz, attempts integer, expires_at timestamptz)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    tenant text;
+BEGIN
+    -- One set-based read per tenant of the batch, under that tenant's row-level security; each
+    -- item's row (by primary key) when it is the item's subject's and unexpired, with its place.
+    FOR tenant IN SELECT DISTINCT u FROM unnest(p_tenants) AS u LOOP
+        PERFORM set_config('app.tenant_id', tenant, true);
+        RETURN QUERY
+        SELECT w.o::integer, t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface,
+               t.tool, t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
+               t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
+        FROM unnest(p_tenants, p_task_ids, p_subjects) WITH ORDINALITY AS w(tenant_id, task_id, subject, o)
+        JOIN tasks t ON t.tenant_id = w.tenant_id AND t.task_id = w.task_id
+        WHERE w.tenant_id = tenant AND t.subject = w.subject AND t.expires_at > clock_timestamp();
+    END LOOP;
+END
+$$;
+
+REVOKE ALL ON FUNCTION task_get_batch(text[], text[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION task_get_batch(text[], text[], text[]) TO mcp_tasks_app;
+
 -- ================================================================ hot paths: hand-back ==
 -- A runner gave a task back (it stopped, or its lease was lost and the reaper found it): run it
 -- again if its tool may re-run and attempts remain, else fail it. The one hand-back path, for

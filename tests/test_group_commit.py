@@ -124,6 +124,57 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
     assert fallbacks("test") == before  # every answer came from the batch statement itself
 
 
+async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
+    app_db: Database, database_url: str
+) -> None:
+    """task_get_batch (migration 0010), as the reads batcher sends it: items of several tenants and
+    subjects in one statement, each answered in its place with its own task or None: another
+    subject's, another tenant's twin id, an expired task and an unknown id find nothing; the same
+    item twice is answered twice; RLS holds each tenant's read to its rows."""
+    store = TaskStore(app_db)
+    alice, bob, mallory = principal("acme", "alice"), principal("acme", "bob"), principal("globex", "alice")
+    mine = await store.run([create(alice), create(alice)])
+    assert mine[0] is not None and mine[1] is not None
+    twin = await store.run([dataclasses.replace(create(mallory), task_id=mine[0].task_id)])
+    assert twin[0] is not None
+    admin = await asyncpg.connect(database_url)
+    try:
+        await admin.execute(
+            "UPDATE tasks SET expires_at = clock_timestamp() - interval '1 second' WHERE tenant_id = $1 AND task_id = $2",
+            "acme",
+            mine[1].task_id,
+        )
+    finally:
+        await admin.close()
+    a, expired = mine[0].task_id, mine[1].task_id
+    items = [
+        lookup(alice, a, retrieve=False),
+        lookup(bob, a, retrieve=False),  # same tenant, another subject
+        lookup(mallory, a, retrieve=False),  # the twin in another tenant: its own task
+        lookup(alice, expired, retrieve=False),
+        lookup(alice, "no-such-task", retrieve=False),
+        lookup(alice, a, retrieve=False),  # the same item again
+        lookup(principal("initech", "alice"), a, retrieve=False),  # a tenant with no such task
+    ]
+    found = await store.get_many(sorted(items, key=lambda item: item.order))
+    by_item = dict(zip((id(i) for i in sorted(items, key=lambda item: item.order)), found, strict=True))
+    answers = [by_item[id(i)] for i in items]
+    assert [(t.tenant_id, t.subject, t.task_id) if t else None for t in answers] == [
+        ("acme", "alice", a),
+        None,
+        ("globex", "alice", a),
+        None,
+        None,
+        ("acme", "alice", a),
+        None,
+    ]
+    assert all(t is None or t.status.value == "working" for t in answers)
+    # In any order the batcher might send (it sorts; the statement must not depend on it).
+    assert [t.tenant_id if t else None for t in await store.get_many(list(reversed(items)))] == [
+        None, "acme", None, None, "globex", None, "acme",
+    ]  # fmt: skip
+
+
 async def test_a_bad_item_fails_alone_and_the_rest_of_its_batch_is_created(app_db: Database, database_url: str) -> None:
     """Text PostgreSQL cannot store fails the whole statement; each item is then tried alone."""
     calls = Recorded(app_db)

@@ -142,7 +142,7 @@ class TaskService:
         # and the acquire's time lets more of the next batch queue up (measured: holding shrank
         # create batches and cost 20 % of creates/s).
         self._writes = Batcher(self.store.run, name="writes")
-        self._reads = Batcher(self.store.run, name="reads", hold=self.store.db.holding)
+        self._reads = Batcher(self.store.get_many, name="reads", hold=self.store.db.holding)
         # Plain (non-task) calls running in this process, per requestor: each holds one of its
         # requestor's active-task slots while it runs (issue 14 §7).
         self.plain_calls: Counter[tuple[str, str]] = Counter()

@@ -166,9 +166,14 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
        (SELECT count(*) FROM tasks WHERE status = 'input_required') AS input_required;
 
 -- name: task_batch
--- Many creates, gets and retrieves in one statement and one commit (migration 0005): one row per
--- item, in order; a row of NULLs where there is no task.
+-- Many creates and retrieves in one statement and one commit (migration 0005): one row per item,
+-- in order; a row of NULLs where there is no task. (Gets go to task_get_batch.)
 SELECT * FROM task_batch($1);
+
+-- name: task_get_batch
+-- Many gets in one statement (migration 0010): a row per item found, with its place (o), nothing
+-- for an item whose task is unknown, expired or not its subject's.
+SELECT * FROM task_get_batch($1, $2, $3);
 
 -- name: finish_task_batch
 -- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
