@@ -134,7 +134,8 @@ async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
     store = TaskStore(app_db)
     alice, bob, mallory = principal("acme", "alice"), principal("acme", "bob"), principal("globex", "alice")
     mine = await store.run([create(alice), create(alice)])
-    assert mine[0] is not None and mine[1] is not None
+    assert mine[0] is not None
+    assert mine[1] is not None
     twin = await store.run([dataclasses.replace(create(mallory), task_id=mine[0].task_id)])
     assert twin[0] is not None
     admin = await asyncpg.connect(database_url)
