@@ -161,6 +161,7 @@ class RateLimiter:
         self._storage_down = False
         # principal key -> monotonic time until which its lookups budget is taken as unspent
         self._lookups_clear: dict[str, float] = {}
+        self._principal_keys: dict[tuple[str, str], str] = {}
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._remote:
@@ -194,10 +195,16 @@ class RateLimiter:
             return None
         return RateLimited(scope, self._texts[scope], max(1, math.ceil(stats.reset_time - time.time())))
 
-    @staticmethod
-    def _principal_key(principal: Principal) -> str:
+    def _principal_key(self, principal: Principal) -> str:
         # JSON, not "a:b:c": tenant and subject may contain any character, and keys must not collide.
-        return "p" + orjson.dumps([principal.tenant_id, principal.subject]).decode()
+        # Remembered per principal (a request asks for it once or twice; a bounded table).
+        who = (principal.tenant_id, principal.subject)
+        key = self._principal_keys.get(who)
+        if key is None:
+            if len(self._principal_keys) >= _CLEAR_MAX:
+                self._principal_keys.clear()
+            key = self._principal_keys[who] = "p" + orjson.dumps(list(who)).decode()
+        return key
 
     async def may_record_denial(self, key: str) -> bool:
         """At most DENIAL_ROWS audit rows per refused key, so a flood has no lever on the database."""

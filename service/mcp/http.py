@@ -18,12 +18,12 @@ class RequestHeaders(Headers):
 
     def __init__(self, scope: Scope) -> None:
         super().__init__(scope=scope)
-        first: dict[str, str] = {}
-        for key, value in self._list:
-            name = key.decode("latin-1").lower()
-            if name not in first:
-                first[name] = value.decode("latin-1")
-        self._first = first
+        # Built last to first, so the first of repeated headers is the one kept. ASGI servers send
+        # names lowercased; a name that is not is lowercased here (the spec asks it of them).
+        self._first = {
+            (name if name.islower() else name.lower()): value.decode("latin-1")
+            for name, value in ((key.decode("latin-1"), value) for key, value in reversed(self._list))
+        }
 
     def __getitem__(self, key: str) -> str:
         try:

@@ -227,12 +227,13 @@ class McpEndpoint:
                 error = {"code": INTERNAL_ERROR, "message": f"internal error (reference {ref}); retry, or report it"}
                 await send_json(send, 200, jsonrpc.error_message(None, error))
         finally:
-            log.info(
-                "%s /mcp %s",
-                scope["method"],
-                status,
-                extra={"status": status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
-            )
+            if log.isEnabledFor(logging.INFO):  # its extra is built per request otherwise
+                log.info(
+                    "%s /mcp %s",
+                    scope["method"],
+                    status,
+                    extra={"status": status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
+                )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
         method = scope["method"]
