@@ -156,7 +156,10 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             # One timer per connection at a time, not one per request: a request's headers set
             # their deadline, and a timer that fires before it (an earlier request's) is set again
             # for what is left. A keep-alive connection's requests cost no timer of their own.
-            self._header_deadline = self.loop.time() + header_timeout_s
+            # A deadline already pending stays: the first request's runs from the connection, so
+            # a client silent until just before it cannot win a second timeout with one byte.
+            if self._header_deadline is None:
+                self._header_deadline = self.loop.time() + header_timeout_s
             if self._header_timer is None:
                 self._header_timer = self.loop.call_at(self._header_deadline, self._header_timeout)
 

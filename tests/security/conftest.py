@@ -85,3 +85,17 @@ async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> b
 def status_of(response: bytes) -> int:
     """The status code of a raw HTTP/1.1 response."""
     return int(response.split(b" ", 2)[1])
+
+
+async def trickle(
+    writer: asyncio.StreamWriter, closed: asyncio.Future[bytes], data: bytes, every_s: float = 0.05
+) -> None:
+    """Send ``data`` a byte every ``every_s`` (a slowloris client) until it is sent or ``closed``
+    (a read_until_closed of the same socket) is done; the server closing the socket ends it too."""
+    with contextlib.suppress(OSError):
+        for byte in data:
+            if closed.done():
+                return
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(every_s)

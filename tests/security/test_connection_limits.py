@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
-from tests.security.conftest import raw_socket, read_until_closed, status_of
+from tests.security.conftest import raw_socket, read_until_closed, status_of, trickle
 from tests.test_durability import mcp_tasks
 
 PING = b'{"jsonrpc":"2.0","id":1,"method":"ping"}'
@@ -45,13 +45,7 @@ async def test_a_header_sent_a_byte_at_a_time_is_cut_off_at_the_header_timeout(d
         async with raw_socket(server.url) as (reader, writer):
             started = time.monotonic()
             closed = asyncio.ensure_future(read_until_closed(reader, timeout_s=5))
-            with contextlib.suppress(OSError):
-                for byte in b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
-                    if closed.done():
-                        break
-                    writer.write(bytes([byte]))
-                    await writer.drain()
-                    await asyncio.sleep(0.05)
+            await trickle(writer, closed, b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100)
             response = await closed
         assert status_of(response) == 408
         assert time.monotonic() - started < 3
@@ -79,15 +73,24 @@ async def test_the_header_timeout_bounds_each_request_of_a_keep_alive_connection
         assert time.monotonic() - started > 1.0
         slow_from = time.monotonic()
         closed = asyncio.ensure_future(read_until_closed(reader, timeout_s=6))
-        with contextlib.suppress(OSError):
-            for byte in b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200:
-                if closed.done():
-                    break
-                writer.write(bytes([byte]))
-                await writer.drain()
-                await asyncio.sleep(0.05)
+        await trickle(writer, closed, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200)
         assert status_of(await closed) == 408
         assert 0.8 < time.monotonic() - slow_from < 3
+
+
+async def test_a_connection_silent_before_its_first_byte_gets_no_second_header_timeout(database_url: str) -> None:
+    """Issue 14 §1: the header timeout of a connection's first request runs from the connection,
+    not from its first byte. A client silent for 0.8 of the timeout that then trickles its headers
+    is cut off one timeout after it connected, not 1.8 (the first byte must not set it again)."""
+    async with serve(make_settings(database_url, http_header_timeout_s=1.0)) as server:
+        async with raw_socket(server.url) as (reader, writer):
+            connected = time.monotonic()
+            closed = asyncio.ensure_future(read_until_closed(reader, timeout_s=5))
+            await asyncio.sleep(0.8)
+            await trickle(writer, closed, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200)
+            response = await closed
+        assert status_of(response) == 408
+        assert time.monotonic() - connected < 1.5
 
 
 async def test_headers_beyond_the_limit_get_431_before_they_end(database_url: str) -> None:
