@@ -986,8 +986,9 @@ GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
 ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
 ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
 
--- task_get_batch reads a batch of gets (migration 0010): one set-based read per tenant, under that
--- tenant's row-level security; a row per item found (its place in ``o``), nothing for the others.
+-- task_get_batch reads a batch of gets (migrations 0010, 0011): one set-based read per tenant, under
+-- that tenant's row-level security, each row by primary key; a row per item found (its place in
+-- ``o``), nothing for the others.
 CREATE FUNCTION task_get_batch(p_tenants text[], p_task_ids text[], p_subjects text[])
 RETURNS TABLE (o integer, tenant_id text, task_id text, subject text, issuer text, client_id text,
                session_id text, surface text, tool text, progress_token jsonb, status task_status,
@@ -999,7 +1000,9 @@ DECLARE
     tenant text;
 BEGIN
     -- One set-based read per tenant of the batch, under that tenant's row-level security; each
-    -- item's row (by primary key) when it is the item's subject's and unexpired, with its place.
+    -- item's row by primary key alone (a subquery kept whole by OFFSET 0: with the subject among
+    -- its conditions the planner may walk tasks_owner_recent, every task of the subject), then
+    -- kept when it is the item's subject's and unexpired, with the item's place.
     FOR tenant IN SELECT DISTINCT u FROM unnest(p_tenants) AS u LOOP
         PERFORM set_config('app.tenant_id', tenant, true);
         RETURN QUERY
@@ -1007,7 +1010,14 @@ BEGIN
                t.tool, t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
                t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
         FROM unnest(p_tenants, p_task_ids, p_subjects) WITH ORDINALITY AS w(tenant_id, task_id, subject, o)
-        JOIN tasks t ON t.tenant_id = w.tenant_id AND t.task_id = w.task_id
+        CROSS JOIN LATERAL (
+            SELECT k.tenant_id, k.task_id, k.subject, k.issuer, k.client_id, k.session_id, k.surface, k.tool,
+                   k.progress_token, k.status, k.status_message, k.outcome, k.payload, k.ttl_ms,
+                   k.poll_interval_ms, k.created_at, k.last_updated_at, k.attempts, k.expires_at
+            FROM tasks k
+            WHERE k.tenant_id = w.tenant_id AND k.task_id = w.task_id
+            OFFSET 0
+        ) t
         WHERE w.tenant_id = tenant AND t.subject = w.subject AND t.expires_at > clock_timestamp();
     END LOOP;
 END
