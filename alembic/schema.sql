@@ -1113,3 +1113,38 @@ GRANT EXECUTE ON FUNCTION task_release_batch(jsonb) TO mcp_tasks_runner;
 GRANT USAGE ON TYPE task_release_item TO mcp_tasks_runner;
 ALTER FUNCTION task_release_batch(jsonb) OWNER TO mcp_tasks_record;
 ALTER FUNCTION task_release_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
+
+
+-- =============================================================================== maintenance ==
+-- The planner's statistics, when the server's autovacuum (which keeps them) is off: the
+-- maintenance pass calls this then, and it analyses each of the service's tables whose rows
+-- changed since its last analysis by more than autovacuum's default threshold (50 rows and 10 %).
+-- Without statistics a lookup of one task by (tenant_id, task_id) may walk every task of the
+-- tenant in tasks_owner_recent or tasks_active_owner (migration 0012). Owned by the schema's owner
+-- (ANALYZE needs the table's owner); it does nothing else.
+CREATE FUNCTION analyze_stale_tables() RETURNS text[]
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+DECLARE
+    stale text;
+    analysed text[] := '{}';
+BEGIN
+    -- One process at a time; another that finds it taken has nothing to add.
+    IF NOT pg_try_advisory_xact_lock(hashtextextended('mcp_tasks:analyze', 0)) THEN
+        RETURN analysed;
+    END IF;
+    FOR stale IN
+        SELECT s.relname::text FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+        WHERE s.relid IN ('tasks'::regclass, 'active_tasks'::regclass, 'task_messages'::regclass,
+                          'sessions'::regclass, 'event_payloads'::regclass, 'runners'::regclass,
+                          'audit_events'::regclass, 'audit_heads'::regclass, 'audit_retrievals'::regclass)
+          AND s.n_mod_since_analyze > 50 + 0.1 * greatest(c.reltuples, 0)
+        ORDER BY 1
+    LOOP
+        EXECUTE format('ANALYZE %I', stale);
+        analysed := analysed || stale;
+    END LOOP;
+    RETURN analysed;
+END
+$$;
+REVOKE ALL ON FUNCTION analyze_stale_tables() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION analyze_stale_tables() TO mcp_tasks_runner;

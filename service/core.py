@@ -128,6 +128,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     await db.open()
     for warning in await db.configuration_warnings():
         log.warning(warning)
+    autovacuum_on = await db.autovacuum_on()
     runner_db = Database(
         dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
     )
@@ -166,6 +167,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         session_idle_ms=settings.session_idle_ms,
         pools={"app": db, "runner": runner_db},
         audit_retention_days=settings.audit_retention_days,
+        analyze=not autovacuum_on,
     )
     await maintenance.start()
     return Core(

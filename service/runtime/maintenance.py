@@ -1,5 +1,6 @@
 """Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions,
-purge exported audit events past their retention."""
+purge exported audit events past their retention, and keep the planner's statistics when the
+server's autovacuum does not."""
 
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ class Maintenance:
         session_idle_ms: int,
         pools: dict[str, Database] | None = None,
         audit_retention_days: int | None = None,
+        analyze: bool = False,
     ) -> None:
+        """``analyze``: the server's autovacuum is off, so each pass analyses the tables that
+        changed enough (without statistics the planner may read every task of a tenant to find
+        one: docs/decisions.md, "Statistics when autovacuum is off")."""
         self.store = RunnerStore(db)
         self.audit = AuditStore(db)
         self.audit_retention_days = audit_retention_days
+        self.analyze = analyze
         self._audit_purged_at: float | None = None
         self.pools = pools or {"runner": db}
         self.registry = registry
@@ -76,6 +82,15 @@ class Maintenance:
         if self._audit_purged_at is None or now - self._audit_purged_at >= AUDIT_PURGE_EVERY_S:
             self._audit_purged_at = now
             await self.purge_audit()
+        if self.analyze:  # last: the pass's own statements ran on the statistics it found
+            await self.analyze_stale()
+
+    async def analyze_stale(self) -> list[str]:
+        """What autovacuum's analyses would do, for the service's tables (one process at a time)."""
+        analysed = await self.store.analyze_stale()
+        if analysed:
+            log.info("analysed %s (the server's autovacuum is off)", ", ".join(analysed))
+        return analysed
 
     async def purge_audit(self) -> int:
         """Retention (issue 14, finding 7): audit events older than the retention go, but only those

@@ -278,19 +278,23 @@ class Database:
         size = self._pool.get_size()
         return size - self._pool.get_idle_size(), size
 
+    async def autovacuum_on(self) -> bool:
+        """Does the server run autovacuum (which also keeps the planner's statistics)?"""
+        async with self.connection() as conn:
+            return bool(await conn.fetchval("SELECT current_setting('autovacuum') = 'on'"))
+
     async def configuration_warnings(self) -> list[str]:
         """What in the server's configuration will hurt this service (said once at start)."""
-        async with self.connection() as conn:
-            autovacuum = await conn.fetchval("SELECT current_setting('autovacuum')")
         warnings = []
-        if autovacuum != "on":
+        if not await self.autovacuum_on():
             # Every task update leaves a dead row version and every audit append a new head
             # version: without vacuum the tables and their indexes only grow, and each lookup of
             # a hot row (a requestor's counter, a tenant's audit head) walks ever longer chains.
             warnings.append(
                 "PostgreSQL runs with autovacuum off: the task and audit tables bloat and request latency "
                 "grows the longer the service runs; turn it on (autovacuum = on) or VACUUM the database "
-                "regularly (docs/operations.md, Sizing)"
+                "regularly (docs/operations.md, Sizing). Meanwhile the maintenance pass analyses the "
+                "service's tables itself, so that the planner has statistics"
             )
         return warnings
 

@@ -460,6 +460,13 @@ class RunnerStore:
             await conn.execute(Q["drop_idle_counters"])
             await conn.execute(Q["delete_old_event_payloads"], event_max_age_ms)
 
+    async def analyze_stale(self) -> list[str]:
+        """ANALYZE the service's tables that changed enough since their last analysis (what
+        autovacuum would do when it is on); the names of those analysed."""
+        async with self.db.connection() as conn:
+            analysed = await conn.fetchval(Q["analyze_stale_tables"])
+        return list(analysed or [])
+
     async def queue_by_tool(self) -> list[QueueStats]:
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["queue_by_tool"])

@@ -68,3 +68,7 @@ changed AS (
     RETURNING t.task_id
 )
 SELECT tool, coalesce(sum(queued) FILTER (WHERE NOT runnable), 0)::bigint AS without_runner FROM verdicts GROUP BY tool;
+
+-- name: analyze_stale_tables
+-- The maintenance pass, when the server's autovacuum is off: the tables analysed (migration 0012).
+SELECT analyze_stale_tables() AS analysed;
