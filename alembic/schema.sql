@@ -1118,11 +1118,12 @@ ALTER FUNCTION task_release_batch(jsonb) SECURITY DEFINER SET search_path = pg_c
 -- =============================================================================== maintenance ==
 -- The planner's statistics, when the server's autovacuum (which keeps them) is off: the
 -- maintenance pass calls this then, and it analyses each of the service's tables whose rows
--- changed since its last analysis by more than autovacuum's default threshold (50 rows and 10 %).
+-- changed since its last analysis by more than autovacuum's default threshold (50 rows and 10 %),
+-- at most once per p_every per table (a minute: autovacuum's naptime).
 -- Without statistics a lookup of one task by (tenant_id, task_id) may walk every task of the
 -- tenant in tasks_owner_recent or tasks_active_owner (migration 0012). Owned by the schema's owner
 -- (ANALYZE needs the table's owner); it does nothing else.
-CREATE FUNCTION analyze_stale_tables() RETURNS text[]
+CREATE FUNCTION analyze_stale_tables(p_every interval) RETURNS text[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
 DECLARE
     stale text;
@@ -1138,6 +1139,8 @@ BEGIN
                           'sessions'::regclass, 'event_payloads'::regclass, 'runners'::regclass,
                           'audit_events'::regclass, 'audit_heads'::regclass, 'audit_retrievals'::regclass)
           AND s.n_mod_since_analyze > 50 + 0.1 * greatest(c.reltuples, 0)
+          -- At most once per p_every per table (the service: a minute, autovacuum's naptime).
+          AND coalesce(greatest(s.last_analyze, s.last_autoanalyze), '-infinity') < clock_timestamp() - p_every
         ORDER BY 1
     LOOP
         EXECUTE format('ANALYZE %I', stale);
@@ -1146,5 +1149,5 @@ BEGIN
     RETURN analysed;
 END
 $$;
-REVOKE ALL ON FUNCTION analyze_stale_tables() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION analyze_stale_tables() TO mcp_tasks_runner;
+REVOKE ALL ON FUNCTION analyze_stale_tables(interval) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION analyze_stale_tables(interval) TO mcp_tasks_runner;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import asyncpg
 import pytest
@@ -52,19 +53,22 @@ async def tasks_analysed(database_url: str) -> bool:
 async def test_a_table_is_analysed_once_it_changed_as_much_as_autovacuum_waits_for(
     database_url: str, runner_db: Database
 ) -> None:
-    """Autovacuum's default threshold: 50 rows, then 10 % of the table more."""
+    """Autovacuum's default threshold: 50 rows, then 10 % of the table more; and at most once per
+    interval (the maintenance pass: a minute), however much changed."""
     store = RunnerStore(runner_db)
+    at_once = timedelta(0)
     await created(database_url, 40)
-    assert "tasks" not in await store.analyze_stale()
+    assert "tasks" not in await store.analyze_stale(at_once)
     assert not await tasks_analysed(database_url)
     await created(database_url, 20)  # 60 changed: over 50
-    assert "tasks" in await store.analyze_stale()
+    assert "tasks" in await store.analyze_stale(at_once)
     assert await tasks_analysed(database_url)
-    assert "tasks" not in await store.analyze_stale()  # nothing changed since
+    assert "tasks" not in await store.analyze_stale(at_once)  # nothing changed since
     await created(database_url, 55)  # 50 + 10 % of 60 is 56
-    assert "tasks" not in await store.analyze_stale()
+    assert "tasks" not in await store.analyze_stale(at_once)
     await created(database_url, 2)
-    assert "tasks" in await store.analyze_stale()
+    assert "tasks" not in await store.analyze_stale()  # changed enough, but analysed within the minute
+    assert "tasks" in await store.analyze_stale(at_once)
 
 
 async def test_only_the_runner_role_may_ask_for_analyses(database_url: str) -> None:
@@ -73,7 +77,7 @@ async def test_only_the_runner_role_may_ask_for_analyses(database_url: str) -> N
     try:
         await conn.execute(f"SET ROLE {APP_ROLE}")
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await conn.fetchval("SELECT analyze_stale_tables()")
+            await conn.fetchval("SELECT analyze_stale_tables('0')")
     finally:
         await conn.close()
 

@@ -11,9 +11,10 @@ planner that knows nothing takes any index whose columns match: a lookup of one 
 queued tasks of one tenant: finishing a task cost 4.7 ms of PostgreSQL CPU instead of 0.2-0.4,
 and a batch of gets 11 ms instead of 0.5 (0011 made gets immune; the others are not).
 
-``analyze_stale_tables()`` analyses each of the service's tables whose rows changed, since its
+``analyze_stale_tables(every)`` analyses each of the service's tables whose rows changed, since its
 last analysis, by more than autovacuum's own default threshold (50 rows and 10 % of the table),
-one process at a time (the others skip), and returns their names. It runs as the schema's owner
+at most once per ``p_every`` per table (the service passes a minute, autovacuum's naptime), one process at a time (the others skip),
+and returns their names. It runs as the schema's owner
 (ANALYZE needs the table's owner) and does nothing else; the runner role may call it. The
 maintenance pass calls it only when the server's autovacuum is off.
 """
@@ -26,7 +27,7 @@ branch_labels = None
 depends_on = None
 
 ANALYZE_STALE = """
-CREATE FUNCTION analyze_stale_tables() RETURNS text[]
+CREATE FUNCTION analyze_stale_tables(p_every interval) RETURNS text[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
 DECLARE
     stale text;
@@ -42,6 +43,8 @@ BEGIN
                           'sessions'::regclass, 'event_payloads'::regclass, 'runners'::regclass,
                           'audit_events'::regclass, 'audit_heads'::regclass, 'audit_retrievals'::regclass)
           AND s.n_mod_since_analyze > 50 + 0.1 * greatest(c.reltuples, 0)
+          -- At most once per p_every per table (the service: a minute, autovacuum's naptime).
+          AND coalesce(greatest(s.last_analyze, s.last_autoanalyze), '-infinity') < clock_timestamp() - p_every
         ORDER BY 1
     LOOP
         EXECUTE format('ANALYZE %I', stale);
@@ -50,8 +53,8 @@ BEGIN
     RETURN analysed;
 END
 $$;
-REVOKE ALL ON FUNCTION analyze_stale_tables() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION analyze_stale_tables() TO mcp_tasks_runner;
+REVOKE ALL ON FUNCTION analyze_stale_tables(interval) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION analyze_stale_tables(interval) TO mcp_tasks_runner;
 """
 
 
@@ -60,4 +63,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    run_script("DROP FUNCTION analyze_stale_tables();")
+    run_script("DROP FUNCTION analyze_stale_tables(interval);")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -460,11 +460,11 @@ class RunnerStore:
             await conn.execute(Q["drop_idle_counters"])
             await conn.execute(Q["delete_old_event_payloads"], event_max_age_ms)
 
-    async def analyze_stale(self) -> list[str]:
-        """ANALYZE the service's tables that changed enough since their last analysis (what
-        autovacuum would do when it is on); the names of those analysed."""
+    async def analyze_stale(self, every: timedelta = timedelta(minutes=1)) -> list[str]:
+        """ANALYZE the service's tables that changed enough since their last analysis, each at most
+        once per ``every`` (what autovacuum would do when it is on); the names of those analysed."""
         async with self.db.connection() as conn:
-            analysed = await conn.fetchval(Q["analyze_stale_tables"])
+            analysed = await conn.fetchval(Q["analyze_stale_tables"], every)
         return list(analysed or [])
 
     async def queue_by_tool(self) -> list[QueueStats]:

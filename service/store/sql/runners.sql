@@ -71,4 +71,4 @@ SELECT tool, coalesce(sum(queued) FILTER (WHERE NOT runnable), 0)::bigint AS wit
 
 -- name: analyze_stale_tables
 -- The maintenance pass, when the server's autovacuum is off: the tables analysed (migration 0012).
-SELECT analyze_stale_tables() AS analysed;
+SELECT analyze_stale_tables($1::interval) AS analysed;
