@@ -14,12 +14,12 @@ import asyncio
 import logging
 import resource
 import time
-from typing import Any, cast
+from typing import Any
 
 import httptools
 import uvicorn
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from service.config import Settings
@@ -50,59 +50,6 @@ def _plain_response(status: str, reason: str, headers: dict[str, str] | None = N
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     lines.append("connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
-class _HeadWithBody:
-    """A request cycle's view of its connection: asked to, it holds the next write (a response's
-    head) and sends it together with the write after it (the body), so that a response of known
-    length is one write and one TCP segment instead of two. A close sends what it holds first."""
-
-    __slots__ = ("_held", "_transport", "holding")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._held: bytes | None = None
-        self.holding = False
-
-    def write(self, data: bytes) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._transport.writelines((held, data))
-        elif self.holding:
-            self.holding = False
-            self._held = bytes(data)
-        else:
-            self._transport.write(data)
-
-    def flush(self) -> None:
-        self.holding = False
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-
-class _OneWriteCycle(RequestResponseCycle):
-    """uvicorn's request cycle, whose response head waits for the body when the response has a
-    Content-Length (a JSON answer); a streamed one (SSE, chunked) sends its head at once."""
-
-    async def send(self, message: Any) -> None:
-        if message["type"] == "http.response.start" and not self.response_started:
-            view = cast(_HeadWithBody, self.transport)
-            view.holding = True
-            try:
-                await super().send(message)
-            finally:
-                if self.chunked_encoding is not False:  # streamed, or no head written: nothing waits
-                    view.flush()
-            return
-        await super().send(message)
 
 
 def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
@@ -199,11 +146,6 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
                     self.app = real
                 return
             super().on_headers_complete()
-            cycle = self.cycle
-            if type(cycle) is RequestResponseCycle:  # the one just made (not an upgrade's earlier one)
-                # Its task is created but not started: the class it starts with is this one.
-                cycle.__class__ = _OneWriteCycle
-                cycle.transport = cast(asyncio.Transport, _HeadWithBody(cycle.transport))
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -253,8 +195,8 @@ def server_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Confi
         app,
         http=limited_protocol(settings),
         ws="none",
-        # No "server: uvicorn" on every response: it tells a scanner what to try, and costs each
-        # response a header (the Date header, which HTTP asks of an origin server, stays).
+        # No "server: uvicorn" on every response: it tells a scanner what to try (the Date header,
+        # which HTTP asks of an origin server, stays).
         server_header=False,
         timeout_keep_alive=settings.http_keepalive_timeout_s,
         # Only a trusted proxy's X-Forwarded-For may name the client (rate limits, audit rows).
