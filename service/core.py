@@ -126,9 +126,9 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     dsn, stop_database = await resolve_database(settings)
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
-    for warning in await db.configuration_warnings():
+    autovacuum_on = await db.autovacuum_on()  # read once: it decides a warning and the pass's analyses
+    for warning in db.configuration_warnings(autovacuum_on=autovacuum_on):
         log.warning(warning)
-    autovacuum_on = await db.autovacuum_on()
     runner_db = Database(
         dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
     )

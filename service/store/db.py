@@ -283,10 +283,11 @@ class Database:
         async with self.connection() as conn:
             return bool(await conn.fetchval("SELECT current_setting('autovacuum') = 'on'"))
 
-    async def configuration_warnings(self) -> list[str]:
-        """What in the server's configuration will hurt this service (said once at start)."""
+    @staticmethod
+    def configuration_warnings(*, autovacuum_on: bool) -> list[str]:
+        """What in the server's configuration (as read at start) will hurt this service."""
         warnings = []
-        if not await self.autovacuum_on():
+        if not autovacuum_on:
             # Every task update leaves a dead row version and every audit append a new head
             # version: without vacuum the tables and their indexes only grow, and each lookup of
             # a hot row (a requestor's counter, a tenant's audit head) walks ever longer chains.
