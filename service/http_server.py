@@ -14,16 +14,23 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httptools
 import uvicorn
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 from service.config import Settings
-from service.mcp.http import send_json
+from service.mcp.http import DIRECT, send_json
 from service.observability import metrics
 
 log = logging.getLogger("service.http")
@@ -52,6 +59,56 @@ def _plain_response(status: str, reason: str, headers: dict[str, str] | None = N
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
+class _Direct:
+    """The ``mcp.direct`` extension of one request (service/mcp/http.py): a whole answer written at
+    once, as uvicorn's two ``send`` calls would write it, without their per-message work and in one
+    write; and a callback when the client leaves, where ASGI needs a task reading ``receive``."""
+
+    __slots__ = ("_cycle", "_gone")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._gone: Callable[[], None] | None = None
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        cycle = self._cycle
+        line = STATUS_LINE.get(status)
+        if line is None or cycle.response_started or cycle.flow.write_paused or cycle.access_log:
+            return False  # uvicorn's send knows what to do (wait for the transport, log, refuse)
+        if cycle.scope["method"] == "HEAD":
+            return False
+        if cycle.disconnected:
+            return True  # as uvicorn's send: nobody to write to
+        parts = [line]
+        for name, value in (*cycle.default_headers, *headers):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                return False  # uvicorn's send refuses it
+            parts += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", body)
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.transport.write(b"".join(parts))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+        return True
+
+    def on_gone(self, callback: Callable[[], None]) -> None:
+        if self._cycle.disconnected:
+            callback()
+        else:
+            self._gone = callback
+
+    def lost(self) -> None:
+        callback, self._gone = self._gone, None
+        if callback is not None and self._cycle.disconnected:
+            callback()
+
+
 def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with this service's limits bound in (``http=`` of uvicorn.Config)."""
     header_timeout_s = settings.http_header_timeout_s
@@ -76,6 +133,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             self._phase_bytes = 0  # bytes received while the current request's headers are incomplete
             self._refused = False
             self._too_large = False  # a callback found the headers too large (the parser reports it as an error)
+            self._direct: _Direct | None = None  # the latest request's mcp.direct
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections:
@@ -95,6 +153,8 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             if self._refused:
                 return
             super().connection_lost(exc)
+            if self._direct is not None:  # the request uvicorn told of its client's leaving (its cycle's)
+                self._direct.lost()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -146,6 +206,9 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
                     self.app = real
                 return
             super().on_headers_complete()
+            if self.cycle is not None and self.cycle.scope is self.scope:
+                self._direct = direct = _Direct(self.cycle)
+                self.scope["extensions"] = {DIRECT: direct}  # type: ignore[dict-item]  # an extension of our own
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

@@ -173,14 +173,16 @@ class PromptServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve(settings: Settings) -> AsyncIterator[RunningServer]:
-    """Serve create_app(settings) with uvicorn on a free loopback port in this event loop."""
+async def serve(settings: Settings, *, ours: bool = True) -> AsyncIterator[RunningServer]:
+    """Serve create_app(settings) with uvicorn on a free loopback port in this event loop.
+    ``ours=False``: uvicorn as it comes, the app under any ASGI server (no ``mcp.direct``)."""
     sock = listening_socket()
     port = sock.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     app = create_app(settings)
     # As `mcp-tasks serve` configures it (service/http_server.py), with the tests' logging.
-    config = server_config(app, settings, lifespan="on", log_level="warning", timeout_graceful_shutdown=2)
+    options: dict[str, Any] = {"lifespan": "on", "log_level": "warning", "timeout_graceful_shutdown": 2}
+    config = server_config(app, settings, **options) if ours else uvicorn.Config(app, ws="none", **options)
     server = PromptServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
@@ -61,11 +63,75 @@ class HttpError(Exception):
         self.headers = headers or {}
 
 
+# The HTTP server's own way to answer a request and to say its client left, offered to the app
+# in ``scope["extensions"]`` (an ASGI server extension): service/http_server.py implements it.
+# Without it (another ASGI server, httpx's ASGI transport in tests) the ASGI messages do the same.
+DIRECT: str = "mcp.direct"
+
+
+class DirectExchange(Protocol):
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        """Write the whole response at once (status line, headers, body); False when it cannot
+        (a response already begun, a paused transport...): the ASGI messages must then do it."""
+
+    def on_gone(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (once) if the client goes away before the response is complete."""
+
+
+def direct_exchange(scope: Scope) -> DirectExchange | None:
+    extensions = scope.get("extensions")
+    return extensions.get(DIRECT) if extensions else None
+
+
 async def send_json(send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
     payload = b"" if body is None else jsonrpc.dumps(body)
-    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()] if headers else []
     if body is not None:
         raw.append((b"content-type", b"application/json"))
     raw.append((b"content-length", str(len(payload)).encode()))
+    # One write for a whole answer when the sender offers it (McpEndpoint's, on our server).
+    respond: Callable[[int, list[tuple[bytes, bytes]], bytes], bool] | None = getattr(send, "respond", None)
+    if respond is not None and respond(status, raw, payload):
+        return
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": payload})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
+    """A future done when the request's client goes away (cancel it when no longer needed). On our
+    server it is a plain future the connection completes; otherwise a task reading ``receive``."""
+    direct = direct_exchange(scope)
+    if direct is None:
+        return asyncio.ensure_future(_disconnected(receive))
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    direct.on_gone(wake)
+    return gone
+
+
+async def first_done(*futures: asyncio.Future[Any]) -> None:
+    """Wait until one of ``futures`` is done (asyncio.wait's FIRST_COMPLETED without its sets)."""
+    if any(f.done() for f in futures):
+        return
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake(_f: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        for f in futures:
+            f.remove_done_callback(wake)

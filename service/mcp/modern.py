@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from starlette.datastructures import Headers
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from service.config import Settings
 from service.domain.errors import CapacityExceeded, DomainError, TaskAlreadyTerminal, TaskNotFound
@@ -30,7 +30,7 @@ from service.guard.ratelimit import RateLimiter
 from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
-from service.mcp.http import HttpError, send_json
+from service.mcp.http import HttpError, client_gone, first_done, send_json
 from service.mcp.jsonrpc import INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, RequestId, RpcFailure
 from service.mcp.sse import send_sse
 from service.mcp.surface import Surface as LegacySurface
@@ -94,6 +94,7 @@ class ModernCall:
     params: dict[str, Any]
     capabilities: dict[str, Any]
     headers: Headers
+    scope: Scope
 
     @property
     def declaring(self) -> bool:
@@ -151,7 +152,7 @@ class ModernSurface:
     # --- the envelope --------------------------------------------------------------------------
 
     async def handle(
-        self, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
+        self, scope: Scope, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any]
     ) -> None:
         if "method" not in message:
             raise HttpError(400, INVALID_REQUEST, "2026-07-28 clients send no responses (X-HTTP-8)")
@@ -174,7 +175,7 @@ class ModernSurface:
             if handler is None and method != "subscriptions/listen":
                 # X-HTTP-5: tasks/result, tasks/list, initialize, ping... do not exist here; said first.
                 raise _fail(METHOD_NOT_FOUND, f"Method not found: {method}", status=404)
-            call = self._envelope(caller, request_id, method, message.get("params"), headers)
+            call = self._envelope(scope, caller, request_id, method, message.get("params"), headers)
             if handler is None:
                 await self.listen(receive, send, call)
                 outcome = "ok"
@@ -198,7 +199,7 @@ class ModernSurface:
         await send_json(send, 200, jsonrpc.result_message(request_id, reply))
 
     def _envelope(
-        self, caller: Caller, request_id: RequestId, method: str, params: Any, headers: Headers
+        self, scope: Scope, caller: Caller, request_id: RequestId, method: str, params: Any, headers: Headers
     ) -> ModernCall:
         """§1, §10, §14.1: the headers match the body; `_meta` names this version and the capabilities."""
         if headers.get(METHOD_HEADER) != method:
@@ -236,7 +237,7 @@ class ModernSurface:
         ):
             raise _fail(INVALID_PARAMS, f"clientCapabilities.extensions[{ext.EXTENSION!r}] must be an object (XD-23)",
                         status=400)  # fmt: skip
-        call = ModernCall(caller, request_id, method, params, capabilities, headers)
+        call = ModernCall(caller, request_id, method, params, capabilities, headers, scope)
         if method in TASK_METHODS:
             task_id = params.get("taskId")
             name = _header_value(headers.get(NAME_HEADER))
@@ -359,9 +360,9 @@ class ModernSurface:
             # XD-18: progress (and logs, at the level the request asked) of the part inside the
             # request go on its own SSE stream, then the answer; closing the stream cancels the call.
             return Streamed(_call_stream(call.request_id, running, events, log_level, answer))
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = client_gone(call.scope, receive)
         try:
-            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await first_done(running, gone)
         finally:
             gone.cancel()
         if not running.done():  # X-HTTP-7: the client closed the request, which cancels it
@@ -629,10 +630,3 @@ def _event_notification(event: TaskEvent, log_level: str | None) -> dict[str, An
     if isinstance(event, Progress | LogEntry):
         return event_message(event, None, log_level)
     return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -26,7 +26,16 @@ from service.guard.ratelimit import RateLimited, RateLimiter
 from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
-from service.mcp.http import HttpError, RequestConnection, RequestHeaders, send_json
+from service.mcp.http import (
+    DirectExchange,
+    HttpError,
+    RequestConnection,
+    RequestHeaders,
+    client_gone,
+    direct_exchange,
+    first_done,
+    send_json,
+)
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
 from service.mcp.modern import ModernSurface
 from service.mcp.plain import CallKey
@@ -94,11 +103,6 @@ class StreamCounts:
 _GONE: Final = object()  # a request whose client went away before its answer
 
 
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 def _throttled(limited: RateLimited, headers: Headers, extra: dict[str, str] | None = None) -> HttpError:
     """HTTP 429 with Retry-After and a JSON-RPC error body: on 2025-11-25 a code of the server-defined
     range, on 2026-07-28 our application code (X-ERR-2)."""
@@ -126,6 +130,38 @@ def _request_id(given: str | None) -> str:
     if given and len(given) <= 64 and all(c.isalnum() or c in "-_.:" for c in given):
         return given
     return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFF:08x}"
+
+
+class _Answer:
+    """The endpoint's ``send``: every response carries X-Request-Id, and its status is noted for the
+    log line. ``respond`` writes a whole JSON answer at once where the server offers it (send_json)."""
+
+    __slots__ = ("_direct", "_request_id", "_send", "started", "status")
+
+    def __init__(self, send: Send, direct: DirectExchange | None, request_id: bytes) -> None:
+        self._send = send
+        self._direct = direct
+        self._request_id = request_id
+        self.started = False
+        self.status = 0
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.status = message["status"]
+            message["headers"] = [*message.get("headers", []), (b"x-request-id", self._request_id)]
+        await self._send(message)
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+        if self._direct is None or self.started:
+            return False
+        headers.append((b"x-request-id", self._request_id))
+        if not self._direct.respond(status, headers, body):
+            headers.pop()
+            return False
+        self.started = True
+        self.status = status
+        return True
 
 
 def _hostname(url: str) -> str:
@@ -202,28 +238,18 @@ class McpEndpoint:
         self._hosts: dict[str, bool] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
         headers = RequestHeaders(scope)
         request_id = _request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
         logctx.request_id.set(request_id)
-        status = 0
         started_at = time.perf_counter()
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started, status
-            if message["type"] == "http.response.start":
-                started = True
-                status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            await send(message)
-
+        answer = _Answer(send, direct_exchange(scope), request_id.encode())
         try:
-            await self._serve(scope, receive, tracked_send, headers)
+            await self._serve(scope, receive, answer, headers)
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("unexpected error on %s /mcp (reference %s)", scope["method"], ref)
-            if not started:
+            if not answer.started:
                 error = {"code": INTERNAL_ERROR, "message": f"internal error (reference {ref}); retry, or report it"}
                 await send_json(send, 200, jsonrpc.error_message(None, error))
         finally:
@@ -231,8 +257,8 @@ class McpEndpoint:
                 log.info(
                     "%s /mcp %s",
                     scope["method"],
-                    status,
-                    extra={"status": status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
+                    answer.status,
+                    extra={"status": answer.status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
                 )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
@@ -441,7 +467,7 @@ class McpEndpoint:
             )
 
         if self._era(headers, message) == ext.MODERN:
-            await self.modern.handle(receive, send, headers, caller, message)
+            await self.modern.handle(scope, receive, send, headers, caller, message)
             return
         if "method" in message:
             method = message["method"]
@@ -458,7 +484,7 @@ class McpEndpoint:
             code: int | None = INTERNAL_ERROR
             wire = {"wire": "none"}  # the session's protocol version, once known
             try:
-                outcome, code = await self._request(receive, send, headers, caller, message, wire)
+                outcome, code = await self._request(scope, receive, send, headers, caller, message, wire)
             except HttpError as exc:  # answered by _serve: a refusal, not a fault of ours
                 outcome, code = "error", exc.code
                 raise
@@ -481,6 +507,7 @@ class McpEndpoint:
 
     async def _request(
         self,
+        scope: Scope,
         receive: Receive,
         send: Send,
         headers: Headers,
@@ -521,7 +548,7 @@ class McpEndpoint:
                 call = Call(caller, session, request_id, params)
                 if method == "tools/call":
                     plain_key = call.cancel_key
-                    reply = await self._unless_gone(receive, self.surface.dispatch(method, call), plain_key)
+                    reply = await self._unless_gone(scope, receive, self.surface.dispatch(method, call), plain_key)
                     if reply is _GONE:
                         return "disconnected", None
                 else:
@@ -560,14 +587,16 @@ class McpEndpoint:
             await send_json(send, 200, jsonrpc.result_message(request_id, reply), extra)
         return "ok", None
 
-    async def _unless_gone(self, receive: Receive, work: Coroutine[Any, Any, Any], plain_key: CallKey) -> Any:
+    async def _unless_gone(
+        self, scope: Scope, receive: Receive, work: Coroutine[Any, Any, Any], plain_key: CallKey
+    ) -> Any:
         """``work``'s reply, or _GONE if the client disconnected first. 2025-11-25 does not treat
         a disconnect as a cancellation, but a plain call nobody waits for is stopped after
         MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S (issue 14 §7, docs/decisions.md)."""
         running = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = client_gone(scope, receive)
         try:
-            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await first_done(running, gone)
         finally:
             gone.cancel()
         if running.done():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import httpx
@@ -201,3 +202,56 @@ async def test_mcp_tasks_serve_itself_enforces_the_connection_limits(database_ur
             assert timed_out == [b""] * 20  # closed at the header timeout
         async with httpx.AsyncClient(timeout=10) as http:
             assert (await http.get(url.replace("/mcp", "/healthz"))).status_code == 200
+
+
+def _discover(request_id: int, extra_headers: bytes = b"") -> bytes:
+    body = (
+        b'{"jsonrpc":"2.0","id":%d,"method":"server/discover","params":{"_meta":{'
+        b'"io.modelcontextprotocol/protocolVersion":"2026-07-28",'
+        b'"io.modelcontextprotocol/clientCapabilities":{}}}}' % request_id
+    )
+    head = (
+        b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2026-07-28\r\n"
+        b"Mcp-Method: server/discover\r\nX-Request-Id: req-%d\r\n" % request_id
+    )
+    return head + extra_headers + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """One response of known length: its status line, its headers (names lowercased), its body."""
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        status, *lines = head[:-4].split(b"\r\n")
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(b":")
+            assert name.lower() not in headers, f"{name!r} twice"
+            headers[name.lower()] = value.strip()
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    return status, headers, body
+
+
+async def test_a_json_answer_is_written_whole_and_the_connection_serves_the_next_request(database_url: str) -> None:
+    """Our HTTP server writes a JSON answer at once (service/http_server.py, ``mcp.direct``): the
+    status line, the server's and the endpoint's headers, a Content-Length that is the body's, and
+    the connection kept for the next request; a request with ``Connection: close`` gets the same
+    answer with ``connection: close``, and the socket is closed after it."""
+    async with serve(make_settings(database_url)) as server, raw_socket(server.url) as (reader, writer):
+        for request_id in (1, 2):  # one keep-alive connection, two answers
+            writer.write(_discover(request_id))
+            status, headers, body = await _read_answer(reader)
+            assert status == b"HTTP/1.1 200 OK"
+            assert headers[b"content-type"] == b"application/json"
+            assert headers[b"x-request-id"] == b"req-%d" % request_id
+            assert b"date" in headers
+            assert b"connection" not in headers
+            answer = json.loads(body)
+            assert answer["id"] == request_id
+            assert "io.modelcontextprotocol/tasks" in answer["result"]["capabilities"]["extensions"]
+        writer.write(_discover(3, b"Connection: close\r\n"))
+        status, headers, body = await _read_answer(reader)
+        assert status == b"HTTP/1.1 200 OK"
+        assert headers[b"connection"] == b"close"
+        assert json.loads(body)["id"] == 3
+        assert await read_until_closed(reader, timeout_s=5) == b""

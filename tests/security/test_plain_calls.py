@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import RunningServer, make_settings, serve
 from tests.ext import ModernClient
@@ -114,13 +115,19 @@ async def test_a_plain_call_counts_tasks_from_a_remembered_count_but_is_refused_
         await rpc.send("tasks/cancel", {"taskId": task_ids[1]})
 
 
+# Our server tells the endpoint of a client's leaving itself (service/http_server.py, mcp.direct);
+# under another ASGI server the endpoint reads it from ``receive``: both are checked.
+SERVERS = pytest.mark.parametrize("ours", [True, False], ids=["our-http-server", "any-asgi-server"])
+
+
+@SERVERS
 async def test_a_legacy_plain_call_is_cancelled_after_the_grace_once_its_client_disconnects(
-    database_url: str,
+    database_url: str, ours: bool
 ) -> None:
     """Issue 14 §7, docs/decisions.md: 2025-11-25 does not make a disconnect a cancellation, so
     the call is given MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S, then cancelled."""
     async with (
-        serve(make_settings(database_url, plain_call_disconnect_grace_s=1.0)) as server,
+        serve(make_settings(database_url, plain_call_disconnect_grace_s=1.0), ours=ours) as server,
         httpx.AsyncClient(timeout=10) as http,
     ):
         rpc = RpcSession(http, server.url)
@@ -166,10 +173,11 @@ async def test_a_legacy_plain_call_streaming_progress_is_cancelled_once_its_clie
                 await asyncio.sleep(0.02)
 
 
-async def test_a_2026_plain_call_is_cancelled_as_soon_as_its_client_disconnects(database_url: str) -> None:
+@SERVERS
+async def test_a_2026_plain_call_is_cancelled_as_soon_as_its_client_disconnects(database_url: str, ours: bool) -> None:
     """Issue 14 §7, X-HTTP-7: on 2026-07-28 closing the request cancels the call, with no grace."""
     async with (
-        serve(make_settings(database_url, plain_call_disconnect_grace_s=60)) as server,
+        serve(make_settings(database_url, plain_call_disconnect_grace_s=60), ours=ours) as server,
         httpx.AsyncClient(timeout=10) as http,
     ):
         modern = ModernClient(http, server.url, capabilities={})  # not declaring tasks: a plain call
