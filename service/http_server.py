@@ -60,23 +60,27 @@ def _plain_response(status: str, reason: str, headers: dict[str, str] | None = N
 
 
 class _Direct:
-    """The ``mcp.direct`` extension of one request (service/mcp/http.py): a whole answer written at
-    once, as uvicorn's two ``send`` calls would write it, without their per-message work and in one
-    write; and a callback when the client leaves, where ASGI needs a task reading ``receive``."""
+    """The ``mcp.direct`` extension of one connection (service/mcp/http.py): a whole answer written
+    at once, as uvicorn's two ``send`` calls would write it, without their per-message work and in
+    one write; and a callback when the client leaves, where ASGI needs a task reading ``receive``.
+    A request is named by its ASGI ``send`` or ``receive`` (methods of its uvicorn cycle); this
+    object keeps no reference to a request, so a request's objects are freed by reference counting
+    (a cycle through the scope would leave every request to the garbage collector)."""
 
-    __slots__ = ("_cycle", "_gone")
+    __slots__ = ("_gone",)
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
-        self._gone: Callable[[], None] | None = None
+    def __init__(self) -> None:
+        self._gone: tuple[int, Callable[[], None]] | None = None  # the id of the cycle, its callback
 
-    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
-        cycle = self._cycle
+    def respond(
+        self, request: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> bool:
+        cycle = getattr(request, "__self__", None)
         line = STATUS_LINE.get(status)
-        if line is None or cycle.response_started or cycle.flow.write_paused or cycle.access_log:
-            return False  # uvicorn's send knows what to do (wait for the transport, log, refuse)
-        if cycle.scope["method"] == "HEAD":
+        if type(cycle) is not RequestResponseCycle or line is None:
             return False
+        if cycle.response_started or cycle.flow.write_paused or cycle.access_log or cycle.scope["method"] == "HEAD":
+            return False  # uvicorn's send knows what to do (wait for the transport, log, send no body)
         if cycle.disconnected:
             return True  # as uvicorn's send: nobody to write to
         parts = [line]
@@ -97,16 +101,21 @@ class _Direct:
         cycle.on_response()
         return True
 
-    def on_gone(self, callback: Callable[[], None]) -> None:
-        if self._cycle.disconnected:
+    def on_gone(self, request: Callable[..., Any], callback: Callable[[], None]) -> None:
+        cycle = getattr(request, "__self__", None)
+        if type(cycle) is not RequestResponseCycle:
+            raise TypeError("on_gone: not a request of this server")
+        if cycle.disconnected:
             callback()
-        else:
-            self._gone = callback
+        elif not cycle.response_complete:
+            # An id, not the cycle: a stale id matching a later cycle only wakes a future already done.
+            self._gone = (id(cycle), callback)
 
-    def lost(self) -> None:
-        callback, self._gone = self._gone, None
-        if callback is not None and self._cycle.disconnected:
-            callback()
+    def lost(self, cycle: RequestResponseCycle | None) -> None:
+        """The connection is gone; uvicorn marked ``cycle`` (its latest request) disconnected."""
+        gone, self._gone = self._gone, None
+        if gone is not None and cycle is not None and gone[0] == id(cycle) and cycle.disconnected:
+            gone[1]()
 
 
 def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
@@ -133,7 +142,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             self._phase_bytes = 0  # bytes received while the current request's headers are incomplete
             self._refused = False
             self._too_large = False  # a callback found the headers too large (the parser reports it as an error)
-            self._direct: _Direct | None = None  # the latest request's mcp.direct
+            self._direct = _Direct()  # this connection's mcp.direct
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections:
@@ -153,8 +162,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             if self._refused:
                 return
             super().connection_lost(exc)
-            if self._direct is not None:  # the request uvicorn told of its client's leaving (its cycle's)
-                self._direct.lost()
+            self._direct.lost(self.cycle)  # the request uvicorn told of its client's leaving
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -206,9 +214,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
                     self.app = real
                 return
             super().on_headers_complete()
-            if self.cycle is not None and self.cycle.scope is self.scope:
-                self._direct = direct = _Direct(self.cycle)
-                self.scope["extensions"] = {DIRECT: direct}  # type: ignore[dict-item]  # an extension of our own
+            self.scope["extensions"] = {DIRECT: self._direct}  # type: ignore[dict-item]  # an extension of our own
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

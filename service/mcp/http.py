@@ -65,17 +65,21 @@ class HttpError(Exception):
 
 # The HTTP server's own way to answer a request and to say its client left, offered to the app
 # in ``scope["extensions"]`` (an ASGI server extension): service/http_server.py implements it.
+# Its methods name the request by its ASGI ``send`` or ``receive`` (the extension object is the
+# connection's: nothing of a request refers back to it, so no request leaves a reference cycle).
 # Without it (another ASGI server, httpx's ASGI transport in tests) the ASGI messages do the same.
 DIRECT: str = "mcp.direct"
 
 
 class DirectExchange(Protocol):
-    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    def respond(
+        self, request: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> bool:
         """Write the whole response at once (status line, headers, body); False when it cannot
         (a response already begun, a paused transport...): the ASGI messages must then do it."""
 
-    def on_gone(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (once) if the client goes away before the response is complete."""
+    def on_gone(self, request: Callable[..., Any], callback: Callable[[], None]) -> None:
+        """Call ``callback`` (at most once) if the client goes away before the response is complete."""
 
 
 def direct_exchange(scope: Scope) -> DirectExchange | None:
@@ -114,7 +118,7 @@ def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
         if not gone.done():
             gone.set_result(None)
 
-    direct.on_gone(wake)
+    direct.on_gone(receive, wake)
     return gone
 
 

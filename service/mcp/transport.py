@@ -156,7 +156,7 @@ class _Answer:
         if self._direct is None or self.started:
             return False
         headers.append((b"x-request-id", self._request_id))
-        if not self._direct.respond(status, headers, body):
+        if not self._direct.respond(self._send, status, headers, body):
             headers.pop()
             return False
         self.started = True
