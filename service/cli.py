@@ -85,7 +85,6 @@ def _serve(args: argparse.Namespace) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        access_log=False,  # it would log query strings; /mcp writes its own request line
         log_config=None,  # keep our structured handler
         # Open streams (tasks/result) get the same grace as running tasks; both end by its deadline.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),

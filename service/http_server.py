@@ -14,6 +14,7 @@ import asyncio
 import logging
 import resource
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +71,9 @@ class _Direct:
     __slots__ = ("_gone",)
 
     def __init__(self) -> None:
-        self._gone: tuple[int, Callable[[], None]] | None = None  # the id of the cycle, its callback
+        # The request waiting to hear of a disconnect (weakly: nothing of a request is kept) and
+        # how to tell it. One at a time: a connection's requests are answered one after another.
+        self._gone: tuple[weakref.ref[RequestResponseCycle], Callable[[], None]] | None = None
 
     def respond(
         self, request: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]], body: bytes
@@ -85,8 +88,8 @@ class _Direct:
             return True  # as uvicorn's send: nobody to write to
         parts = [line]
         for name, value in (*cycle.default_headers, *headers):
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                return False  # uvicorn's send refuses it
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value) or name == b"connection":
+                return False  # uvicorn's send refuses it, or reads it (connection: close)
             parts += (name, b": ", value, b"\r\n")
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
@@ -101,20 +104,21 @@ class _Direct:
         cycle.on_response()
         return True
 
-    def on_gone(self, request: Callable[..., Any], callback: Callable[[], None]) -> None:
+    def on_gone(self, request: Callable[..., Any], callback: Callable[[], None]) -> bool:
         cycle = getattr(request, "__self__", None)
         if type(cycle) is not RequestResponseCycle:
-            raise TypeError("on_gone: not a request of this server")
+            return False  # not one of this server's requests as it comes (a wrapped receive)
         if cycle.disconnected:
             callback()
         elif not cycle.response_complete:
-            # An id, not the cycle: a stale id matching a later cycle only wakes a future already done.
-            self._gone = (id(cycle), callback)
+            self._gone = (weakref.ref(cycle), callback)
+        return True
 
-    def lost(self, cycle: RequestResponseCycle | None) -> None:
-        """The connection is gone; uvicorn marked ``cycle`` (its latest request) disconnected."""
+    def lost(self) -> None:
+        """The connection is gone: the request waiting to hear it, if unanswered, hears it. uvicorn
+        marks only its latest request disconnected, which may be a pipelined one queued behind it."""
         gone, self._gone = self._gone, None
-        if gone is not None and cycle is not None and gone[0] == id(cycle) and cycle.disconnected:
+        if gone is not None and (cycle := gone[0]()) is not None and not cycle.response_complete:
             gone[1]()
 
 
@@ -162,7 +166,7 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             if self._refused:
                 return
             super().connection_lost(exc)
-            self._direct.lost(self.cycle)  # the request uvicorn told of its client's leaving
+            self._direct.lost()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -264,6 +268,7 @@ def server_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Confi
         app,
         http=limited_protocol(settings),
         ws="none",
+        access_log=False,  # it would log query strings; /mcp writes its own request line
         # No "server: uvicorn" on every response: it tells a scanner what to try (the Date header,
         # which HTTP asks of an origin server, stays).
         server_header=False,

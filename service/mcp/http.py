@@ -78,8 +78,9 @@ class DirectExchange(Protocol):
         """Write the whole response at once (status line, headers, body); False when it cannot
         (a response already begun, a paused transport...): the ASGI messages must then do it."""
 
-    def on_gone(self, request: Callable[..., Any], callback: Callable[[], None]) -> None:
-        """Call ``callback`` (at most once) if the client goes away before the response is complete."""
+    def on_gone(self, request: Callable[..., Any], callback: Callable[[], None]) -> bool:
+        """Call ``callback`` (at most once) if the client goes away before the response is complete;
+        False when it cannot tell for this request (``receive`` must then be read)."""
 
 
 def direct_exchange(scope: Scope) -> DirectExchange | None:
@@ -110,16 +111,16 @@ def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
     """A future done when the request's client goes away (cancel it when no longer needed). On our
     server it is a plain future the connection completes; otherwise a task reading ``receive``."""
     direct = direct_exchange(scope)
-    if direct is None:
-        return asyncio.ensure_future(_disconnected(receive))
-    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    if direct is not None:
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def wake() -> None:
-        if not gone.done():
-            gone.set_result(None)
+        def wake() -> None:
+            if not gone.done():
+                gone.set_result(None)
 
-    direct.on_gone(receive, wake)
-    return gone
+        if direct.on_gone(receive, wake):
+            return gone
+    return asyncio.ensure_future(_disconnected(receive))
 
 
 async def first_done(*futures: asyncio.Future[Any]) -> None:

@@ -7,10 +7,13 @@ import asyncio
 import contextlib
 import json
 import time
+from typing import Any
 
 import httpx
+import pytest
 from prometheus_client import REGISTRY
 
+from service import http_server
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
 from tests.security.conftest import raw_socket, read_until_closed, status_of, trickle
@@ -232,7 +235,25 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes,
     return status, headers, body
 
 
-async def test_a_json_answer_is_written_whole_and_the_connection_serves_the_next_request(database_url: str) -> None:
+@pytest.fixture
+def direct_answers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The statuses our server wrote through mcp.direct (one write per answer), in order."""
+    written: list[int] = []
+    respond = http_server._Direct.respond
+
+    def counted(self: Any, request: Any, status: int, headers: Any, body: bytes) -> bool:
+        done = respond(self, request, status, headers, body)
+        if done:
+            written.append(status)
+        return done
+
+    monkeypatch.setattr(http_server._Direct, "respond", counted)
+    return written
+
+
+async def test_a_json_answer_is_written_whole_and_the_connection_serves_the_next_request(
+    database_url: str, direct_answers: list[int]
+) -> None:
     """Our HTTP server writes a JSON answer at once (service/http_server.py, ``mcp.direct``): the
     status line, the server's and the endpoint's headers, a Content-Length that is the body's, and
     the connection kept for the next request; a request with ``Connection: close`` gets the same
@@ -255,3 +276,35 @@ async def test_a_json_answer_is_written_whole_and_the_connection_serves_the_next
         assert headers[b"connection"] == b"close"
         assert json.loads(body)["id"] == 3
         assert await read_until_closed(reader, timeout_s=5) == b""
+    assert direct_answers == [200, 200, 200]  # each in one write, not through uvicorn's two sends
+
+
+async def test_pipelined_requests_100_continue_and_http_1_0_are_answered_as_http_says(
+    database_url: str, direct_answers: list[int]
+) -> None:
+    """The one-write answers keep HTTP/1.1's rules: requests pipelined in one write are answered
+    in order; ``Expect: 100-continue`` gets its interim 100 before the answer; an HTTP/1.0 request
+    gets ``connection: close`` and the socket is closed after its answer."""
+    async with serve(make_settings(database_url)) as server:
+        async with raw_socket(server.url) as (reader, writer):
+            writer.write(_discover(1) + _discover(2) + _discover(3))
+            ids = [json.loads((await _read_answer(reader))[2])["id"] for _ in range(3)]
+            assert ids == [1, 2, 3]
+        async with raw_socket(server.url) as (reader, writer):
+            request = _discover(4, b"Expect: 100-continue\r\n")
+            head, body = request.split(b"\r\n\r\n", 1)
+            writer.write(head + b"\r\n\r\n")
+            async with asyncio.timeout(5):
+                assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(body)
+            status, _, answer = await _read_answer(reader)
+            assert status == b"HTTP/1.1 200 OK"
+            assert json.loads(answer)["id"] == 4
+        async with raw_socket(server.url) as (reader, writer):
+            writer.write(_discover(5).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+            status, headers, answer = await _read_answer(reader)
+            assert status == b"HTTP/1.1 200 OK"
+            assert headers[b"connection"] == b"close"
+            assert json.loads(answer)["id"] == 5
+            assert await read_until_closed(reader, timeout_s=5) == b""
+    assert direct_answers == [200] * 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from tests.conftest import RunningServer, make_settings, serve
 from tests.ext import ModernClient
 from tests.rpc import RpcSession
+from tests.security.conftest import raw_socket
 from tests.toolpack import signal
 
 
@@ -189,6 +191,37 @@ async def test_a_2026_plain_call_is_cancelled_as_soon_as_its_client_disconnects(
         assert sum(_plain_calls(server).values()) == 1  # it holds a slot too
         await _disconnect(request)
         async with asyncio.timeout(3):
+            await signal(key, "cancelled").wait()
+            while _plain_calls(server):
+                await asyncio.sleep(0.02)
+
+
+async def test_a_2026_plain_call_with_a_request_pipelined_behind_it_is_cancelled_when_its_client_goes(
+    database_url: str,
+) -> None:
+    """X-HTTP-7 on a connection that sent a second request behind the call (HTTP/1.1 pipelining):
+    uvicorn marks only the latest request disconnected, but the call waiting to hear it is told too."""
+    async with (
+        serve(make_settings(database_url, plain_call_disconnect_grace_s=60)) as server,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        modern = ModernClient(http, server.url, capabilities={})
+        key = secrets.token_hex(4)
+
+        def raw(method: str, params: dict[str, Any], name: str | None) -> bytes:
+            body = json.dumps(modern.body(method, params)).encode()
+            lines = [f"{k}: {v}" for k, v in modern.headers(method, name).items()]
+            head = "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "\r\n".join(lines)
+            return f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+        async with raw_socket(server.url) as (_reader, writer):
+            writer.write(
+                raw("tools/call", {"name": "hang", "arguments": {"key": key}}, "hang")
+                + raw("server/discover", {}, None)
+            )
+            async with asyncio.timeout(5):
+                await signal(key, "started").wait()
+        async with asyncio.timeout(3):  # the socket is closed: the call is cancelled at once
             await signal(key, "cancelled").wait()
             while _plain_calls(server):
                 await asyncio.sleep(0.02)
