@@ -123,6 +123,15 @@ def client_gone(scope: Scope, receive: Receive) -> asyncio.Future[None]:
     return asyncio.ensure_future(_disconnected(receive))
 
 
+async def until_done_or_gone(scope: Scope, receive: Receive, running: asyncio.Future[Any]) -> None:
+    """Wait until ``running`` is done or the request's client goes away, whichever is first."""
+    gone = client_gone(scope, receive)
+    try:
+        await first_done(running, gone)
+    finally:
+        gone.cancel()
+
+
 async def first_done(*futures: asyncio.Future[Any]) -> None:
     """Wait until one of ``futures`` is done (asyncio.wait's FIRST_COMPLETED without its sets)."""
     if any(f.done() for f in futures):

@@ -30,7 +30,7 @@ from service.guard.ratelimit import RateLimiter
 from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
-from service.mcp.http import HttpError, client_gone, first_done, send_json
+from service.mcp.http import HttpError, send_json, until_done_or_gone
 from service.mcp.jsonrpc import INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, RequestId, RpcFailure
 from service.mcp.sse import send_sse
 from service.mcp.surface import Surface as LegacySurface
@@ -360,11 +360,7 @@ class ModernSurface:
             # XD-18: progress (and logs, at the level the request asked) of the part inside the
             # request go on its own SSE stream, then the answer; closing the stream cancels the call.
             return Streamed(_call_stream(call.request_id, running, events, log_level, answer))
-        gone = client_gone(call.scope, receive)
-        try:
-            await first_done(running, gone)
-        finally:
-            gone.cancel()
+        await until_done_or_gone(call.scope, receive, running)
         if not running.done():  # X-HTTP-7: the client closed the request, which cancels it
             running.cancel()
             with contextlib.suppress(BaseException):

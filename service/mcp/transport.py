@@ -31,10 +31,9 @@ from service.mcp.http import (
     HttpError,
     RequestConnection,
     RequestHeaders,
-    client_gone,
     direct_exchange,
-    first_done,
     send_json,
+    until_done_or_gone,
 )
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, RATE_LIMITED, RpcFailure
 from service.mcp.modern import ModernSurface
@@ -594,11 +593,7 @@ class McpEndpoint:
         a disconnect as a cancellation, but a plain call nobody waits for is stopped after
         MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S (issue 14 §7, docs/decisions.md)."""
         running = asyncio.ensure_future(work)
-        gone = client_gone(scope, receive)
-        try:
-            await first_done(running, gone)
-        finally:
-            gone.cancel()
+        await until_done_or_gone(scope, receive, running)
         if running.done():
             return running.result()
         running.cancel()  # the handler only waits to choose JSON or SSE; the call runs in a task of its own
