@@ -481,3 +481,36 @@ async def test_a_forged_cancel_event_does_not_stop_a_running_task(database_url: 
             await wait_for(stopped_here)
         finally:
             await admin.close()
+
+
+async def test_a_run_cancelled_before_its_first_step_gives_its_slot_back(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A run cancelled in the loop turn that started it (a cancel event, a fence or a shutdown
+    meeting a task just claimed) never enters its coroutine, so none of its `finally` runs: the
+    runner must still give its slot back and forget it, or the slot is lost for the process's life."""
+    async with serve(make_settings(database_url, runner_concurrency=2)) as running:
+        runner = running.app.state.core.runner
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        key = ("local", task_id)
+
+        async def running_here() -> bool:
+            return key in runner._running
+
+        await wait_for(running_here)
+        first = runner._running[key]
+        first.job.cancel()  # its tool stops; the row stays leased to this runner (nothing written)
+        await asyncio.gather(first.job, return_exceptions=True)
+        assert runner.busy == 0
+        assert key not in runner._running
+        again = runner._start(first.task, time.monotonic())
+        assert again is not None
+        assert runner.busy == 1
+        again.job.cancel()  # before its first step
+        await asyncio.gather(again.job, return_exceptions=True)
+        await asyncio.sleep(0)  # its done callbacks
+        assert runner.busy == 0, "the slot of a run cancelled before it started was never given back"
+        assert key not in runner._running
+        await s.result("tasks/cancel", {"taskId": task_id})

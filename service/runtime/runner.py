@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -293,7 +294,35 @@ class Runner:
         run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
         self._running[key] = run
         self._take_slot(run)
+        run.job.add_done_callback(functools.partial(self._if_never_started, run, job))
         return run
+
+    def _if_never_started(self, run: Run, call: asyncio.Task[Outcome] | None, _job: asyncio.Task[None]) -> None:
+        """A run cancelled before its first step (a cancel, a fence or a shutdown in the loop turn
+        that started it) never entered _execute, so no except or finally of it ran: do here what
+        they do on a cancel. Its slot is the sign: _execute's finally always gives it back."""
+        if not run.holds_slot:
+            return
+        if call is not None:
+            call.cancel()  # cancelling the run cancels the call it would have awaited
+        if self._stopping:
+            self._background(self._hand_back([run.task], "re-queued: the runner was shut down",
+                                              never_started=call is None))  # fmt: skip
+        elif run.fenced:
+            self._fenced[(run.task.tenant_id, run.task.task_id)] = (run.task, time.monotonic())
+        self._ended(run)
+
+    def _ended(self, run: Run) -> None:
+        """A run is over (its outcome written, refused, or handed back): it leaves the runner."""
+        key = (run.task.tenant_id, run.task.task_id)
+        if self._running.get(key) is run:
+            del self._running[key]
+        if run.tool_done:
+            self._recorded(run, -1)
+        self._give_slot(run)
+        metrics.runner_slots_in_use.set(self.busy)
+        if self._backlog:
+            self._wake.set()
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
@@ -608,14 +637,7 @@ class Runner:
             log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
             await self._record_unstorable(task, ref)
         finally:
-            if self._running.get(key) is run:
-                del self._running[key]
-            if run.tool_done:
-                self._recorded(run, -1)
-            self._give_slot(run)
-            metrics.runner_slots_in_use.set(self.busy)
-            if self._backlog:
-                self._wake.set()
+            self._ended(run)
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
         """Record the outcome (group commit: with its audit event and wake-up, in one statement with
