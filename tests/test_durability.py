@@ -514,3 +514,38 @@ async def test_a_run_cancelled_before_its_first_step_gives_its_slot_back(
         assert runner.busy == 0, "the slot of a run cancelled before it started was never given back"
         assert key not in runner._running
         await s.result("tasks/cancel", {"taskId": task_id})
+
+
+async def test_a_database_blip_while_a_claimed_task_reads_its_session_does_not_fail_it(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A claimed task of a 2025-11-25 session reads what its client declared from the session row
+    before its tool starts. That read failing once (the database away for a moment) is retried,
+    as an outcome's write is: before, the task failed as "could not record its outcome"."""
+    from service.domain.errors import Unavailable
+
+    async with (
+        serve(make_settings(database_url, runner_concurrency=0)) as front,
+        serve(make_settings(database_url)) as worker,
+    ):
+        store = worker.app.state.core.runner.store
+        real = store.session_capabilities
+        failures = []
+
+        async def once_unavailable(tenant_id: str, session_id: str) -> dict[str, object]:
+            if not failures:
+                failures.append(session_id)
+                raise Unavailable("database unavailable: injected for the test")
+            return await real(tenant_id, session_id)
+
+        store.session_capabilities = once_unavailable
+        s = RpcSession(http, front.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("echo", {"text": "x"}))["task"]["taskId"]
+
+        async def ended() -> bool:
+            return (await s.result("tasks/get", {"taskId": task_id}))["status"] != "working"
+
+        await wait_for(ended)
+        assert failures, "the claiming runner never read the session (the test did not reach the read)"
+        assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "completed"

@@ -612,7 +612,7 @@ class Runner:
         try:
             if job is None and task.session_id is not None and not task.client_capabilities:
                 if capabilities is None:
-                    capabilities = await self.store.session_capabilities(task.tenant_id, task.session_id)
+                    capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
                 task = dataclasses.replace(task, client_capabilities=capabilities)
             if job is None:
                 outcome = await run_tool(
@@ -638,6 +638,19 @@ class Runner:
             await self._record_unstorable(task, ref)
         finally:
             self._ended(run)
+
+    async def _session_capabilities(self, tenant_id: str, session_id: str) -> dict[str, Any]:
+        """What the client of a task's session declared, read again while the database is away: a
+        blip must not fail a task before its tool starts. The heartbeat fences the run (cancelling
+        this wait) if the database stays away past the lease."""
+        delay = 0.25
+        while True:
+            try:
+                return await self.store.session_capabilities(tenant_id, session_id)
+            except Unavailable as exc:
+                self._database_lost("read a session's client capabilities", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _finish(self, task: Task, outcome: Outcome) -> None:
         """Record the outcome (group commit: with its audit event and wake-up, in one statement with
