@@ -173,10 +173,38 @@ async def test_a_renewal_with_a_stale_epoch_extends_nothing(
     await db.execute("UPDATE tasks SET lease_expires_at = now() + interval '5 seconds' WHERE task_id = $1", task_id)
     before = (await row(db, task_id))["lease_expires_at"]
     key = (first.tenant_id, task_id)
-    assert await runner.renew(OWNER, 60_000, [(key, first.lease_epoch)], 240_000) == (True, set())
+    assert await runner.renew(OWNER, 60_000, [(key, first.lease_epoch)], 240_000) == (True, set(), set())
     assert (await row(db, task_id))["lease_expires_at"] == before
-    assert await runner.renew(OWNER, 60_000, [(key, second.lease_epoch)], 240_000) == (True, {key})
+    assert await runner.renew(OWNER, 60_000, [(key, second.lease_epoch)], 240_000) == (True, {key}, set())
     assert (await row(db, task_id))["lease_expires_at"] > before
+
+
+async def test_a_renewal_skips_a_row_locked_elsewhere_and_says_it_is_still_ours(
+    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection, database_url: str
+) -> None:
+    """A transaction left open on one task row (an operator's psql, a stuck write) must not hold up
+    the heartbeat: before, the beat waited on that row until its lock timeout, failed, and after
+    three quarters of a lease every run of the runner was fenced. The beat now extends the runner's
+    row and the other tasks at once, and reports the locked one as still ours but not renewed."""
+    tasks, runner = stores
+    locked_id, free_id = await queued(tasks), await queued(tasks)
+    locked, free = await claim_one(runner), await claim_one(runner)
+    by_id = {locked.task_id: locked, free.task_id: free}
+    locked, free = by_id[locked_id], by_id[free_id]
+    due = [((t.tenant_id, t.task_id), t.lease_epoch) for t in (locked, free)]
+    before = (await row(db, locked_id))["lease_expires_at"]
+    holder = await asyncpg.connect(database_url)
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
+        async with asyncio.timeout(5):  # no lock wait (the runner's lock timeout is a second)
+            renewed = await runner.renew(OWNER, 60_000, due, 240_000)
+        assert renewed == (True, {(free.tenant_id, free_id)}, {(locked.tenant_id, locked_id)})
+    finally:
+        await holder.close()  # its transaction ends: the row is free again
+    assert (await row(db, locked_id))["lease_expires_at"] == before
+    assert await runner.renew(OWNER, 60_000, due, 240_000) == (True, {k for k, _ in due}, set())
+    assert (await row(db, locked_id))["lease_expires_at"] > before
 
 
 async def test_a_question_from_a_stale_run_is_not_asked(
@@ -227,7 +255,7 @@ async def test_the_reapers_release_rechecks_under_the_row_lock_that_the_lease_ra
     (lost,) = await runner.lost_leases(10)
     assert (lost.task_id, lost.epoch) == (task_id, task.lease_epoch)
     assert await runner.renew(OWNER, 60_000, [((task.tenant_id, task_id), task.lease_epoch)], 240_000) == (
-        True, {(task.tenant_id, task_id)},
+        True, {(task.tenant_id, task_id)}, set(),
     )  # fmt: skip
     assert await runner.release([release(task, only_if_lapsed=True)]) == [None]
     after = await row(db, task_id)
@@ -289,7 +317,7 @@ async def test_a_beat_extends_the_runners_row_and_only_the_due_task_leases(
     leases = {t: (await row(db, t))["lease_expires_at"] for t in (due_id, other_id)}
     live_until = await db.fetchval("SELECT live_until FROM runners WHERE owner = $1", OWNER)
     key = (due.tenant_id, due.task_id)
-    assert await runner.renew(OWNER, 120_000, [(key, due.lease_epoch)], 240_000) == (True, {key})
+    assert await runner.renew(OWNER, 120_000, [(key, due.lease_epoch)], 240_000) == (True, {key}, set())
     assert await db.fetchval("SELECT live_until FROM runners WHERE owner = $1", OWNER) > live_until
     assert (await row(db, due_id))["lease_expires_at"] > leases[due_id]
     assert (await row(db, other_id))["lease_expires_at"] == leases[other_id]
@@ -308,7 +336,7 @@ async def test_a_beat_does_not_revive_a_lapsed_row_and_a_lapsed_runner_claims_no
     await lapse_row(db)
     before = (await row(db, held_id))["lease_expires_at"]
     key = (held.tenant_id, held_id)
-    assert await runner.renew(OWNER, 60_000, [(key, held.lease_epoch)], 240_000) == (False, set())
+    assert await runner.renew(OWNER, 60_000, [(key, held.lease_epoch)], 240_000) == (False, set(), set())
     assert await db.fetchval("SELECT live_until < now() FROM runners WHERE owner = $1", OWNER)
     assert (await row(db, held_id))["lease_expires_at"] == before
     assert await runner.claim(OWNER, 1, 240_000, 1, {"echo": None}, tenant_share=32, held={}) == []

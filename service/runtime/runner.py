@@ -499,7 +499,7 @@ class Runner:
                if sent - run.task_lease_set_at >= self.times.task_renew_after]  # fmt: skip
         try:
             # Bounded: an answer that does not come must not hold up the next attempt.
-            extended, held = await asyncio.wait_for(
+            extended, held, busy = await asyncio.wait_for(
                 self.store.renew(self.owner, self.lease_ms, due, self.times.task_lease_ms),
                 timeout=self.times.renew_every,
             )
@@ -529,6 +529,10 @@ class Runner:
             elif key in held:
                 run.renewed_at = max(run.renewed_at, sent)
                 run.task_lease_set_at = sent
+            elif key in busy:
+                # Its row was locked elsewhere: not renewed, so not covered by this beat either. It
+                # stays due; a lock held past the fence stops this run alone, not every run.
+                continue
             else:  # cancelled, expired, or the lease was taken
                 self._stop_tool(run)
         return True

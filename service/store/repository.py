@@ -373,15 +373,17 @@ class RunnerStore:
 
     async def renew(
         self, owner: str, lease_ms: int, due: list[tuple[tuple[str, str], int]], task_lease_ms: int
-    ) -> tuple[bool, set[tuple[str, str]]]:
+    ) -> tuple[bool, set[tuple[str, str]], set[tuple[str, str]]]:
         """The heartbeat: extend ``owner``'s row for ``lease_ms`` if it has not lapsed, and the
         tasks' own leases of the ``due`` runs (under their epochs) for ``task_lease_ms``. Whether
-        the row was extended, and the due keys still held (none when it was not)."""
+        the row was extended, the due keys renewed, and the due keys still ours whose rows were
+        locked elsewhere and so not renewed (both empty when the row was not extended)."""
         tenants, task_ids, epochs = [k[0] for k, _ in due], [k[1] for k, _ in due], [e for _, e in due]
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["renew_leases"], owner, lease_ms, tenants, task_ids, epochs, task_lease_ms)
-        held = {(r["tenant_id"], r["task_id"]) for r in rows if r["task_id"] is not None}
-        return any(r["task_id"] is None for r in rows), held
+        held = {(r["tenant_id"], r["task_id"]) for r in rows if r["task_id"] is not None and not r["busy"]}
+        busy = {(r["tenant_id"], r["task_id"]) for r in rows if r["busy"]}
+        return any(r["task_id"] is None for r in rows), held, busy
 
     async def lease_state(self, tenant_id: str, task_id: str) -> LeaseState | None:
         """Where a task stands after a runner's write was refused (None: it is gone)."""

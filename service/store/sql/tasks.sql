@@ -101,7 +101,10 @@ RETURNING t.*;
 -- leases are long ($6) and extended only for the runs given ($3-$5: those whose lease is a lease
 -- old), under the epoch each was given; rows gone, cancelled or taken are not returned. A first row
 -- with a NULL task_id says the runner's row was extended; without it nothing was.
--- Rows are locked in (tenant, subject, task) order, as a batch of finishes locks them.
+-- Rows are locked in (tenant, subject, task) order, as a batch of finishes locks them, and a row
+-- locked elsewhere is skipped, not waited for: a transaction left open on one task (an operator's
+-- psql, a stuck write) must not hold up the beat of every run, which would fence them all. A
+-- skipped row still ours comes back with busy = true: not renewed this beat, not lost either.
 WITH runner AS (
     UPDATE runners SET live_until = clock_timestamp() + $2 * interval '1 millisecond', seen_at = clock_timestamp()
     WHERE owner = $1 AND live_until > clock_timestamp()
@@ -117,14 +120,21 @@ renewed AS (
         WHERE EXISTS (SELECT 1 FROM runner)
           AND h.lease_owner = $1 AND h.lease_epoch = running.epoch AND task_status_active(h.status)
         ORDER BY h.tenant_id COLLATE "C", h.subject COLLATE "C", h.task_id COLLATE "C"
-        FOR NO KEY UPDATE OF h
+        FOR NO KEY UPDATE OF h SKIP LOCKED
     ) held
     WHERE t.tenant_id = held.tenant_id AND t.task_id = held.task_id
     RETURNING t.tenant_id, t.task_id
 )
-SELECT NULL::text AS tenant_id, NULL::text AS task_id FROM runner
+SELECT NULL::text AS tenant_id, NULL::text AS task_id, false AS busy FROM runner
 UNION ALL
-SELECT tenant_id, task_id FROM renewed;
+SELECT tenant_id, task_id, false FROM renewed
+UNION ALL
+SELECT h.tenant_id, h.task_id, true FROM tasks h
+JOIN unnest($3::text[], $4::text[], $5::bigint[]) AS running(tenant_id, task_id, epoch)
+  ON h.tenant_id = running.tenant_id AND h.task_id = running.task_id
+WHERE EXISTS (SELECT 1 FROM runner)
+  AND h.lease_owner = $1 AND h.lease_epoch = running.epoch AND task_status_active(h.status)
+  AND NOT EXISTS (SELECT 1 FROM renewed r WHERE r.tenant_id = h.tenant_id AND r.task_id = h.task_id);
 
 -- name: find_lost_leases
 -- Leases that lapsed (lease_lapsed: the task's own ran out, or its owner's row did): only then can
