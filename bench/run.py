@@ -433,20 +433,17 @@ def main() -> int:
             os.sched_setaffinity(0, {int(LOAD_CORE)})
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
-        for r in range(rounds):
-            for workload in workloads:
-                servers = ["ours", *(p for p in peers if p in peers_of(workload))]
-                servers = servers if r % 2 == 0 else list(reversed(servers))  # alternate who goes first
-                names = [*servers, "floor"] if workload == "plain" else servers
-                for name in (n for n in names if only is None or n in only):
-                    with started(name, dbs, logs, workload) as server:
-                        out = logs / f"{name}-{workload}-{r}.json"
-                        profile = (
-                            Path(args.profile) / f"{workload}-{r}.folded" if args.profile and name == "ours" else None
-                        )
-                        result = run_load(server, workload, duration, out, profile, args.ext_poll_ms)
-                    results.setdefault(workload, {}).setdefault(name, []).append(result)
-                    print(f"round {r + 1} {workload:13} {name:8} {summary(result)}", file=sys.stderr, flush=True)
+
+        def measure(r: int, workload: str, name: str) -> None:
+            with started(name, dbs, logs, workload) as server:
+                out = logs / f"{name}-{workload}-{r}.json"
+                profile = Path(args.profile) / f"{workload}-{r}.folded" if args.profile and name == "ours" else None
+                result = run_load(server, workload, duration, out, profile, args.ext_poll_ms)
+            results.setdefault(workload, {}).setdefault(name, []).append(result)
+            print(f"round {r + 1} {workload:13} {name:8} {summary(result)}", file=sys.stderr, flush=True)
+
+        for r, workload, name in schedule(workloads, peers, rounds, only):
+            measure(r, workload, name)
         scale = {} if args.smoke or args.no_scale else scale_run(dbs, logs, duration, rounds)
     finally:
         if not args.smoke:
@@ -491,16 +488,40 @@ P99_SPREAD_TARGET = 1.5  # tasks/get p99, largest over smallest, 1 thousand to 1
 RSS_TARGET_KIB = 1024  # server RSS growth per 1,000 pending tasks
 
 
+def schedule(workloads: list[str], peers: list[str], rounds: int, only: set[str] | None) -> list[tuple[int, str, str]]:
+    """(round, workload, server) in the order they run: per round every workload with ours and its
+    peers (who goes first alternates between rounds, the floor last on plain), and a one-principal
+    variant right after ours' run of its spread load, so that the pair shares that minute's speed."""
+    order: list[tuple[int, str, str]] = []
+    for r in range(rounds):
+        for workload in (w for w in workloads if WORKLOADS[w].get("base") not in workloads):
+            servers = ["ours", *(p for p in peers if p in peers_of(workload))]
+            servers = servers if r % 2 == 0 else list(reversed(servers))
+            names = [*servers, "floor"] if workload == "plain" else servers
+            for name in (n for n in names if only is None or n in only):
+                order.append((r, workload, name))
+                if name == "ours":
+                    order += [(r, v, name) for v in workloads if WORKLOADS[v].get("base") == workload]
+    return order
+
+
 def one_principal_ratios(report: dict[str, Any]) -> dict[str, tuple[str, float]]:
-    """variant -> (its base workload, median one-principal throughput over the spread one's)."""
+    """variant -> (its base workload, the median over rounds of one-principal throughput over the
+    spread one's). Each round runs the variant right after ours' spread load, so a round's pair
+    shares the machine's speed of that minute (it drifts by 20-30 % over minutes on a shared VM);
+    a ratio of the two medians would pair runs from different rounds."""
     out: dict[str, tuple[str, float]] = {}
     results = report["results"]
     for variant, base in ONE_PRINCIPAL.items():
         one_runs = results.get(variant, {}).get("ours", [])
         spread_runs = results.get(base, {}).get("ours", [])
-        if one_runs and spread_runs:
-            spread = median_of(spread_runs, "throughput_per_s")
-            out[variant] = (base, median_of(one_runs, "throughput_per_s") / spread if spread else float("nan"))
+        pairs = [
+            o.get("throughput_per_s", float("nan")) / s_["throughput_per_s"]
+            for s_, o in zip(spread_runs, one_runs, strict=False)
+            if s_.get("throughput_per_s")
+        ]
+        if pairs:
+            out[variant] = (base, statistics.median(pairs))
     return out
 
 

@@ -492,6 +492,27 @@ def test_the_report_sets_one_principal_against_the_spread_load_and_names_the_mac
     assert machine["cpu_model"]
 
 
+def test_a_one_principal_run_follows_its_spread_run_and_is_judged_against_it_round_by_round() -> None:
+    """The machine's speed drifts by 20-30 % over minutes: each one-principal run goes right after
+    ours' spread run of the same round, and the verdict is the median of the rounds' own ratios
+    (the ratio of the two medians would set runs of different rounds against each other)."""
+    run = _harness()
+    order = run.schedule(["get", "create", "get-1p"], ["sdk"], 2, None)
+    assert order == [
+        (0, "get", "ours"), (0, "get-1p", "ours"), (0, "get", "sdk"), (0, "create", "ours"), (0, "create", "sdk"),
+        (1, "get", "sdk"), (1, "get", "ours"), (1, "get-1p", "ours"), (1, "create", "sdk"), (1, "create", "ours"),
+    ]  # fmt: skip
+    assert run.schedule(["get-1p"], [], 1, None) == [(0, "get-1p", "ours")]  # alone: as any workload
+    report = {
+        "results": {
+            "get": {"ours": [_run(1000), _run(2000), _run(1500)]},
+            "get-1p": {"ours": [_run(950), _run(1800), _run(1500)]},
+        }
+    }
+    # Per round 0.95, 0.90, 1.00: the median is 0.95 (the medians' ratio, 1500 / 1500, would be 1.00).
+    assert run.one_principal_ratios(report) == {"get-1p": ("get", 0.95)}
+
+
 EXT = "io.modelcontextprotocol/tasks"
 
 
