@@ -985,10 +985,6 @@ GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
 -- task's outcome columns; the lease check in its body decides which rows it may finish.
 ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
 ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
--- A row lock held elsewhere (a transaction left open) refuses the batch after two seconds instead of
--- holding it, and every later outcome behind it, as long as that lasts (migration 0013); the batcher
--- then answers its items one by one, so only the outcome whose row is locked waits.
-ALTER FUNCTION task_finish_batch(jsonb) SET lock_timeout = '2s';
 
 -- task_get_batch reads a batch of gets (migrations 0010, 0011): one set-based read per tenant, under
 -- that tenant's row-level security, each row by primary key; a row per item found (its place in

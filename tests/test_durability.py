@@ -549,35 +549,3 @@ async def test_a_database_blip_while_a_claimed_task_reads_its_session_does_not_f
         await wait_for(ended)
         assert failures, "the claiming runner never read the session (the test did not reach the read)"
         assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "completed"
-
-
-async def test_an_outcome_whose_row_is_locked_elsewhere_does_not_hold_the_others(
-    database_url: str, http: httpx.AsyncClient
-) -> None:
-    """A transaction left open on one task row (an operator's psql) held the batch of outcomes that
-    wanted the row, and every later outcome of the runner behind it, for as long as it stayed open
-    (the runner's connections have no lock timeout). task_finish_batch now gives up its lock wait
-    after two seconds (migration 0013) and the batch is answered item by item: the other task
-    completes while the lock is held, the locked one once it is let go."""
-    async with serve(make_settings(database_url)) as running:
-        s = RpcSession(http, running.url)
-        await s.initialize()
-        locked_id = (await s.call_tool_as_task("sleep", {"seconds": 1.0}))["task"]["taskId"]
-        free_id = (await s.call_tool_as_task("sleep", {"seconds": 1.2}))["task"]["taskId"]
-        holder = await asyncpg.connect(database_url)
-        try:
-            await holder.execute("BEGIN")
-            await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
-
-            async def free_done() -> bool:
-                return (await s.result("tasks/get", {"taskId": free_id}))["status"] == "completed"
-
-            await wait_for(free_done, timeout=15)
-            assert (await s.result("tasks/get", {"taskId": locked_id}))["status"] == "working"
-        finally:
-            await holder.close()
-
-        async def locked_done() -> bool:
-            return (await s.result("tasks/get", {"taskId": locked_id}))["status"] == "completed"
-
-        await wait_for(locked_done, timeout=30)

@@ -197,7 +197,7 @@ async def test_a_renewal_skips_a_row_locked_elsewhere_and_says_it_is_still_ours(
     try:
         await holder.execute("BEGIN")
         await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
-        async with asyncio.timeout(5):  # no lock wait (the runner's connections have no lock timeout)
+        async with asyncio.timeout(5):  # no lock wait (the runner's lock timeout is a second)
             renewed = await runner.renew(OWNER, 60_000, due, 240_000)
         assert renewed == (True, {(free.tenant_id, free_id)}, {(locked.tenant_id, locked_id)})
     finally:

@@ -13,8 +13,8 @@ next batch takes the queued tenants in turns (one item of each, then a second of
 stops at ``MAX_ITEMS`` items or ``MAX_BATCH_BYTES`` (a larger item goes alone), so an item goes out
 with the next statement of its lane however much another tenant has queued.
 
-A batch that PostgreSQL refuses as a whole (for example a deadlock, a lock wait past its
-timeout, or one request's text it cannot store) rolled back, so it is retried one item at a time (each a batch of one, through the
+A batch that PostgreSQL refuses as a whole (for example a deadlock, or one request's text it
+cannot store) rolled back, so it is retried one item at a time (each a batch of one, through the
 same statement) and each request gets its own answer or error. Any other failure leaves the batch's outcome unknown: every request in it gets
 the error, and nothing is replayed.
 """
@@ -185,13 +185,9 @@ def _rolled_back(exc: BaseException) -> bool:
     """Did PostgreSQL refuse the statement, so nothing of it was committed? An error it raised
     (possibly translated to a domain error by the database layer), but not an outage: a server
     shut down after committing raises one too."""
-    cause = exc if isinstance(exc, asyncpg.PostgresError) else exc.__cause__
-    if isinstance(cause, asyncpg.LockNotAvailableError):
-        # A lock wait past lock_timeout (told as Unavailable, to be retried): refused and rolled
-        # back, so the batch's items are answered one by one and only the locked one waits.
-        return True
     if isinstance(exc, Unavailable):
         return False
+    cause = exc if isinstance(exc, asyncpg.PostgresError) else exc.__cause__
     if not isinstance(cause, asyncpg.PostgresError):
         return False
     return str(cause.sqlstate or "")[:2] not in _OUTAGE_CLASSES
