@@ -408,6 +408,48 @@ async def test_a_running_runner_beats_one_row_and_renews_a_tasks_own_lease_once_
         await s.result("tasks/cancel", {"taskId": task_id})
 
 
+async def test_a_run_whose_row_is_locked_elsewhere_is_fenced_alone_and_the_beats_go_on(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """A transaction left open on one task row: the beats skip that row (it is not renewed, so
+    that run alone is fenced once its cover runs out), the runner's row and the other run are
+    renewed throughout, and the fenced run's hand-back, which waits for the lock, holds up no beat.
+    Before, the beat waited on the row, failed, and every run of the runner was fenced."""
+    locked_key, free_key = secrets.token_hex(4), secrets.token_hex(4)
+    async with serve(make_settings(database_url, lease_ms=2_000)) as running:  # a beat every 0.25 s
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        locked_id = (await s.call_tool_as_task("hang", {"key": locked_key}))["task"]["taskId"]
+        free_id = (await s.call_tool_as_task("hang", {"key": free_key}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await signal(locked_key, "started").wait()
+            await signal(free_key, "started").wait()
+        holder = await asyncpg.connect(database_url)
+        try:
+            await holder.execute("BEGIN")
+            await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
+            async with asyncio.timeout(15):  # its own lease is due after 2 s, its cover gone 1.5 s later
+                await signal(locked_key, "cancelled").wait()
+            beats = []
+            for _ in range(3):  # its hand-back now waits for the lock: the beats do not
+                beats.append(await db.fetchval("SELECT live_until FROM runners"))
+                await asyncio.sleep(0.4)
+            assert beats[0] < beats[1] < beats[2]
+            assert not signal(free_key, "cancelled").is_set()
+            free_lease = (await row(db, free_id))["lease_expires_at"]
+        finally:
+            await holder.close()
+        async with asyncio.timeout(10):  # once the lock is gone, the fenced run is given back
+            while (await row(db, locked_id))["status"] == "working":
+                await asyncio.sleep(0.1)
+        assert (await row(db, free_id))["status"] == "working"
+        assert not signal(free_key, "cancelled").is_set()
+        async with asyncio.timeout(10):  # and the other run's own lease is still renewed
+            while (await row(db, free_id))["lease_expires_at"] == free_lease:
+                await asyncio.sleep(0.1)
+        await s.result("tasks/cancel", {"taskId": free_id})
+
+
 async def test_a_runner_whose_row_lapsed_stops_its_tools_and_publishes_itself_afresh(
     database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
 ) -> None:

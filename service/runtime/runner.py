@@ -94,6 +94,7 @@ class Runner:
         # was last extended at that moment (what covers the create): see _reserved_since.
         self._reserved_at: deque[tuple[float, float]] = deque()
         self._jobs: set[asyncio.Task[object]] = set()
+        self._giving_back: asyncio.Task[object] | None = None  # the fenced runs' hand-back, one at a time
         self._wake = asyncio.Event()
         # Whether tasks may be queued that we could not take for want of a slot: only then does a
         # freed slot trigger a claim (otherwise the claim loop's poll finds stragglers).
@@ -268,10 +269,11 @@ class Runner:
         if not run.tool_done:
             run.job.cancel()
 
-    def _background(self, job: Coroutine[Any, Any, object]) -> None:
+    def _background(self, job: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         task = asyncio.create_task(job)
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
+        return task
 
     def _start(
         self, task: Task, leased_at: float, job: asyncio.Task[Outcome] | None = None, *,
@@ -485,8 +487,10 @@ class Runner:
         while True:
             await asyncio.sleep(self.times.renew_every if ok else self.times.retry_every)
             ok = await self._renew()
-            if ok and self._fenced:
-                await self._hand_back_fenced()
+            if ok and self._fenced and (self._giving_back is None or self._giving_back.done()):
+                # Off the beat: a fenced run's row may be locked elsewhere (its release waits for the
+                # lock), and the next beat must not wait for that.
+                self._giving_back = self._background(self._hand_back_fenced())
 
     async def _renew(self) -> bool:
         """The heartbeat: extend our row, the lease of every run at once, and the tasks' own leases
@@ -645,14 +649,17 @@ class Runner:
 
     async def _session_capabilities(self, tenant_id: str, session_id: str) -> dict[str, Any]:
         """What the client of a task's session declared, read again while the database is away: a
-        blip must not fail a task before its tool starts. The heartbeat fences the run (cancelling
-        this wait) if the database stays away past the lease."""
+        blip must not fail a task before its tool starts. For at most the fence time: the heartbeat
+        fences the run (cancelling this wait) if the database stays away; an error that outlasts
+        it while the beats land is no blip, and fails the task as before."""
         delay = 0.25
+        give_up = time.monotonic() + self.times.fence_after
         while True:
             try:
                 return await self.store.session_capabilities(tenant_id, session_id)
-            except Unavailable as exc:
-                self._database_lost("read a session's client capabilities", exc)
+            except Unavailable:
+                if time.monotonic() + delay > give_up:  # not a blip: fail the task as before
+                    raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
