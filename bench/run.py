@@ -433,17 +433,13 @@ def main() -> int:
             os.sched_setaffinity(0, {int(LOAD_CORE)})
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
-
-        def measure(r: int, workload: str, name: str) -> None:
+        for r, workload, name in schedule(workloads, peers, rounds, only):
             with started(name, dbs, logs, workload) as server:
                 out = logs / f"{name}-{workload}-{r}.json"
                 profile = Path(args.profile) / f"{workload}-{r}.folded" if args.profile and name == "ours" else None
                 result = run_load(server, workload, duration, out, profile, args.ext_poll_ms)
             results.setdefault(workload, {}).setdefault(name, []).append(result)
             print(f"round {r + 1} {workload:13} {name:8} {summary(result)}", file=sys.stderr, flush=True)
-
-        for r, workload, name in schedule(workloads, peers, rounds, only):
-            measure(r, workload, name)
         scale = {} if args.smoke or args.no_scale else scale_run(dbs, logs, duration, rounds)
     finally:
         if not args.smoke:

@@ -307,12 +307,18 @@ class Runner:
             return
         if call is not None:
             call.cancel()  # cancelling the run cancels the call it would have awaited
-        if self._stopping:
-            self._background(self._hand_back([run.task], "re-queued: the runner was shut down",
-                                              never_started=call is None))  # fmt: skip
-        elif run.fenced:
-            self._fenced[(run.task.tenant_id, run.task.task_id)] = (run.task, time.monotonic())
+        if (back := self._after_cancel(run, run.task, never_started=call is None)) is not None:
+            self._background(back)
         self._ended(run)
+
+    def _after_cancel(self, run: Run, task: Task, *, never_started: bool = False) -> Coroutine[Any, Any, bool] | None:
+        """What follows a run's cancel: at shutdown, the hand-back to await; a fenced run's task is
+        kept to give back once the database answers."""
+        if self._stopping:
+            return self._hand_back([task], "re-queued: the runner was shut down", never_started=never_started)
+        if run.fenced:
+            self._fenced[(task.tenant_id, task.task_id)] = (task, time.monotonic())
+        return None
 
     def _ended(self, run: Run) -> None:
         """A run is over (its outcome written, refused, or handed back): it leaves the runner."""
@@ -614,8 +620,7 @@ class Runner:
         """Run the task's tool (or await ``job``, the call already running) and record its outcome.
         A session's task reads what its client declared from the session (not stored per task),
         unless the creating request handed it over (``capabilities``)."""
-        key = (task.tenant_id, task.task_id)
-        run = self._running[key]  # _start put it there before this first ran
+        run = self._running[(task.tenant_id, task.task_id)]  # _start put it there before this first ran
         started = time.perf_counter()
         try:
             if job is None and task.session_id is not None and not task.client_capabilities:
@@ -636,10 +641,8 @@ class Runner:
             metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
-            if self._stopping:
-                await self._hand_back([task], "re-queued: the runner was shut down")
-            elif run.fenced:
-                self._fenced[key] = (task, time.monotonic())
+            if (back := self._after_cancel(run, task)) is not None:
+                await back
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
