@@ -549,3 +549,36 @@ async def test_a_database_blip_while_a_claimed_task_reads_its_session_does_not_f
         await wait_for(ended)
         assert failures, "the claiming runner never read the session (the test did not reach the read)"
         assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "completed"
+
+
+async def test_a_run_stopped_while_it_reads_its_session_goes_back_to_the_queue_whatever_its_tool(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A claimed task of a 2025-11-25 session reads what its client declared before its tool is
+    called. A runner shut down during that read never ran the tool, so the task goes back to the
+    queue even when its tool may not run twice (`hang`). Before, it was handed back as if its tool
+    had run, and such a task was failed as "the runner stopped"."""
+    async with serve(make_settings(database_url, runner_concurrency=0)) as front:
+        s = RpcSession(http, front.url)
+        await s.initialize()
+        async with serve(make_settings(database_url)) as worker:
+            reading = asyncio.Event()
+
+            async def never_answers(tenant_id: str, session_id: str) -> dict[str, object]:
+                reading.set()
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            worker.app.state.core.runner.store.session_capabilities = never_answers
+            task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+            await asyncio.wait_for(reading.wait(), timeout=15)
+        # The worker was shut down while the run waited for the read.
+        task = await s.result("tasks/get", {"taskId": task_id})
+        assert task["status"] == "working", task
+        conn = await asyncpg.connect(database_url)
+        try:
+            row = await conn.fetchrow("SELECT lease_owner, outcome FROM tasks WHERE task_id = $1", task_id)
+        finally:
+            await conn.close()
+        assert row is not None and row["lease_owner"] is None and row["outcome"] is None
+        await s.result("tasks/cancel", {"taskId": task_id})

@@ -587,3 +587,43 @@ async def test_the_tasks_of_a_claim_whose_answer_was_lost_are_taken_over_after_a
         assert result["content"][0]["text"] == "once"
         assert (await row(db, task_id))["attempts"] == 2  # the lost claim's, and the one it ran under
         assert taken_over_after < 7.5, "waited for four leases (8 s), not a lease and a half (3 s)"
+
+
+async def test_a_run_fenced_while_it_reads_its_session_goes_back_to_the_queue_whatever_its_tool(
+    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
+) -> None:
+    """A run fenced before its tool was called (here while it reads what its session's client
+    declared, its row locked elsewhere so that no beat covers it) never ran the tool: once the
+    lock is gone its task goes back to the queue even though `hang` may not run twice, and is
+    claimed again. Before, the fenced run was given back as if its tool had run: failed."""
+    async with (
+        serve(make_settings(database_url, runner_concurrency=0)) as front,
+        serve(make_settings(database_url, lease_ms=2_000)) as worker,
+    ):
+        reads = asyncio.Queue[str]()
+
+        async def never_answers(tenant_id: str, session_id: str) -> dict[str, object]:
+            reads.put_nowait(session_id)
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        worker.app.state.core.runner.store.session_capabilities = never_answers
+        s = RpcSession(http, front.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
+        async with asyncio.timeout(10):
+            await reads.get()
+        before = fenced_tasks()
+        holder = await asyncpg.connect(database_url)
+        try:
+            await holder.execute("BEGIN")
+            await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", task_id)
+            async with asyncio.timeout(15):  # not renewed once due: fenced when its cover is gone
+                while fenced_tasks() == before:
+                    await asyncio.sleep(0.05)
+        finally:
+            await holder.close()
+        async with asyncio.timeout(15):
+            await reads.get()  # given back to the queue and claimed again: its read begins anew
+        assert (await row(db, task_id))["status"] == "working"
+        await s.result("tasks/cancel", {"taskId": task_id})

@@ -83,6 +83,9 @@ class Run:
     tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
     fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
     holds_slot: bool = True  # its tool runs (or is about to): it counts against the runner's slots
+    # Its tool was called (or the call began in its request): a hand-back then re-runs the task
+    # only if the tool says it may. Until then it goes back to the queue whatever its tool.
+    tool_started: bool = False
 
 
 def overdue(runs: Iterable[Run], now: float, times: LeaseTimes) -> tuple[list[Run], float]:

@@ -20,7 +20,7 @@ import secrets
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -85,7 +85,8 @@ class Runner:
         # row holds for at least a lease after it. New runs count on it.
         self._row_sent = 0.0
         # Fenced runs whose leases we still hold: handed back once the database answers again.
-        self._fenced: dict[TaskKey, tuple[Task, float]] = {}
+        # Fenced runs' tasks to give back: when each was fenced, and whether its tool never started.
+        self._fenced: dict[TaskKey, tuple[Task, float, bool]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
         # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
@@ -293,7 +294,8 @@ class Runner:
                                               never_started=job is None))  # fmt: skip
             return None
         execute = self._execute(task, job, capabilities)
-        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at)
+        run = Run(task, asyncio.create_task(execute, name=f"task-{task.task_id[:8]}"), covered, leased_at,
+                  tool_started=job is not None)  # fmt: skip
         self._running[key] = run
         self._take_slot(run)
         run.job.add_done_callback(functools.partial(self._if_never_started, run, job))
@@ -307,17 +309,20 @@ class Runner:
             return
         if call is not None:
             call.cancel()  # cancelling the run cancels the call it would have awaited
-        if (back := self._after_cancel(run, run.task, never_started=call is None)) is not None:
+        if (back := self._after_cancel(run, run.task)) is not None:
             self._background(back)
         self._ended(run)
 
-    def _after_cancel(self, run: Run, task: Task, *, never_started: bool = False) -> Coroutine[Any, Any, bool] | None:
+    def _after_cancel(self, run: Run, task: Task) -> Coroutine[Any, Any, bool] | None:
         """What follows a run's cancel: at shutdown, the hand-back to await; a fenced run's task is
-        kept to give back once the database answers."""
+        kept to give back once the database answers. A run stopped before its tool was called (in
+        its first step, or while it read its session's capabilities) goes back to the queue
+        whatever its tool: nothing of it ran."""
+        never_started = not run.tool_started
         if self._stopping:
             return self._hand_back([task], "re-queued: the runner was shut down", never_started=never_started)
         if run.fenced:
-            self._fenced[(task.tenant_id, task.task_id)] = (task, time.monotonic())
+            self._fenced[(task.tenant_id, task.task_id)] = (task, time.monotonic(), never_started)
         return None
 
     def _ended(self, run: Run) -> None:
@@ -597,15 +602,17 @@ class Runner:
         those the reaper took meanwhile are refused and dropped). Older than a task's own (full) lease
         and a fence: the reaper's; one fenced before its first renewal may be refused sooner."""
         now = time.monotonic()
-        for key, (_task, at) in list(self._fenced.items()):
+        for key, (_task, at, _never_started) in list(self._fenced.items()):
             if now - at > self.times.task_lease_ms / 1000 + self.times.fence_after:  # lapsed by its own lease
                 del self._fenced[key]
-        tasks = [task for task, _at in self._fenced.values()]
+        tasks = [task for task, _at, _never_started in self._fenced.values()]
         if not tasks:
             return
+        unstarted = {key for key, (_task, _at, never_started) in self._fenced.items() if never_started}
         try:
             answered = await asyncio.wait_for(
-                self._hand_back(tasks, "re-queued: the runner lost the database"), timeout=self.times.renew_every
+                self._hand_back(tasks, "re-queued: the runner lost the database", never_started=unstarted),
+                timeout=self.times.renew_every,
             )
         except TimeoutError:
             return
@@ -627,6 +634,7 @@ class Runner:
                 if capabilities is None:
                     capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
                 task = dataclasses.replace(task, client_capabilities=capabilities)
+            run.tool_started = True
             if job is None:
                 outcome = await run_tool(
                     self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task))
@@ -733,13 +741,18 @@ class Runner:
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
 
-    async def _hand_back(self, tasks: list[Task], why: str, *, never_started: bool = False) -> bool:
+    async def _hand_back(
+        self, tasks: list[Task], why: str, *, never_started: bool | Collection[TaskKey] = False
+    ) -> bool:
         """Re-queue what may run again, fail the rest (the reaper's rule, handback.py), under each
-        run's fencing token. False when the database did not answer."""
+        run's fencing token. ``never_started``: all of them, or the keys of those whose tool was
+        never called (they go back to the queue whatever their tool). False when the database did
+        not answer."""
         requests: list[ReleaseRequest] = [
             hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
                       owner=self.owner, epoch=t.lease_epoch, why=why, rerunnable=t.rerunnable,
-                      never_started=never_started)
+                      never_started=never_started if isinstance(never_started, bool)
+                      else (t.tenant_id, t.task_id) in never_started)
             for t in tasks
         ]  # fmt: skip
         by_key = {(t.tenant_id, t.task_id): t for t in tasks}
