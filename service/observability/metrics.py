@@ -124,8 +124,8 @@ for _op in ("finish", "release"):  # series at 0 from the start: a first refusal
     fenced_writes.labels(_op)
 outcome_waits = Counter(
     "mcp_tasks_outcome_row_waits_total",
-    "Outcome writes that found the task's row locked by another transaction (a cancel under way, a "
-    "transaction left open) and were put off: each is written once the lock is gone",
+    "Outcome writes skipped because the task's row was locked by another transaction (a cancel under way, "
+    "a transaction left open); each is written again once the lock is gone",
 )  # fmt: skip
 runner_fenced = Counter(
     "mcp_tasks_runner_fenced_tasks_total",

@@ -46,14 +46,6 @@ TaskKey = tuple[str, str]
 CLAIM_BATCH = 16
 
 
-def _waits_for_its_row(task: Task) -> None:
-    log.warning(
-        "the outcome of task %s waits for its row, locked by another transaction (one left open? "
-        "docs/operations.md, McpTasksNotFinishing); it is written once the lock is gone",
-        task.task_id[:8],
-    )
-
-
 class Runner:
     """Executes up to ``concurrency`` tasks at once in this process."""
 
@@ -702,8 +694,8 @@ class Runner:
             while not writing.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(writing)
-            if not writing.cancelled() and (failed := writing.exception()) is not None:
-                log.warning("the outcome of task %s was not written at shutdown: %s", task.task_id[:8], failed)
+            if not writing.cancelled():
+                writing.exception()  # retrieved: a write that failed said so in its own log lines
             raise
 
     async def _write_outcome(self, request: FinishRequest, task: Task) -> None:
@@ -721,29 +713,28 @@ class Runner:
             return
 
     async def _offer(self, request: FinishRequest, task: Task) -> Task | None:
-        """One outcome through the batch of outcomes. A row locked elsewhere is skipped there (the
-        task still ours): the outcome is then written alone by the call that waits for the row,
-        outside the batches, so it holds up no other outcome and is in the row's lock queue before
-        any reaper that comes once the task's lease runs out (a locked row is not renewed). One
-        such write at a time per process (it holds a pooled connection while it waits); an
-        outcome skipped meanwhile is offered to the batches again, at most a second apart. The
-        task as finished, or None (refused)."""
-        delay = 0.1
-        while True:
-            landed = await self._finishes.submit(request)
-            if landed is not None or not await self._refused("finish", task):
-                return landed
+        """One outcome through the batch of outcomes; if its row was locked elsewhere (skipped, the
+        task still ours), alone through the call that waits for the row, outside the batches: it
+        holds up no other outcome, and it is in the row's lock queue before any reaper that might
+        come for the task once its lease runs out. The task as finished, or None (refused)."""
+        landed = await self._finishes.submit(request)
+        if landed is not None or not await self._refused("finish", task):
+            return landed
+        async with self._waiting_for_rows:  # one at a time: each holds a pooled connection while it waits
             metrics.outcome_waits.inc()
-            if not self._waiting_for_rows.locked():
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        async with self._waiting_for_rows:
-            slow = asyncio.get_running_loop().call_later(1.0, _waits_for_its_row, task)
+            waiting = asyncio.ensure_future(self.store.finish_waiting([request]))
             try:
-                (landed,) = await self.store.finish_waiting([request])
-            finally:
-                slow.cancel()
+                done, _ = await asyncio.wait([waiting], timeout=1.0)
+                if not done:
+                    log.warning(
+                        "the outcome of task %s waits for its row, locked by another transaction (one left "
+                        "open? docs/operations.md, McpTasksNotFinishing); it is written once the lock is gone",
+                        task.task_id[:8],
+                    )
+                (landed,) = await waiting
+            except asyncio.CancelledError:
+                waiting.cancel()
+                raise
         if landed is None:
             await self._refused("finish", task)
         return landed
@@ -781,17 +772,12 @@ class Runner:
             FailureReason.UNSTORABLE, f"the tool finished but its result could not be stored (reference {ref})"
         )
         try:
-            landed = await self._finishes.submit(
+            await self._offer(
                 FinishRequest.of(
                     task.tenant_id, task.task_id, task.subject, self.owner, failure, epoch=task.lease_epoch
-                )
+                ),
+                task,
             )
-            if landed is None and await self._refused("finish", task):
-                log.warning(
-                    "the failure of task %s was not recorded: its row is locked by another transaction; the "
-                    "task is taken over (re-run or failed) once its lease runs out",
-                    task.task_id[:8],
-                )
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)
 
