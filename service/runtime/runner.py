@@ -84,10 +84,9 @@ class Runner:
         # When the last statement that extended our row while it held was sent (start, a beat): our
         # row holds for at least a lease after it. New runs count on it.
         self._row_sent = 0.0
-        # Fenced runs whose leases we still hold, handed back once the database answers again: when
-        # each was fenced, and whether its tool never started.
+        # Fenced runs whose leases we still hold: handed back once the database answers again.
+        # Fenced runs' tasks to give back: when each was fenced, and whether its tool never started.
         self._fenced: dict[TaskKey, tuple[Task, float, bool]] = {}
-        self._waiting_for_rows = asyncio.Semaphore(1)  # outcomes written alone, waiting for their rows
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
         # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
@@ -684,25 +683,18 @@ class Runner:
         request = FinishRequest.of(
             task.tenant_id, task.task_id, task.subject, self.owner, outcome, epoch=task.lease_epoch
         )
-        writing = asyncio.ensure_future(self._write_outcome(request, task))
-        try:
-            await asyncio.shield(writing)
-        except asyncio.CancelledError:
-            # Shutdown (nothing else stops a run whose outcome is in hand): the write goes on, and
-            # lands or not before anything else (a hand-back) touches the task, however often we
-            # are cancelled.
-            while not writing.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(writing)
-            if not writing.cancelled():
-                writing.exception()  # retrieved: a write that failed said so in its own log lines
-            raise
-
-    async def _write_outcome(self, request: FinishRequest, task: Task) -> None:
-        delay = 0.25
+        delay = busy_delay = 0.25
         while True:
+            finishing = self._finishes.enqueue(request)
             try:
-                await self._offer(request, task)
+                landed = await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                # Shutdown while the outcome is on its way: it lands or not, but before anything else
+                # (a hand-back) touches the task, however often we are cancelled.
+                while not finishing.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(finishing)
+                raise
             except Unavailable as exc:
                 if self._stopping:
                     raise
@@ -710,44 +702,36 @@ class Runner:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            return
-
-    async def _offer(self, request: FinishRequest, task: Task) -> Task | None:
-        """One outcome through the batch of outcomes; if its row was locked elsewhere (skipped, the
-        task still ours), alone through the call that waits for the row, outside the batches: it
-        holds up no other outcome, and it is in the row's lock queue before any reaper that might
-        come for the task once its lease runs out. The task as finished, or None (refused)."""
-        landed = await self._finishes.submit(request)
-        if landed is not None or not await self._refused("finish", task):
-            return landed
-        async with self._waiting_for_rows:  # one at a time: each holds a pooled connection while it waits
-            metrics.outcome_waits.inc()
-            waiting = asyncio.ensure_future(self.store.finish_waiting([request]))
-            try:
-                done, _ = await asyncio.wait([waiting], timeout=1.0)
-                if not done:
+            if landed is None and await self._refused("finish", task):
+                # Its row was locked elsewhere (a cancel under way, a transaction left open): the
+                # write was skipped, not waited for. Offered again soon; a cancel then wins.
+                if self._stopping:
+                    log.warning(
+                        "the outcome of task %s was not written: its row is locked by another transaction and "
+                        "the runner is stopping; the task is taken over (re-run or failed) once its lease runs out",
+                        task.task_id[:8],
+                    )
+                    return
+                metrics.outcome_waits.inc()
+                if busy_delay == 0.25:  # once per outcome: a lock held for long is retried quietly
                     log.warning(
                         "the outcome of task %s waits for its row, locked by another transaction (one left "
                         "open? docs/operations.md, McpTasksNotFinishing); it is written once the lock is gone",
                         task.task_id[:8],
                     )
-                (landed,) = await waiting
-            except asyncio.CancelledError:
-                waiting.cancel()
-                raise
-        if landed is None:
-            await self._refused("finish", task)
-        return landed
+                await asyncio.sleep(busy_delay)
+                busy_delay = min(busy_delay * 2, 2.0)
+                continue
+            return
 
     async def _refused(self, op: str, task: Task) -> bool:
         """A write of this run changed nothing. Counted and logged only when another runner took the
         task over (cancelled, expired, or our own earlier write whose answer was lost are not). True
-        when the task is still this run's and active (the row was locked elsewhere and a finish
-        skipped it), or when the lease could not be read: the write may be offered again (it is
-        fenced, and a second landing is refused)."""
+        when the task is still this run's and active: the row was locked elsewhere and the write
+        skipped (a finish), or the lease could not be read; the write may be offered again."""
         try:
             state = await self.store.lease_state(task.tenant_id, task.task_id)
-        except Exception:
+        except Exception:  # refused or skipped: unknown; offering it again is safe (fenced)
             return True
         if state is None or state.status is TaskStatus.CANCELLED:
             return False
@@ -772,11 +756,10 @@ class Runner:
             FailureReason.UNSTORABLE, f"the tool finished but its result could not be stored (reference {ref})"
         )
         try:
-            await self._offer(
+            await self._finishes.submit(
                 FinishRequest.of(
                     task.tenant_id, task.task_id, task.subject, self.owner, failure, epoch=task.lease_epoch
-                ),
-                task,
+                )
             )
         except Exception as exc:  # the lease lapses (no longer renewed) and the reaper fails the task
             log.warning("could not record failure of task %s: %s", task.task_id[:8], exc)

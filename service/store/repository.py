@@ -405,17 +405,6 @@ class RunnerStore:
                 _finished(task)
         return tasks
 
-    async def finish_waiting(self, requests: list[FinishRequest]) -> list[Task | None]:
-        """As ``finish``, but each row is waited for if another transaction holds it (an outcome
-        that ``finish`` skipped, written alone outside the batches)."""
-        async with self.db.connection() as conn:
-            rows = await conn.fetch(Q["finish_task_waiting"], as_items(requests))
-        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
-        for task in tasks:
-            if task is not None:
-                _finished(task)
-        return tasks
-
     async def release(self, requests: list[ReleaseRequest]) -> list[Task | None]:
         """Give tasks back: re-queued (rerunnable, attempts left) or failed; audited, woken."""
         async with self.db.connection() as conn:

@@ -183,14 +183,11 @@ async def test_no_service_role_can_rewrite_a_finished_tasks_outcome(
         release = {"tenant_id": scene.tenant, "task_id": scene.finished, "owner": "forger", "rerunnable": True,
                    "max_attempts": 9, "requeue_message": "x", "failure": {"message": "FORGED"}}  # fmt: skip
         if role == RUNNER_ROLE:
-            for fn, body in (
-                ("task_finish_batch", item), ("task_finish_batch_nowait", item), ("task_release_batch", release)
-            ):  # fmt: skip
+            for fn, body in (("task_finish_batch", item), ("task_release_batch", release)):
                 moved = await conn.fetchrow(f"SELECT * FROM {fn}($1::jsonb)", orjson.dumps([body]).decode())
                 assert moved["task_id"] is None, fn  # the lease check: not this owner's, not active
         else:
-            for fn in ("task_finish_batch", "task_finish_batch_nowait"):
-                await refused(conn, f"SELECT * FROM {fn}($1::jsonb)", orjson.dumps([item]).decode())
+            await refused(conn, "SELECT * FROM task_finish_batch($1::jsonb)", orjson.dumps([item]).decode())
         await conn.execute("ROLLBACK")
     finally:
         await conn.close()
@@ -275,12 +272,12 @@ async def test_a_schema_owner_that_is_not_a_superuser_migrates_and_hands_the_rec
             owners = await conn.fetch(
                 """SELECT proname, pg_get_userbyid(proowner) AS owner, prosecdef FROM pg_proc
                    WHERE proname IN ('audit_append', 'audit_append_many', 'audit_purge', 'task_finish_batch',
-                                      'task_finish_batch_nowait', 'task_release_batch')"""
+                                      'task_release_batch')"""
             )
         finally:
             await conn.close()
         assert {(r["owner"], r["prosecdef"]) for r in owners} == {("mcp_tasks_record", True)}
-        assert len(owners) == 6
+        assert len(owners) == 5
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.execute(f"DROP OWNED BY {owner}")

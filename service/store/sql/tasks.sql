@@ -190,10 +190,6 @@ SELECT * FROM task_get_batch($1, $2, $3);
 -- a task row locked elsewhere is skipped, not waited for: NULL, as a refused item (0013).
 SELECT * FROM task_finish_batch_nowait($1);
 
--- name: finish_task_waiting
--- The same, waiting for each row another transaction holds: an outcome the batch skipped, alone.
-SELECT * FROM task_finish_batch($1);
-
 -- name: release_task_batch
 -- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken (the one hand-back path).
 SELECT * FROM task_release_batch($1);
