@@ -914,7 +914,7 @@ CREATE TYPE task_finish_item AS (
     status_message text, detail jsonb, epoch bigint
 );
 
-CREATE FUNCTION task_finish_batch_nowait(p_items jsonb) RETURNS SETOF tasks
+CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
 LANGUAGE plpgsql AS $$
 DECLARE
     items task_finish_item[];
@@ -923,7 +923,6 @@ DECLARE
     done_list tasks[];
     done_at bigint[];
     n integer;
-    locked boolean[] := '{}';
     events audit_event_item[] := '{}';
     event_tenants text[] := '{}';
     n_events integer := 0;
@@ -933,16 +932,12 @@ BEGIN
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
     -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
-    -- cancel locks its row before that requestor's counter. One primary-key lookup each. A row
-    -- locked elsewhere (a cancel under way, a transaction left open) is skipped, not waited for:
-    -- its item changes nothing and answers NULL, and the runner, reading the task still its own,
-    -- writes it again. One such row holds up neither the batch nor the outcomes queued behind it.
+    -- cancel locks its row before that requestor's counter. One primary-key lookup each.
     FOR i IN 1 .. n LOOP
         PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
-        FOR NO KEY UPDATE SKIP LOCKED;
-        locked[i] := FOUND;
+        FOR NO KEY UPDATE;
     END LOOP;
-    -- Then one UPDATE for the rows locked, each under its own lease check, so the counter trigger
+    -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
     -- changes each requestor's counter once for the batch. The rows are locked already: the join
     -- order does not matter. A task named twice is finished once (the first the join meets).
     WITH finished AS (
@@ -951,8 +946,7 @@ BEGIN
             last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
             lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
         FROM unnest(items) WITH ORDINALITY AS u
-        WHERE locked[u.ordinality::integer]
-          AND t.tenant_id = u.tenant_id AND t.task_id = u.task_id AND t.lease_owner = u.owner
+        WHERE t.tenant_id = u.tenant_id AND t.task_id = u.task_id AND t.lease_owner = u.owner
           AND (u.epoch IS NULL OR t.lease_epoch = u.epoch) AND task_status_active(t.status)
         RETURNING t AS done_row, u.ordinality AS pos
     )
@@ -982,33 +976,15 @@ BEGIN
 END
 $$;
 
--- task_finish_batch is the previous release's call (migration 0013; drop it once no runner of
--- that release is left): it waits for each row, as it always did, and then finishes them through
--- task_finish_batch_nowait, to which rows locked by its own transaction are not locked elsewhere.
-CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
-LANGUAGE plpgsql AS $$
-DECLARE
-    item jsonb;
-BEGIN
-    FOR item IN SELECT e FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o) ORDER BY o LOOP
-        PERFORM 1 FROM tasks WHERE tenant_id = item->>'tenant_id' AND task_id = item->>'task_id'
-        FOR NO KEY UPDATE;
-    END LOOP;
-    RETURN QUERY SELECT * FROM task_finish_batch_nowait(p_items);
-END
-$$;
-
-REVOKE ALL ON FUNCTION task_batch(jsonb), task_finish_batch(jsonb), task_finish_batch_nowait(jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION task_batch(jsonb), task_finish_batch(jsonb) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
-GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb), task_finish_batch_nowait(jsonb) TO mcp_tasks_runner;
+GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
 GRANT USAGE ON TYPE task_batch_item TO mcp_tasks_app;
 GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
 -- Outcomes are the record: the function runs as mcp_tasks_record, the only role that may write a
 -- task's outcome columns; the lease check in its body decides which rows it may finish.
 ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
 ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
-ALTER FUNCTION task_finish_batch_nowait(jsonb) OWNER TO mcp_tasks_record;
-ALTER FUNCTION task_finish_batch_nowait(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
 
 -- task_get_batch reads a batch of gets (migrations 0010, 0011): one set-based read per tenant, under
 -- that tenant's row-level security, each row by primary key; a row per item found (its place in

@@ -7,7 +7,6 @@ suite (tests/faults/test_partition.py) cuts a real process off its database."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -206,44 +205,6 @@ async def test_a_renewal_skips_a_row_locked_elsewhere_and_says_it_is_still_ours(
     assert (await row(db, locked_id))["lease_expires_at"] == before
     assert await runner.renew(OWNER, 60_000, due, 240_000) == (True, {k for k, _ in due}, set())
     assert (await row(db, locked_id))["lease_expires_at"] > before
-
-
-async def test_a_finish_skips_a_row_locked_elsewhere_and_the_previous_releases_call_waits(
-    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection, database_url: str
-) -> None:
-    """A transaction left open on one task row must not hold up a batch of outcomes: the runner's
-    connections have no lock timeout, so before, the batch (and every outcome queued behind it in
-    the runner's lane, of any tenant) waited as long as the lock stayed. The locked item now
-    answers None at once and is written once the lock is gone. The previous release's call
-    (`task_finish_batch`, kept for a rolling upgrade) still waits for the row, as it always did."""
-    tasks, runner = stores
-    locked_id, free_id = await queued(tasks), await queued(tasks)
-    claimed = {t.task_id: t for t in (await claim_one(runner), await claim_one(runner))}
-    locked, free = claimed[locked_id], claimed[free_id]
-    finishes = [
-        rq.FinishRequest.of(t.tenant_id, t.task_id, t.subject, OWNER, RESULT, epoch=t.lease_epoch)
-        for t in (locked, free)
-    ]
-    holder = await asyncpg.connect(database_url)
-    try:
-        await holder.execute("BEGIN")
-        await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
-        async with asyncio.timeout(5):
-            skipped, done = await runner.finish(finishes)
-        assert skipped is None
-        assert done is not None
-        assert (done.task_id, done.status.value) == (free_id, "completed")
-        assert (await row(db, locked_id))["status"] == "working"  # nothing of it was written
-        old_call = asyncio.create_task(
-            db.fetch("SELECT task_id FROM task_finish_batch($1::jsonb)", json.dumps(rq.as_items(finishes[:1])))
-        )
-        await asyncio.sleep(0.5)
-        assert not old_call.done(), "the previous release's call did not wait for the row"
-    finally:
-        await holder.close()  # its transaction ends: the row is free again
-    async with asyncio.timeout(5):
-        assert [r["task_id"] for r in await old_call] == [locked_id]  # it waited, then wrote
-    assert (await row(db, locked_id))["status"] == "completed"
 
 
 async def test_a_question_from_a_stale_run_is_not_asked(
@@ -666,37 +627,3 @@ async def test_a_run_fenced_while_it_reads_its_session_goes_back_to_the_queue_wh
             await reads.get()  # given back to the queue and claimed again: its read begins anew
         assert (await row(db, task_id))["status"] == "working"
         await s.result("tasks/cancel", {"taskId": task_id})
-
-
-def outcome_waits() -> float:
-    return METRICS.get_sample_value("mcp_tasks_outcome_row_waits_total") or 0.0
-
-
-async def test_an_outcome_whose_row_is_locked_elsewhere_holds_up_no_other_outcome(
-    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
-) -> None:
-    """One task's row locked by a transaction left open: its outcome waits (written again until the
-    lock is gone) while the runner's other outcomes land. Before, its batch waited on the row, and
-    every outcome queued behind it in the runner's lane waited too, for as long as the lock stayed."""
-    async with serve(make_settings(database_url)) as running:
-        s = RpcSession(http, running.url)
-        await s.initialize()
-        locked_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.3}))["task"]["taskId"]
-        holder = await asyncpg.connect(database_url)
-        try:
-            await holder.execute("BEGIN")
-            await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
-            waits = outcome_waits()
-            free_id = (await s.call_tool_as_task("stubborn", {"seconds": 0.8}))["task"]["taskId"]
-            async with asyncio.timeout(10):
-                while (await row(db, free_id))["status"] != "completed":
-                    await asyncio.sleep(0.05)
-            assert (await row(db, locked_id))["status"] == "working"
-            assert outcome_waits() > waits
-        finally:
-            await holder.close()  # its transaction ends: the row is free again
-        async with asyncio.timeout(10):
-            while (await row(db, locked_id))["status"] != "completed":
-                await asyncio.sleep(0.05)
-        result = await s.result("tasks/result", {"taskId": locked_id})
-        assert result["content"][0]["text"] == "finished anyway"

@@ -373,13 +373,9 @@ async def test_a_batch_cut_off_by_shutdown_answers_every_waiter(app_db: Database
     assert [type(o).__name__ for o in outcomes] == ["Unavailable"] * 3
 
 
-async def test_the_previous_releases_finish_batch_locks_every_row_before_any_counter(
-    app_db: Database, database_url: str
-) -> None:
+async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Database, database_url: str) -> None:
     """A cancel locks its task's row, then its requestor's counter. A finish batch that changed one
-    task (locking the counter) and then waited for the cancelled task's row would close a cycle.
-    Today's finish waits for no row (it skips one locked elsewhere: tests/test_fencing.py); the
-    previous release's call, kept for rolling upgrades, still waits, and still before any counter."""
+    task (locking the counter) and then waited for the cancelled task's row would close a cycle."""
     owner = principal("acme", "alice")
     leased = [leased_create(owner) for _ in range(2)]
     tasks = sorted((t for t in await TaskStore(app_db).run(leased) if t is not None), key=lambda t: t.task_id)
@@ -393,11 +389,7 @@ async def test_the_previous_releases_finish_batch_locks_every_row_before_any_cou
             # The second task's row is held, as by a cancel in progress.
             await blocker.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", tasks[1].task_id)
 
-            async def previous_release_finish() -> list[asyncpg.Record]:
-                async with runner_db.connection() as conn:
-                    return await conn.fetch("SELECT * FROM task_finish_batch($1)", rq.as_items(items))
-
-            finishing = asyncio.create_task(previous_release_finish())
+            finishing = asyncio.create_task(RunnerStore(runner_db).finish(items))
             probe = await asyncpg.connect(database_url)
             try:
                 async with asyncio.timeout(10):
@@ -417,7 +409,7 @@ async def test_the_previous_releases_finish_batch_locks_every_row_before_any_cou
     finally:
         await blocker.close()
         await runner_db.close()
-    assert [r["status"] for r in done] == ["completed", "completed"]
+    assert [t.status.value if t else None for t in done] == ["completed", "completed"]
 
 
 async def test_tenants_take_turns_and_large_items_go_in_a_lane_of_their_own(app_db: Database) -> None:

@@ -242,13 +242,10 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
         PanelSpec(
             "Fencing: runs stopped, writes refused",
             "Tools a runner stopped because it could not renew their leases in time (database out of reach), "
-            "runner writes refused because the task had been taken over meanwhile (docs/decisions.md, Fencing), "
-            "and outcome writes put off because the task's row was locked by another transaction (a steady rate: "
-            "look for a transaction left open, docs/operations.md, McpTasksNotFinishing).",
+            "and runner writes refused because the task had been taken over meanwhile (docs/decisions.md, Fencing).",
             (
                 Query(f"sum(increase(mcp_tasks_runner_fenced_tasks_total[{RATE}]))", "runs stopped"),
                 Query(f"sum by (op) (increase(mcp_tasks_fenced_writes_total[{RATE}]))", "{{op}} refused"),
-                Query(f"sum(increase(mcp_tasks_outcome_row_waits_total[{RATE}]))", "outcomes waiting for a row lock"),
             ),
         ),
         PanelSpec(

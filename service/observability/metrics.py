@@ -122,11 +122,6 @@ fenced_writes = Counter(
 )  # fmt: skip
 for _op in ("finish", "release"):  # series at 0 from the start: a first refusal shows as a rise
     fenced_writes.labels(_op)
-outcome_waits = Counter(
-    "mcp_tasks_outcome_row_waits_total",
-    "Outcome writes skipped because the task's row was locked by another transaction (a cancel under way, "
-    "a transaction left open); each is written again once the lock is gone",
-)  # fmt: skip
 runner_fenced = Counter(
     "mcp_tasks_runner_fenced_tasks_total",
     "Tasks whose tool this runner stopped because it could not renew their lease in time (outcome not written)",

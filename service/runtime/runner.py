@@ -683,7 +683,7 @@ class Runner:
         request = FinishRequest.of(
             task.tenant_id, task.task_id, task.subject, self.owner, outcome, epoch=task.lease_epoch
         )
-        delay = busy_delay = 0.25
+        delay = 0.25
         while True:
             finishing = self._finishes.enqueue(request)
             try:
@@ -702,43 +702,21 @@ class Runner:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            if landed is None and await self._refused("finish", task):
-                # Its row was locked elsewhere (a cancel under way, a transaction left open): the
-                # write was skipped, not waited for. Offered again soon; a cancel then wins.
-                if self._stopping:
-                    log.warning(
-                        "the outcome of task %s was not written: its row is locked by another transaction and "
-                        "the runner is stopping; the task is taken over (re-run or failed) once its lease runs out",
-                        task.task_id[:8],
-                    )
-                    return
-                metrics.outcome_waits.inc()
-                if busy_delay == 0.25:  # once per outcome: a lock held for long is retried quietly
-                    log.warning(
-                        "the outcome of task %s waits for its row, locked by another transaction (one left "
-                        "open? docs/operations.md, McpTasksNotFinishing); it is written once the lock is gone",
-                        task.task_id[:8],
-                    )
-                await asyncio.sleep(busy_delay)
-                busy_delay = min(busy_delay * 2, 2.0)
-                continue
+            if landed is None:
+                await self._refused("finish", task)
             return
 
-    async def _refused(self, op: str, task: Task) -> bool:
+    async def _refused(self, op: str, task: Task) -> None:
         """A write of this run changed nothing. Counted and logged only when another runner took the
-        task over (cancelled, expired, or our own earlier write whose answer was lost are not). True
-        when the task is still this run's and active: the row was locked elsewhere and the write
-        skipped (a finish), or the lease could not be read; the write may be offered again."""
+        task over (cancelled, expired, or our own earlier write whose answer was lost are not)."""
         try:
             state = await self.store.lease_state(task.tenant_id, task.task_id)
-        except Exception:  # refused or skipped: unknown; offering it again is safe (fenced)
-            return True
+        except Exception:  # the write was refused all the same; only its reason is unknown
+            return
         if state is None or state.status is TaskStatus.CANCELLED:
-            return False
-        if state.owner == self.owner and state.epoch == task.lease_epoch and not state.status.is_terminal:
-            return True
+            return
         if state.epoch == task.lease_epoch and state.owner is None and state.status.is_terminal:
-            return False  # our write landed before: its answer was lost, and the retry found it done
+            return  # our write landed before: its answer was lost, and the retry found it done
         metrics.fenced_writes.labels(op).inc()
         log.warning(
             "runner's %s of task %s was refused: the task was taken over (lease epoch %d, now %d): "
@@ -748,7 +726,6 @@ class Runner:
             task.lease_epoch,
             state.epoch,
         )
-        return False
 
     async def _record_unstorable(self, task: Task, ref: str) -> None:
         """The outcome could not be stored: fail the task with a stored error rather than leave it working."""

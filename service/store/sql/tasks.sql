@@ -186,9 +186,8 @@ SELECT * FROM task_batch($1);
 SELECT * FROM task_get_batch($1, $2, $3);
 
 -- name: finish_task_batch
--- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005);
--- a task row locked elsewhere is skipped, not waited for: NULL, as a refused item (0013).
-SELECT * FROM task_finish_batch_nowait($1);
+-- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
+SELECT * FROM task_finish_batch($1);
 
 -- name: release_task_batch
 -- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken (the one hand-back path).
