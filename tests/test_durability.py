@@ -580,5 +580,6 @@ async def test_a_run_stopped_while_it_reads_its_session_goes_back_to_the_queue_w
             row = await conn.fetchrow("SELECT lease_owner, outcome FROM tasks WHERE task_id = $1", task_id)
         finally:
             await conn.close()
-        assert row is not None and row["lease_owner"] is None and row["outcome"] is None
+        assert row is not None
+        assert (row["lease_owner"], row["outcome"]) == (None, None)
         await s.result("tasks/cancel", {"taskId": task_id})

@@ -598,7 +598,7 @@ async def test_a_run_fenced_while_it_reads_its_session_goes_back_to_the_queue_wh
     claimed again. Before, the fenced run was given back as if its tool had run: failed."""
     async with (
         serve(make_settings(database_url, runner_concurrency=0)) as front,
-        serve(make_settings(database_url, lease_ms=2_000)) as worker,
+        serve(make_settings(database_url, lease_ms=4_000)) as worker,  # the reaper's turn comes 3 s after the fence
     ):
         reads = asyncio.Queue[str]()
 
