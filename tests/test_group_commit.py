@@ -412,6 +412,41 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
     assert [t.status.value if t else None for t in done] == ["completed", "completed"]
 
 
+async def test_requests_under_way_join_the_next_batch_and_an_idle_one_goes_after_one_turn(
+    app_db: Database,
+) -> None:
+    """Before a batch goes out, the loop turns while each turn brings more items (at most
+    GATHER_TURNS): requests arriving over a few loop turns share one statement, where before the
+    first went alone. A request on an idle service still goes after a single turn."""
+    store = TaskStore(app_db)
+    sizes: list[int] = []
+
+    async def recorded(items: list[rq.TaskRequest]) -> list[Task | None]:
+        sizes.append(len(items))
+        return await store.run(items)
+
+    batcher = Batcher(recorded, name="test-gather")
+    owner = principal("gather", "a")
+    futures = [batcher.enqueue(create(owner))]
+    for _ in range(3):  # one more request per loop turn, as requests under way would add them
+        await asyncio.sleep(0)
+        futures.append(batcher.enqueue(create(owner)))
+    async with asyncio.timeout(10):
+        created = await asyncio.gather(*futures)
+    assert all(t is not None for t in created)
+    assert sizes == [4]
+    sizes.clear()
+    async with asyncio.timeout(10):
+        alone = batcher.enqueue(create(owner))
+        turns = 0
+        while not sizes:  # the drainer sends it after one turn without more items
+            await asyncio.sleep(0)
+            turns += 1
+        assert await alone is not None
+    assert sizes == [1]
+    assert turns <= 3
+
+
 async def test_tenants_take_turns_and_large_items_go_in_a_lane_of_their_own(app_db: Database) -> None:
     """Issue 14 finding 6: behind a statement in flight, one tenant's 100 queued creates do not
     push another tenant's create out of the next batch; a large item never shares a statement with

@@ -49,6 +49,9 @@ T = TypeVar("T", bound=Batched)
 R = TypeVar("R")
 
 MAX_ITEMS = 64
+# Before a batch goes out, the loop turns this many times at most while each turn brings more
+# items (the requests already under way join it): bigger batches under load, one turn when idle.
+GATHER_TURNS = 8
 LARGE_ITEM_BYTES = 64 * 1024
 MAX_BATCH_BYTES = 1024 * 1024
 SMALL, LARGE = 0, 1  # the lanes
@@ -97,6 +100,7 @@ class Batcher(Generic[T, R]):
             while queue:
                 async with self._hold() if self._hold is not None else contextlib.nullcontext():
                     while queue:
+                        await self._gather(queue)
                         await self._run(_take(queue, self._max_items))
         finally:
             self._drainers[lane] = None
@@ -104,6 +108,19 @@ class Batcher(Generic[T, R]):
             for _item, future, _size in queue:
                 _settle(future, exc=Unavailable("the service is shutting down; retry"))
             queue.clear()
+
+    async def _gather(self, queue: list[tuple[T, asyncio.Future[R], int]]) -> None:
+        """Let the requests already under way join the next batch: the loop turns while each turn
+        brings more items, up to GATHER_TURNS turns or a full batch. Idle, that is one turn; under
+        load a statement then serves more requests (its cost is mostly per statement)."""
+        seen = len(queue)
+        for _ in range(GATHER_TURNS):
+            if seen >= self._max_items:
+                return
+            await asyncio.sleep(0)
+            if len(queue) == seen:
+                return
+            seen = len(queue)
 
     async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
         # A request whose waiter is gone (and did not shield its future) is not sent: nobody would
