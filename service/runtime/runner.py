@@ -84,8 +84,8 @@ class Runner:
         # When the last statement that extended our row while it held was sent (start, a beat): our
         # row holds for at least a lease after it. New runs count on it.
         self._row_sent = 0.0
-        # Fenced runs whose leases we still hold: handed back once the database answers again.
-        # Fenced runs' tasks to give back: when each was fenced, and whether its tool never started.
+        # Fenced runs whose leases we still hold, handed back once the database answers again: when
+        # each was fenced, and whether its tool never started.
         self._fenced: dict[TaskKey, tuple[Task, float, bool]] = {}
         self._reserved = 0  # slots promised to creates and claims in flight (see reserve)
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant

@@ -128,11 +128,11 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
     placed = Counter((planned[t], "a" if t in on_a else "b") for t in planned)
     print(f"  planned tasks by kind and replica: {dict(sorted(placed.items()))}")
     print(f"  retries by kind: {dict(tally.retries)}; failures: {dict(tally.failures)} {tally.examples}")
+    ordered = events(str(runs_log)) if duplicated else {}
     for t in duplicated:  # in full here: an assertion's message is cut short in the report
         row = rows.get(t)
-        seen = events(str(runs_log)).get(t)
-        print(f"  duplicated {t[:8]}: {known.get(t)} {row and (row['status'], row['status_message'])} runs={seen}"
-              f" a={a.pid} b={b.pid}")  # fmt: skip
+        print(f"  duplicated {t[:8]}: {known.get(t)} {row and (row['status'], row['status_message'])}"
+              f" runs={ordered.get(t)} a={a.pid} b={b.pid}")  # fmt: skip
     assert exit_status in (0, -signal.SIGTERM), a_log[-3000:]
     assert (tally.failed_ops, lost, stuck, len(duplicated)) == (0, 0, 0, 0), (
         tally.examples,
