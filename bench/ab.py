@@ -35,16 +35,18 @@ def main() -> int:
     ap.add_argument("trees", nargs="+", help="checkouts of our server (worktrees sharing this venv)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the servers
-    dbs = run.Databases()
+    # Each tree runs on the schema its own migrations make: an earlier tree's server on today's
+    # functions would measure its Python with today's SQL.
+    dbs = [run.Databases() for _ in args.trees]
     servers: dict[str, run.Server] = {}
     results: dict[str, list[tuple[float, float, float]]] = {}
     try:
-        dbs.create_template()
-        run.pin_postgres(run.SERVER_CORE)
         for i, tree in enumerate(args.trees):
             run.SERVER_TREE = tree
-            servers[f"{i}:{tree}"] = run.start_ours(dbs.fresh(), Path(tempfile.mkdtemp(prefix="mcp-ab-")))
+            dbs[i].create_template()
+            servers[f"{i}:{tree}"] = run.start_ours(dbs[i].fresh(), Path(tempfile.mkdtemp(prefix="mcp-ab-")))
             results[f"{i}:{tree}"] = []
+        run.pin_postgres(run.SERVER_CORE)
         keys = list(servers)
         for r in range(args.rounds):
             for key in keys if r % 2 == 0 else keys[::-1]:
@@ -59,7 +61,8 @@ def main() -> int:
     finally:
         for server in servers.values():
             server.stop()
-        dbs.drop_all()
+        for made in dbs:
+            made.drop_all()
     base = None
     for tree, rows in results.items():
         cpu = statistics.median(r[1] for r in rows)
