@@ -435,22 +435,35 @@ CREATE TABLE audit_heads (
 );
 
 -- When each requestor was last audited retrieving a finished task, and how often since: repeated
--- retrievals are recorded once per interval (docs/decisions.md). Gone with the task.
+-- retrievals are recorded once per interval (docs/decisions.md). Gone with the task: no foreign
+-- key (its lock and check cost a first retrieval more than the rest of it, migration 0013), but the
+-- statement trigger below deletes the rows of the tasks a statement deleted.
 CREATE TABLE audit_retrievals (
     tenant_id  text        NOT NULL,
     task_id    text        NOT NULL,
     subject    text        NOT NULL,
     audited_at timestamptz NOT NULL,
     repeats    bigint      NOT NULL DEFAULT 0,
-    CONSTRAINT audit_retrievals_pkey PRIMARY KEY (tenant_id, task_id, subject),
-    CONSTRAINT audit_retrievals_task_fkey FOREIGN KEY (tenant_id, task_id)
-        REFERENCES tasks (tenant_id, task_id) ON DELETE CASCADE
+    CONSTRAINT audit_retrievals_pkey PRIMARY KEY (tenant_id, task_id, subject)
 );
-GRANT SELECT, INSERT, UPDATE ON audit_retrievals TO mcp_tasks_record;
+GRANT SELECT, INSERT, UPDATE, DELETE ON audit_retrievals TO mcp_tasks_record;
 ALTER TABLE audit_retrievals ENABLE ROW LEVEL SECURITY;
 ALTER TABLE audit_retrievals FORCE ROW LEVEL SECURITY;
 CREATE POLICY audit_retrievals_record ON audit_retrievals TO mcp_tasks_record
     USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
+
+-- A deleted task's retrieval rows go with it, deleted as mcp_tasks_record (the only role that may).
+CREATE FUNCTION tasks_forget_retrievals() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+BEGIN
+    DELETE FROM audit_retrievals r USING old_rows o WHERE r.tenant_id = o.tenant_id AND r.task_id = o.task_id;
+    RETURN NULL;
+END
+$$;
+ALTER FUNCTION tasks_forget_retrievals() OWNER TO mcp_tasks_record;
+REVOKE ALL ON FUNCTION tasks_forget_retrievals() FROM PUBLIC;
+CREATE TRIGGER tasks_forget_retrievals AFTER DELETE ON tasks REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION tasks_forget_retrievals();
 
 -- The canonical text of an event, hashed into the chain; also used by `mcp-tasks audit verify`.
 -- PL/pgSQL, not SQL: a SQL function called from PL/pgSQL is parsed and planned again in every
@@ -470,9 +483,9 @@ $$;
 
 -- A finished task's result handed out again is recorded once per requestor per interval, the
 -- repeats counted into the next event (migration 0003, docs/decisions.md). Returns NULL when this
--- hand-out is only counted, else how many were counted since the last recorded one. The
--- requestor's row is locked first and decides; only a first hand-out also locks the task's key
--- (the row's foreign key needs it) and inserts. Called only by the record's own functions.
+-- hand-out is only counted, else how many were counted since the last recorded one. A first
+-- hand-out inserts the requestor's row; else that row, locked, decides (migration 0013). Called
+-- only by the record's own functions.
 CREATE FUNCTION audit_retrieval_due(p_tenant text, p_task_id text, p_subject text) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -483,23 +496,16 @@ BEGIN
     IF every_s <= 0 THEN
         RETURN 0;
     END IF;
+    -- A first hand-out inserts the requestor's row and is recorded; else the row decides, locked
+    -- (an insert under way in another transaction is waited for by the INSERT).
+    INSERT INTO audit_retrievals (tenant_id, task_id, subject, audited_at, repeats)
+    VALUES (p_tenant, p_task_id, p_subject, clock_timestamp(), 0)
+    ON CONFLICT (tenant_id, task_id, subject) DO NOTHING;
+    IF FOUND THEN
+        RETURN 0;
+    END IF;
     SELECT * INTO seen FROM audit_retrievals
     WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject FOR UPDATE;
-    IF NOT FOUND THEN
-        PERFORM 1 FROM tasks WHERE tenant_id = p_tenant AND task_id = p_task_id FOR KEY SHARE;
-        IF NOT FOUND THEN  -- the task is gone: recorded, and nothing to remember it by
-            RETURN 0;
-        END IF;
-        INSERT INTO audit_retrievals (tenant_id, task_id, subject, audited_at, repeats)
-        VALUES (p_tenant, p_task_id, p_subject, clock_timestamp(), 0)
-        ON CONFLICT (tenant_id, task_id, subject) DO NOTHING;
-        IF FOUND THEN
-            RETURN 0;
-        END IF;
-        -- Another transaction's first hand-out inserted it meanwhile: its row decides.
-        SELECT * INTO seen FROM audit_retrievals
-        WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject FOR UPDATE;
-    END IF;
     IF seen.audited_at > clock_timestamp() - every_s * interval '1 second' THEN
         UPDATE audit_retrievals SET repeats = repeats + 1
         WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject;

@@ -287,3 +287,36 @@ async def test_audit_append_many_appends_only_for_the_transactions_tenant_T_SEC_
         "seq"
     ] == 1
     assert await chain_problems(admin) == []
+
+
+async def test_a_tasks_retrieval_rows_go_with_it_when_the_sweeper_deletes_it_T_SEC_10(
+    admin: asyncpg.Connection,
+) -> None:
+    """Migration 0013: no foreign key ties audit_retrievals to tasks any more; the statement
+    trigger on tasks deletes, as mcp_tasks_record, the rows of every task a statement deleted
+    (here the sweeper's own batch, as the runner role), and only theirs."""
+    doomed = [create("acme", "alice"), create("acme", "bob"), create("globex", "alice")]
+    kept = create("acme", "alice")
+    await batch(admin, ordered([*doomed, kept]))
+    await finish_batch(admin, [finish(i) for i in ordered([*doomed, kept])])
+    await batch(admin, ordered([retrieve(i) for i in [*doomed, kept]]))
+    assert await admin.fetchval("SELECT count(*) FROM audit_retrievals") == 4
+    ids = [i["task_id"] for i in doomed]
+    await admin.execute("UPDATE tasks SET expires_at = clock_timestamp() - interval '1 s' WHERE task_id = ANY($1)", ids)
+    async with admin.transaction():
+        await admin.execute(f"SET LOCAL ROLE {RUNNER}")
+        status = await admin.execute(Q["delete_expired_tasks"], 100)
+    assert status == "DELETE 3"
+    rows = await admin.fetch("SELECT task_id FROM audit_retrievals")
+    assert [r["task_id"] for r in rows] == [kept["task_id"]]
+    # The app and runner roles still cannot touch the rows themselves.
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_role(admin, RUNNER, "DELETE FROM audit_retrievals")
+    for role in (APP, RUNNER):
+        assert not await admin.fetchval(
+            "SELECT has_function_privilege($1, 'tasks_forget_retrievals()', 'EXECUTE')", role
+        )
+    # A later retrieval of the kept task is only counted: its row still decides.
+    await batch(admin, [retrieve(kept)])
+    assert await admin.fetchval("SELECT repeats FROM audit_retrievals WHERE task_id = $1", kept["task_id"]) == 1
+    assert await chain_problems(admin) == []
