@@ -506,6 +506,9 @@ BEGIN
     END IF;
     SELECT * INTO seen FROM audit_retrievals
     WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject FOR UPDATE;
+    IF NOT FOUND THEN  -- deleted with its task meanwhile: this hand-out is recorded
+        RETURN 0;
+    END IF;
     IF seen.audited_at > clock_timestamp() - every_s * interval '1 second' THEN
         UPDATE audit_retrievals SET repeats = repeats + 1
         WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject;

@@ -55,6 +55,9 @@ BEGIN
     END IF;
     SELECT * INTO seen FROM audit_retrievals
     WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject FOR UPDATE;
+    IF NOT FOUND THEN  -- deleted with its task meanwhile: this hand-out is recorded
+        RETURN 0;
+    END IF;
     IF seen.audited_at > clock_timestamp() - every_s * interval '1 second' THEN
         UPDATE audit_retrievals SET repeats = repeats + 1
         WHERE tenant_id = p_tenant AND task_id = p_task_id AND subject = p_subject;
@@ -82,9 +85,13 @@ CREATE TRIGGER tasks_forget_retrievals AFTER DELETE ON tasks REFERENCING OLD TAB
 DOWNGRADE = """
 DROP TRIGGER tasks_forget_retrievals ON tasks;
 DROP FUNCTION tasks_forget_retrievals();
-REVOKE DELETE ON audit_retrievals FROM mcp_tasks_record;
+-- The rows a retrieval racing its task's deletion left behind would fail the foreign key; only
+-- mcp_tasks_record sees them (row-level security applies to the schema's owner too).
+SET ROLE mcp_tasks_record;
 DELETE FROM audit_retrievals r WHERE NOT EXISTS (
     SELECT FROM tasks t WHERE t.tenant_id = r.tenant_id AND t.task_id = r.task_id);
+RESET ROLE;
+REVOKE DELETE ON audit_retrievals FROM mcp_tasks_record;
 ALTER TABLE audit_retrievals ADD CONSTRAINT audit_retrievals_task_fkey FOREIGN KEY (tenant_id, task_id)
     REFERENCES tasks (tenant_id, task_id) ON DELETE CASCADE;
 CREATE OR REPLACE FUNCTION audit_retrieval_due(p_tenant text, p_task_id text, p_subject text) RETURNS bigint
