@@ -941,11 +941,10 @@ BEGIN
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
     -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
-    -- cancel locks its row before that requestor's counter. One primary-key lookup each.
-    FOR i IN 1 .. n LOOP
-        PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
-        FOR NO KEY UPDATE;
-    END LOOP;
+    -- cancel locks its row before that requestor's counter. One statement for them all (migration
+    -- 0014): the rows are locked as they leave the sort, so in item order.
+    PERFORM 1 FROM tasks k JOIN unnest(items) WITH ORDINALITY AS u ON k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+    ORDER BY u.ordinality FOR NO KEY UPDATE OF k;
     -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
     -- changes each requestor's counter once for the batch. The rows are locked already: the join
     -- order does not matter. A task named twice is finished once (the first the join meets).
@@ -1059,10 +1058,9 @@ BEGIN
     SELECT array_agg(jsonb_populate_record(NULL::task_release_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
-    FOR i IN 1 .. n LOOP
-        PERFORM 1 FROM tasks WHERE tenant_id = items[i].tenant_id AND task_id = items[i].task_id
-        FOR NO KEY UPDATE;
-    END LOOP;
+    -- Every row first, in the caller's order (as task_finish_batch), by one statement.
+    PERFORM 1 FROM tasks k JOIN unnest(items) WITH ORDINALITY AS u ON k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+    ORDER BY u.ordinality FOR NO KEY UPDATE OF k;
     FOR i IN 1 .. n LOOP
         it := items[i];
         t := NULL;

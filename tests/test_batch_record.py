@@ -320,3 +320,49 @@ async def test_a_tasks_retrieval_rows_go_with_it_when_the_sweeper_deletes_it_T_S
     await batch(admin, [retrieve(kept)])
     assert await admin.fetchval("SELECT repeats FROM audit_retrievals WHERE task_id = $1", kept["task_id"]) == 1
     assert await chain_problems(admin) == []
+
+
+@pytest.mark.parametrize("holder_first", [True, False])
+async def test_a_finish_batch_locks_its_rows_in_item_order_with_one_statement(
+    database_url: str, admin: asyncpg.Connection, holder_first: bool
+) -> None:
+    """Migration 0014: task_finish_batch locks every row of the batch by one statement, still in the
+    items' order (the order every writer locks rows in, so batches and cancels never wait on each
+    other in a cycle). Another transaction holds one row: a batch naming that row second has
+    locked the first row while it waits; a batch naming it first has locked nothing else yet."""
+    first, second = (create("acme", "alice") for _ in range(2))
+    await batch(admin, ordered([first, second]))
+    held = second if holder_first is False else first
+    other = first if held is second else second
+    holder = await asyncpg.connect(database_url)
+    finisher = await asyncpg.connect(database_url)
+    try:
+        hold = holder.transaction()
+        await hold.start()
+        await holder.execute(
+            "SELECT 1 FROM tasks WHERE tenant_id = 'acme' AND task_id = $1 FOR NO KEY UPDATE", held["task_id"]
+        )
+        items = [finish(held), finish(other)] if holder_first else [finish(other), finish(held)]
+        waiting = asyncio.create_task(finish_batch(finisher, items))
+        for _ in range(200):  # until the batch waits on the held row
+            await asyncio.sleep(0.01)
+            if await admin.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%task_finish_batch%'"
+            ):
+                break
+        else:
+            pytest.fail("the finish batch never waited on the held row")
+        probe = "SELECT 1 FROM tasks WHERE tenant_id = 'acme' AND task_id = $1 FOR NO KEY UPDATE NOWAIT"
+        async with admin.transaction():
+            if holder_first:  # the batch waits on its first row: the second is not locked yet
+                assert await admin.fetchval(probe, other["task_id"]) == 1
+            else:  # the batch locked its first row, then met the held one
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await admin.fetchval(probe, other["task_id"])
+        await hold.rollback()
+        done = await asyncio.wait_for(waiting, 10)
+        assert {r["task_id"] for r in done} == {first["task_id"], second["task_id"]}
+        assert all(r["status"] == "completed" for r in done)
+    finally:
+        await holder.close()
+        await finisher.close()
