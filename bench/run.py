@@ -41,6 +41,7 @@ BIN = ROOT / ".venv" / "bin"
 SERVER_TREE: str | None = None
 # --spy-blocking: py-spy pauses the server for each sample (exact stacks, more overhead).
 SPY_BLOCKING = False
+SPY_NATIVE = False  # --spy-native: py-spy --native (C frames of asyncpg, json, httptools)
 
 
 def ours_env(base: dict[str, str]) -> dict[str, str]:
@@ -327,7 +328,8 @@ def run_load(
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
         profile.parent.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "py-spy"), "record", "--pid", str(server.proc.pid), "--output", str(profile),
-                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--rate", "250"] if SPY_BLOCKING else ["--nonblocking"])]),
+                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--rate", "250"] if SPY_BLOCKING else ["--nonblocking"]),
+                                                  *(["--native"] if SPY_NATIVE else [])]),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     done = subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
     if spy is not None:
@@ -401,6 +403,9 @@ def main() -> int:
     ap.add_argument(
         "--spy-blocking", action="store_true", help="--profile pausing the server per sample (exact stacks)"
     )
+    ap.add_argument(
+        "--spy-native", action="store_true", help="--profile with native frames too (C extensions: asyncpg, json)"
+    )
     ap.add_argument("--servers", help="comma-separated subset of ours,sdk,fastmcp,fastmcp4,floor (default: all)")
     ap.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     ap.add_argument("--ext-poll-ms", type=float, default=EXT_POLL_MS, help="ext-lifecycle: tasks/get at once, "
@@ -410,9 +415,10 @@ def main() -> int:
                     "docs/performance.md)")  # fmt: skip
     ap.add_argument("--render", metavar="JSON", help="only render a saved --out file (and write --doc)")
     args = ap.parse_args()
-    global SERVER_TREE, SPY_BLOCKING
+    global SERVER_TREE, SPY_BLOCKING, SPY_NATIVE
     SERVER_TREE = str(Path(args.server_tree).resolve()) if args.server_tree else None
     SPY_BLOCKING = args.spy_blocking
+    SPY_NATIVE = args.spy_native
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         print(render(saved))
