@@ -127,8 +127,8 @@ CREATE INDEX tasks_claimable ON tasks (created_at) WHERE status = 'working' AND 
 CREATE INDEX tasks_leased ON tasks (lease_expires_at) WHERE lease_owner IS NOT NULL;
 -- tasks/list keyset pagination, newest first.
 CREATE INDEX tasks_owner_recent ON tasks (tenant_id, subject, created_at DESC, task_id DESC);
--- Active-task caps per requestor.
-CREATE INDEX tasks_active_owner ON tasks (tenant_id, subject) WHERE task_status_active(status);
+-- (No index of active tasks per requestor: the caps read the active_tasks counters, the queue
+-- gauges the two partial indexes above; migration 0015.)
 -- The sweeper deletes by expiry.
 CREATE INDEX tasks_expiry ON tasks (expires_at);
 -- The tasks_active gauge counts input_required tasks here (the active total comes from the
@@ -417,7 +417,9 @@ CREATE TABLE audit_events (
     CONSTRAINT audit_events_seq_positive CHECK (seq > 0),
     CONSTRAINT audit_events_hash_size CHECK (octet_length(hash) = 32 AND octet_length(prev_hash) = 32)
 );
-CREATE INDEX audit_events_time ON audit_events (tenant_id, at);
+-- An export from a time on (`mcp-tasks audit export --since`): times grow with the chain, so a
+-- block range index is enough and costs an insert next to nothing (migration 0015).
+CREATE INDEX audit_events_at ON audit_events USING brin (at);
 
 -- Besides the last seq and hash: the time of the last event (no event is dated before it), how
 -- far `mcp-tasks audit export` has read the chain from its start (exported_seq), and the last row
@@ -942,9 +944,11 @@ BEGIN
     n := coalesce(array_length(items, 1), 0);
     -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
     -- cancel locks its row before that requestor's counter. One statement for them all (migration
-    -- 0014): the rows are locked as they leave the sort, so in item order.
-    PERFORM 1 FROM tasks k JOIN unnest(items) WITH ORDINALITY AS u ON k.tenant_id = u.tenant_id AND k.task_id = u.task_id
-    ORDER BY u.ordinality FOR NO KEY UPDATE OF k;
+    -- 0014): each item's row by primary key, locked in the items' order (a lateral lookup per item,
+    -- in the order unnest gives them; a join could be planned, and cached, as a scan of the table).
+    PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
+    CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+                        FOR NO KEY UPDATE) l;
     -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
     -- changes each requestor's counter once for the batch. The rows are locked already: the join
     -- order does not matter. A task named twice is finished once (the first the join meets).
@@ -1058,9 +1062,10 @@ BEGIN
     SELECT array_agg(jsonb_populate_record(NULL::task_release_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
-    -- Every row first, in the caller's order (as task_finish_batch), by one statement.
-    PERFORM 1 FROM tasks k JOIN unnest(items) WITH ORDINALITY AS u ON k.tenant_id = u.tenant_id AND k.task_id = u.task_id
-    ORDER BY u.ordinality FOR NO KEY UPDATE OF k;
+    -- Every row first, in the caller's order, by one statement (as task_finish_batch).
+    PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
+    CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+                        FOR NO KEY UPDATE) l;
     FOR i IN 1 .. n LOOP
         it := items[i];
         t := NULL;
@@ -1128,7 +1133,7 @@ ALTER FUNCTION task_release_batch(jsonb) SECURITY DEFINER SET search_path = pg_c
 -- changed since its last analysis by more than autovacuum's default threshold (50 rows and 10 %),
 -- at most once per p_every per table (a minute: autovacuum's naptime).
 -- Without statistics a lookup of one task by (tenant_id, task_id) may walk every task of the
--- tenant in tasks_owner_recent or tasks_active_owner (migration 0012). Owned by the schema's owner
+-- tenant in tasks_owner_recent (or, until migration 0015, tasks_active_owner; migration 0012). Owned by the schema's owner
 -- (ANALYZE needs the table's owner); it does nothing else.
 CREATE FUNCTION analyze_stale_tables(p_every interval) RETURNS text[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$

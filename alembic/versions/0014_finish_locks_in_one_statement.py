@@ -7,12 +7,14 @@ Revises: 0013
 any (migration 0002): in the caller's (tenant, subject, task) order, so two batches, or a batch and
 a cancel, never wait on each other in a cycle, and before any counter. They did it with one
 ``SELECT ... FOR NO KEY UPDATE`` per task, a statement of its own each (the executor started and
-ended, the plan checked, a snapshot taken). Now one statement locks them all: the items joined to
-their rows, sorted by the item's place, ``FOR NO KEY UPDATE OF`` the task (the rows are locked as
-they leave the sort, so in the same order). Measured with ``bench/sql_cpu.py`` (issue 15, three
-alternated runs of 300 rounds): a finished task of a batch of 32 costs about 135 instead of 159 us of
-PostgreSQL CPU when the batch spreads over 8 tenants x 4 subjects, 105-109 instead of 107-121 for
-one requestor. What is locked, in which order, and what each batch then does are unchanged.
+ended, the plan checked, a snapshot taken). Now one statement locks them all: for each item, in
+the order ``unnest`` gives them, a lateral lookup of its row by primary key, ``FOR NO KEY UPDATE``.
+Not a join of the items with ``tasks``: planned while the table is young (a new deployment, a
+server whose autovacuum is off) and cached for the connection, a join became a hash join over a
+scan of the whole table, run again for every batch as the table grew (``bench/ab.py`` caught it:
+0.71 -> 0.95 ms of PostgreSQL per lifecycle). Measured with ``bench/sql_cpu.py`` and ``bench/ab.py``
+(issue 15; docs/performance.md, fifteenth pass). What is locked, in which order, and what each
+batch then does are unchanged.
 """
 
 from service.store.sqlscript import run_script
@@ -42,9 +44,11 @@ BEGIN
     n := coalesce(array_length(items, 1), 0);
     -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
     -- cancel locks its row before that requestor's counter. One statement for them all (migration
-    -- 0014): the rows are locked as they leave the sort, so in item order.
-    PERFORM 1 FROM tasks k JOIN unnest(items) WITH ORDINALITY AS u ON k.tenant_id = u.tenant_id AND k.task_id = u.task_id
-    ORDER BY u.ordinality FOR NO KEY UPDATE OF k;
+    -- 0014): each item's row by primary key, locked in the items' order (a lateral lookup per item,
+    -- in the order unnest gives them; a join could be planned, and cached, as a scan of the table).
+    PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
+    CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+                        FOR NO KEY UPDATE) l;
     -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
     -- changes each requestor's counter once for the batch. The rows are locked already: the join
     -- order does not matter. A task named twice is finished once (the first the join meets).
@@ -98,9 +102,10 @@ BEGIN
     SELECT array_agg(jsonb_populate_record(NULL::task_release_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
-    -- Every row first, in the caller's order (as task_finish_batch), by one statement.
-    PERFORM 1 FROM tasks k JOIN unnest(items) WITH ORDINALITY AS u ON k.tenant_id = u.tenant_id AND k.task_id = u.task_id
-    ORDER BY u.ordinality FOR NO KEY UPDATE OF k;
+    -- Every row first, in the caller's order, by one statement (as task_finish_batch).
+    PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
+    CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+                        FOR NO KEY UPDATE) l;
     FOR i IN 1 .. n LOOP
         it := items[i];
         t := NULL;
