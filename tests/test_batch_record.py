@@ -366,3 +366,36 @@ async def test_a_finish_batch_locks_its_rows_in_item_order_with_one_statement(
     finally:
         await holder.close()
         await finisher.close()
+
+
+async def test_the_queue_gauges_count_from_the_queued_and_leased_rows_alone(admin: asyncpg.Connection) -> None:
+    """Migration 0015 dropped the index of every active task per requestor: queue_by_tool (the
+    queue gauges, once per maintenance pass) counts the queued and the running tasks per tool from
+    the two partial indexes of exactly those rows, not by a scan of every stored task."""
+    queued = [create("acme", "alice", tool="slow", lease_owner=None, lease_key=None, lease_ms=None) for _ in range(3)]
+    running = [create("acme", "bob", tool="slow") for _ in range(2)] + [create("globex", "carol")]
+    done = [create("acme", "alice") for _ in range(3)]
+    await batch(admin, ordered(queued + running + done))
+    await finish_batch(admin, [finish(i) for i in ordered(done)])
+    # Many finished tasks stored (inserted directly: the login user is a superuser here).
+    await admin.execute(
+        """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
+                              ttl_ms, poll_interval_ms, expires_at, finished_at)
+           SELECT 'acme', 'old-' || g, 'alice', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
+                  600000, 100, clock_timestamp() + interval '10 minutes', clock_timestamp()
+           FROM generate_series(1, 20000) g"""
+    )
+    await admin.execute("ANALYZE tasks")
+    counts = {r["tool"]: (r["queued"], r["running"]) for r in await admin.fetch(Q["queue_by_tool"])}
+    assert counts == {"slow": (3, 2), "echo": (0, 1)}
+    plan = json.loads(await admin.fetchval("EXPLAIN (FORMAT JSON) " + Q["queue_by_tool"]))
+
+    def scans(node: dict[str, Any]) -> list[tuple[str, str | None]]:
+        found = [(node["Node Type"], node.get("Index Name"))]
+        for child in node.get("Plans", []):
+            found += scans(child)
+        return found
+
+    seen = scans(plan[0]["Plan"])
+    assert ("Seq Scan", None) not in seen
+    assert {name for _, name in seen if name} == {"tasks_claimable", "tasks_leased"}

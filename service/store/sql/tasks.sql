@@ -195,7 +195,8 @@ SELECT * FROM task_release_batch($1);
 
 -- name: queue_by_tool
 -- Queued (working, unclaimed) and running (claimed) tasks per tool, with the age of the oldest of
--- each, for the queue gauges. It reads the active rows only (the sweeper's pass, not a request's).
+-- each, for the queue gauges. It reads the rows of the two partial indexes only, queued and leased
+-- (the sweeper's pass, not a request's; an active task in neither counts in neither).
 SELECT tool,
        count(*) FILTER (WHERE lease_owner IS NULL AND status = 'working') AS queued,
        count(*) FILTER (WHERE lease_owner IS NOT NULL) AS running,
@@ -204,7 +205,7 @@ SELECT tool,
        coalesce(extract(epoch FROM clock_timestamp() - min(coalesce(started_at, created_at))
                 FILTER (WHERE lease_owner IS NOT NULL)), 0) AS oldest_running_s
 FROM tasks
-WHERE task_status_active(status) AND expires_at > clock_timestamp()
+WHERE ((status = 'working' AND lease_owner IS NULL) OR lease_owner IS NOT NULL) AND expires_at > clock_timestamp()
 GROUP BY tool;
 
 -- name: active_by_tenant
