@@ -996,7 +996,11 @@ GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
 -- Outcomes are the record: the function runs as mcp_tasks_record, the only role that may write a
 -- task's outcome columns; the lease check in its body decides which rows it may finish.
 ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
-ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
+-- Its statements find the items' rows in tasks: planned on a young table (and cached for the
+-- connection), a hash join or a scan read every task for every batch after. Without hash and merge
+-- joins and sequential scans each item's row is found by key however the table has grown (0014).
+ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public
+    SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off;
 
 -- task_get_batch reads a batch of gets (migrations 0010, 0011): one set-based read per tenant, under
 -- that tenant's row-level security, each row by primary key; a row per item found (its place in

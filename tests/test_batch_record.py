@@ -6,6 +6,7 @@ real count after every kind of writer, the retrieve interval unchanged."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import secrets
@@ -322,48 +323,54 @@ async def test_a_tasks_retrieval_rows_go_with_it_when_the_sweeper_deletes_it_T_S
     assert await chain_problems(admin) == []
 
 
-@pytest.mark.parametrize("holder_first", [True, False])
+@pytest.mark.parametrize("held_at", [0, 1])
 async def test_a_finish_batch_locks_its_rows_in_item_order_with_one_statement(
-    database_url: str, admin: asyncpg.Connection, holder_first: bool
+    database_url: str, admin: asyncpg.Connection, held_at: int
 ) -> None:
     """Migration 0014: task_finish_batch locks every row of the batch by one statement, still in the
     items' order (the order every writer locks rows in, so batches and cancels never wait on each
-    other in a cycle). Another transaction holds one row: a batch naming that row second has
-    locked the first row while it waits; a batch naming it first has locked nothing else yet."""
-    first, second = (create("acme", "alice") for _ in range(2))
-    await batch(admin, ordered([first, second]))
-    held = second if holder_first is False else first
-    other = first if held is second else second
+    other in a cycle), whatever the rows' key or physical order: the items are named in reverse key
+    order. Another transaction holds one item's row: while the batch waits on it, the rows of the
+    items before it are locked and those after it are not."""
+    tasks = ordered([create("acme", "alice") for _ in range(3)])
+    await batch(admin, tasks)
+    items = list(reversed(tasks))
     holder = await asyncpg.connect(database_url)
     finisher = await asyncpg.connect(database_url)
+    waiting: asyncio.Task[list[asyncpg.Record]] | None = None
     try:
         hold = holder.transaction()
         await hold.start()
-        await holder.execute(
-            "SELECT 1 FROM tasks WHERE tenant_id = 'acme' AND task_id = $1 FOR NO KEY UPDATE", held["task_id"]
-        )
-        items = [finish(held), finish(other)] if holder_first else [finish(other), finish(held)]
-        waiting = asyncio.create_task(finish_batch(finisher, items))
-        for _ in range(200):  # until the batch waits on the held row
+        lock = "SELECT 1 FROM tasks WHERE tenant_id = 'acme' AND task_id = $1 FOR NO KEY UPDATE"
+        await holder.execute(lock, items[held_at]["task_id"])
+        waiting = asyncio.create_task(finish_batch(finisher, [finish(i) for i in items]))
+        for _ in range(500):  # until the batch waits on the held row
             await asyncio.sleep(0.01)
-            if await admin.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%task_finish_batch%'"
+            if holder.get_server_pid() in await admin.fetchval(
+                "SELECT pg_blocking_pids($1)", finisher.get_server_pid()
             ):
                 break
         else:
             pytest.fail("the finish batch never waited on the held row")
-        probe = "SELECT 1 FROM tasks WHERE tenant_id = 'acme' AND task_id = $1 FOR NO KEY UPDATE NOWAIT"
         async with admin.transaction():
-            if holder_first:  # the batch waits on its first row: the second is not locked yet
-                assert await admin.fetchval(probe, other["task_id"]) == 1
-            else:  # the batch locked its first row, then met the held one
-                with pytest.raises(asyncpg.LockNotAvailableError):
-                    await admin.fetchval(probe, other["task_id"])
+            for place, item in enumerate(items):
+                if place == held_at:
+                    continue
+                if place < held_at:  # locked before the batch met the held row
+                    with pytest.raises(asyncpg.LockNotAvailableError):
+                        async with admin.transaction():
+                            await admin.fetchval(lock + " NOWAIT", item["task_id"])
+                else:  # not locked yet
+                    assert await admin.fetchval(lock + " NOWAIT", item["task_id"]) == 1
         await hold.rollback()
         done = await asyncio.wait_for(waiting, 10)
-        assert {r["task_id"] for r in done} == {first["task_id"], second["task_id"]}
+        assert [r["task_id"] for r in done] == [i["task_id"] for i in items]
         assert all(r["status"] == "completed" for r in done)
     finally:
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(BaseException):
+                await waiting
         await holder.close()
         await finisher.close()
 
@@ -399,3 +406,38 @@ async def test_the_queue_gauges_count_from_the_queued_and_leased_rows_alone(admi
     seen = scans(plan[0]["Plan"])
     assert ("Seq Scan", None) not in seen
     assert {name for _, name in seen if name} == {"tasks_claimable", "tasks_leased"}
+
+
+async def test_a_finish_batch_finds_its_rows_by_key_with_a_plan_made_on_a_young_table(
+    database_url: str, admin: asyncpg.Connection
+) -> None:
+    """Migration 0014: a connection's plans of task_finish_batch are made once and kept, maybe
+    while the table holds a few rows and has no statistics (a new deployment; a server whose
+    autovacuum is off). Joined with the items, the table was then read by a hash join over a scan
+    of every row, for every batch after, however many tasks it came to hold. The batch's rows are
+    found by primary key instead: no sequential scan of tasks, with the generic plan made young."""
+    runner = await asyncpg.connect(database_url)
+    try:
+        await runner.execute("SET plan_cache_mode = force_generic_plan")
+        young = ordered([create("acme", "alice") for _ in range(2)])
+        await batch(admin, young)
+        await finish_batch(runner, [finish(young[0])])  # the plans are made now, on two rows
+        await admin.execute(
+            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
+                                  ttl_ms, poll_interval_ms, expires_at, finished_at)
+               SELECT 'acme', 'old-' || g, 'alice', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
+                      600000, 100, clock_timestamp() + interval '10 minutes', clock_timestamp()
+               FROM generate_series(1, 5000) g"""
+        )
+        async with runner.transaction():
+            await runner.execute(f"SET LOCAL ROLE {RUNNER}")
+            done = await runner.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(young[1])]))
+            await runner.execute("RESET ROLE")
+            scans = await runner.fetchrow(
+                "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables WHERE relname = 'tasks'"
+            )
+        assert [r["status"] for r in done] == ["completed"]
+        assert scans["seq_scan"] == 0
+        assert scans["idx_scan"] >= 2  # locked, then updated, by key
+    finally:
+        await runner.close()

@@ -13,8 +13,16 @@ Not a join of the items with ``tasks``: planned while the table is young (a new 
 server whose autovacuum is off) and cached for the connection, a join became a hash join over a
 scan of the whole table, run again for every batch as the table grew (``bench/ab.py`` caught it:
 0.71 -> 0.95 ms of PostgreSQL per lifecycle). Measured with ``bench/sql_cpu.py`` and ``bench/ab.py``
-(issue 15; docs/performance.md, fifteenth pass). What is locked, in which order, and what each
-batch then does are unchanged.
+(issue 15; docs/performance.md, fifteenth pass).
+
+The finish's UPDATE joins the items with ``tasks`` too, and was planned so on a young table (a hash
+join over a scan of every task; on a table of a page or two, a scan of it per item): the function
+now runs with hash joins, merge joins and sequential scans off, so each item's row is found by key
+whatever the table has become since the plan was made. The order
+rows are locked in and what each batch then does are unchanged; one difference: one statement
+reads one snapshot, so an item's row committed by another transaction while the batch waits on an
+earlier one is locked by the UPDATE that follows, not before it (a runner finishes only tasks whose
+create committed before it claimed them, so no batch meets such a row).
 """
 
 from service.store.sqlscript import run_script
@@ -87,7 +95,8 @@ BEGIN
     END LOOP;
 END
 $$;
-ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
+ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public
+    SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off;
 
 CREATE OR REPLACE FUNCTION task_release_batch(p_items jsonb) RETURNS SETOF tasks
 LANGUAGE plpgsql AS $$
