@@ -395,7 +395,8 @@ class RunnerStore:
 
     async def finish(self, requests: list[FinishRequest]) -> list[Task | None]:
         """Outcomes (only where owner and epoch still hold the lease of an active task), their audit
-        events and wake-ups, in one statement; None where the task was no longer theirs."""
+        events and wake-ups, in one statement; None where the task was no longer theirs. The tasks
+        come back without their payload, arguments and capabilities (the runner has them)."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["finish_task_batch"], as_items(requests))
         tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)

@@ -187,7 +187,12 @@ SELECT * FROM task_get_batch($1, $2, $3);
 
 -- name: finish_task_batch
 -- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
-SELECT * FROM task_finish_batch($1);
+-- Not read back: the outcome's payload, the arguments and the client's capabilities, which the
+-- runner has (a large result was sent to the database and decoded again on its way back).
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, rerunnable,
+       lease_epoch
+FROM task_finish_batch($1);
 
 -- name: release_task_batch
 -- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken (the one hand-back path).
