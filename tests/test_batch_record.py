@@ -100,6 +100,18 @@ async def counters_match(conn: asyncpg.Connection) -> None:
     assert [tuple(r) for r in counted] == [tuple(r) for r in real]
 
 
+async def store_finished(conn: asyncpg.Connection, n: int) -> None:
+    """``n`` finished tasks of acme/alice, inserted directly (the login user is a superuser here)."""
+    await conn.execute(
+        """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
+                              ttl_ms, poll_interval_ms, expires_at, finished_at)
+           SELECT 'acme', 'old-' || g, 'alice', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
+                  600000, 100, clock_timestamp() + interval '10 minutes', clock_timestamp()
+           FROM generate_series(1, $1::int) g""",
+        n,
+    )
+
+
 async def test_a_batch_of_one_tenant_appends_its_chain_in_item_order_and_it_verifies_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
@@ -384,14 +396,7 @@ async def test_the_queue_gauges_count_from_the_queued_and_leased_rows_alone(admi
     done = [create("acme", "alice") for _ in range(3)]
     await batch(admin, ordered(queued + running + done))
     await finish_batch(admin, [finish(i) for i in ordered(done)])
-    # Many finished tasks stored (inserted directly: the login user is a superuser here).
-    await admin.execute(
-        """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
-                              ttl_ms, poll_interval_ms, expires_at, finished_at)
-           SELECT 'acme', 'old-' || g, 'alice', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
-                  600000, 100, clock_timestamp() + interval '10 minutes', clock_timestamp()
-           FROM generate_series(1, 20000) g"""
-    )
+    await store_finished(admin, 20_000)
     await admin.execute("ANALYZE tasks")
     counts = {r["tool"]: (r["queued"], r["running"]) for r in await admin.fetch(Q["queue_by_tool"])}
     assert counts == {"slow": (3, 2), "echo": (0, 1)}
@@ -422,13 +427,7 @@ async def test_a_finish_batch_finds_its_rows_by_key_with_a_plan_made_on_a_young_
         young = ordered([create("acme", "alice") for _ in range(2)])
         await batch(admin, young)
         await finish_batch(runner, [finish(young[0])])  # the plans are made now, on two rows
-        await admin.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
-                                  ttl_ms, poll_interval_ms, expires_at, finished_at)
-               SELECT 'acme', 'old-' || g, 'alice', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
-                      600000, 100, clock_timestamp() + interval '10 minutes', clock_timestamp()
-               FROM generate_series(1, 5000) g"""
-        )
+        await store_finished(admin, 5_000)
         async with runner.transaction():
             await runner.execute(f"SET LOCAL ROLE {RUNNER}")
             done = await runner.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(young[1])]))
