@@ -1167,3 +1167,38 @@ END
 $$;
 REVOKE ALL ON FUNCTION analyze_stale_tables(interval) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION analyze_stale_tables(interval) TO mcp_tasks_runner;
+
+-- The first statistics of a new deployment's tables, whatever autovacuum does (migration 0016): each
+-- of the service's tables without statistics in which at least 50 rows changed is analysed, one
+-- process at a time; one row per table still without statistics when called, with whether this call
+-- analysed it. The maintenance pass calls it every fraction of a second until tasks has statistics
+-- (the plans cached before them walk tasks_owner_recent, see above). Owned by the schema's owner.
+CREATE FUNCTION analyze_young_tables() RETURNS TABLE (relname text, analysed boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+#variable_conflict use_column
+DECLARE
+    locked boolean := pg_try_advisory_xact_lock(hashtextextended('mcp_tasks:analyze', 0));
+    young record;
+BEGIN
+    FOR young IN
+        SELECT c.oid, c.relname::text AS name, s.n_mod_since_analyze >= 50 AS due
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_stat_user_tables s ON s.relid = c.oid
+        WHERE c.oid IN ('tasks'::regclass, 'active_tasks'::regclass, 'task_messages'::regclass,
+                        'sessions'::regclass, 'event_payloads'::regclass, 'runners'::regclass,
+                        'audit_events'::regclass, 'audit_heads'::regclass, 'audit_retrievals'::regclass)
+          -- No statistics: pg_stats shows the owner its tables' (pg_statistic is the superuser's).
+          AND NOT EXISTS (SELECT 1 FROM pg_stats p WHERE p.schemaname = n.nspname AND p.tablename = c.relname)
+        ORDER BY 2
+    LOOP
+        relname := young.name;
+        -- Another process that holds the lock is analysing; this call reports the table as young.
+        analysed := young.due AND locked;
+        IF analysed THEN
+            EXECUTE format('ANALYZE %I', young.name);
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
+REVOKE ALL ON FUNCTION analyze_young_tables() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION analyze_young_tables() TO mcp_tasks_runner;

@@ -1,6 +1,6 @@
 """Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions,
-purge exported audit events past their retention, and keep the planner's statistics when the
-server's autovacuum does not."""
+purge exported audit events past their retention, give a new deployment's tables their first
+statistics at once, and keep the planner's statistics when the server's autovacuum does not."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ BATCH = 500
 EVENT_PAYLOAD_MAX_AGE_MS = 60_000
 # Retention deletes in bulk: once in this many seconds is plenty (the first pass runs at start).
 AUDIT_PURGE_EVERY_S = 600.0
+# Until tasks has its first statistics, between passes the young tables are looked at this often.
+YOUNG_POLL_S = 0.25
 
 
 class Maintenance:
@@ -54,6 +56,7 @@ class Maintenance:
         self._tools_seen: set[str] = set()
         self._tenants_seen: set[str] = set()
         self._stranded: set[str] = set()  # tools with tasks no live runner can run, as of the last pass
+        self._young = True  # until tasks has statistics (migration 0016)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="maintenance")
@@ -70,7 +73,14 @@ class Maintenance:
                 log.warning("maintenance skipped: %s", exc)
             except Exception:
                 log.exception("maintenance pass failed")
-            await asyncio.sleep(self.interval_s)
+            next_pass = time.monotonic() + self.interval_s
+            while self._young and next_pass - time.monotonic() > YOUNG_POLL_S:
+                await asyncio.sleep(YOUNG_POLL_S)
+                try:
+                    await self.analyze_young()
+                except Exception:  # the next pass reports it (an outage, say) and tries again
+                    break
+            await asyncio.sleep(max(0.0, next_pass - time.monotonic()))
 
     async def run_once(self) -> None:
         await self.reap_lost_leases()
@@ -82,8 +92,22 @@ class Maintenance:
         if self._audit_purged_at is None or now - self._audit_purged_at >= AUDIT_PURGE_EVERY_S:
             self._audit_purged_at = now
             await self.purge_audit()
-        if self.analyze:  # last: the pass's own statements ran on the statistics it found
+        # Last: the pass's own statements ran on the statistics it found.
+        if self._young:
+            await self.analyze_young()
+        if self.analyze:
             await self.analyze_stale()
+
+    async def analyze_young(self) -> list[str]:
+        """A new deployment's first statistics, autovacuum or not (migration 0016): until its first
+        ANALYZE a lookup of one task may walk every task of its tenant, and the plans cached
+        meanwhile stay. Called between passes too, until tasks has statistics."""
+        young = await self.store.analyze_young()
+        analysed = sorted(name for name, done in young.items() if done)
+        if analysed:
+            log.info("analysed %s (their first statistics)", ", ".join(analysed))
+        self._young = young.get("tasks") is False
+        return analysed
 
     async def analyze_stale(self) -> list[str]:
         """What autovacuum's analyses would do, for the service's tables (one process at a time)."""

@@ -470,6 +470,14 @@ class RunnerStore:
             analysed = await conn.fetchval(Q["analyze_stale_tables"], every)
         return list(analysed or [])
 
+    async def analyze_young(self) -> dict[str, bool]:
+        """ANALYZE the service's tables that have no statistics yet and in which 50 rows changed
+        (whatever autovacuum does); every table still without statistics when called, with whether
+        this call analysed it."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["analyze_young_tables"])
+        return {row["relname"]: row["analysed"] for row in rows}
+
     async def queue_by_tool(self) -> list[QueueStats]:
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["queue_by_tool"])

@@ -72,3 +72,8 @@ SELECT tool, coalesce(sum(queued) FILTER (WHERE NOT runnable), 0)::bigint AS wit
 -- name: analyze_stale_tables
 -- The maintenance pass, when the server's autovacuum is off: the tables analysed (migration 0012).
 SELECT analyze_stale_tables($1::interval) AS analysed;
+
+-- name: analyze_young_tables
+-- The maintenance pass, until tasks has statistics: the tables still without, each with whether
+-- this call analysed it (migration 0016).
+SELECT relname, analysed FROM analyze_young_tables();
