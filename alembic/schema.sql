@@ -37,6 +37,10 @@ BEGIN
 END
 $$;
 GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_record;
+-- Nobody but the owner creates in public (migration 0016): an object the service's login created
+-- there could stand in for a built-in that a SECURITY DEFINER function calls. Where the migrating
+-- role may not revoke it (PostgreSQL 14's public is the bootstrap superuser's), the service warns.
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 -- The schema owner hands functions to mcp_tasks_record: it must be able to act as that role (a
 -- superuser can; a CREATEROLE owner grants itself membership), and the role may own objects here.
 DO $$
@@ -1145,22 +1149,29 @@ DECLARE
     stale text;
     analysed text[] := '{}';
 BEGIN
-    -- One process at a time; another that finds it taken has nothing to add.
-    IF NOT pg_try_advisory_xact_lock(hashtextextended('mcp_tasks:analyze', 0)) THEN
+    -- One process at a time; another that finds it taken has nothing to add. Every call qualified
+    -- and typed exactly, so nothing created in public can stand in for it (migration 0016).
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('mcp_tasks:analyze'::text, 0::bigint)) THEN
         RETURN analysed;
     END IF;
     FOR stale IN
-        SELECT s.relname::text FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
-        WHERE s.relid IN ('tasks'::regclass, 'active_tasks'::regclass, 'task_messages'::regclass,
-                          'sessions'::regclass, 'event_payloads'::regclass, 'runners'::regclass,
-                          'audit_events'::regclass, 'audit_heads'::regclass, 'audit_retrievals'::regclass)
-          AND s.n_mod_since_analyze > 50 + 0.1 * greatest(c.reltuples, 0)
+        SELECT s.relname::text
+        FROM pg_catalog.pg_stat_user_tables s JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) s.relid
+        WHERE s.relid OPERATOR(pg_catalog.=) ANY (ARRAY[
+                  'tasks'::regclass::oid, 'active_tasks'::regclass::oid, 'task_messages'::regclass::oid,
+                  'sessions'::regclass::oid, 'event_payloads'::regclass::oid, 'runners'::regclass::oid,
+                  'audit_events'::regclass::oid, 'audit_heads'::regclass::oid, 'audit_retrievals'::regclass::oid])
+          -- (OPERATOR() binds as any other operator does: left to right, hence the parentheses.)
+          AND s.n_mod_since_analyze::double precision OPERATOR(pg_catalog.>)
+              (50::double precision OPERATOR(pg_catalog.+)
+               (0.1::double precision OPERATOR(pg_catalog.*) greatest(c.reltuples, 0::real)::double precision))
           -- At most once per p_every per table (the service: a minute, autovacuum's naptime).
-          AND coalesce(greatest(s.last_analyze, s.last_autoanalyze), '-infinity') < clock_timestamp() - p_every
+          AND coalesce(greatest(s.last_analyze, s.last_autoanalyze), '-infinity'::timestamptz)
+              OPERATOR(pg_catalog.<) (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) p_every)
         ORDER BY 1
     LOOP
-        EXECUTE format('ANALYZE %I', stale);
-        analysed := analysed || stale;
+        EXECUTE pg_catalog.format('ANALYZE %I'::text, stale);
+        analysed := pg_catalog.array_append(analysed, stale);
     END LOOP;
     RETURN analysed;
 END
@@ -1169,32 +1180,40 @@ REVOKE ALL ON FUNCTION analyze_stale_tables(interval) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION analyze_stale_tables(interval) TO mcp_tasks_runner;
 
 -- The first statistics of a new deployment's tables, whatever autovacuum does (migration 0016): each
--- of the service's tables without statistics in which at least 50 rows changed is analysed, one
--- process at a time; one row per table still without statistics when called, with whether this call
--- analysed it. The maintenance pass calls it every fraction of a second until tasks has statistics
--- (the plans cached before them walk tasks_owner_recent, see above). Owned by the schema's owner.
-CREATE FUNCTION analyze_young_tables() RETURNS TABLE (relname text, analysed boolean)
+-- of the service's tables never analysed in which more than 50 rows changed is analysed, one
+-- process at a time; one row per table never analysed when called, with whether this call analysed
+-- it and how many of its rows changed. The maintenance pass calls it every fraction of a second
+-- while tasks fills unanalysed (the plans cached before its statistics walk tasks_owner_recent, see
+-- above). Owned by the schema's owner.
+CREATE FUNCTION analyze_young_tables() RETURNS TABLE (relname text, analysed boolean, changed bigint)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
 #variable_conflict use_column
 DECLARE
-    locked boolean := pg_try_advisory_xact_lock(hashtextextended('mcp_tasks:analyze', 0));
+    -- Every call qualified and typed exactly, so nothing created in public can stand in for it.
+    locked boolean := pg_catalog.pg_try_advisory_xact_lock(
+        pg_catalog.hashtextextended('mcp_tasks:analyze'::text, 0::bigint));
     young record;
 BEGIN
     FOR young IN
-        SELECT c.oid, c.relname::text AS name, s.n_mod_since_analyze >= 50 AS due
-        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace JOIN pg_stat_user_tables s ON s.relid = c.oid
-        WHERE c.oid IN ('tasks'::regclass, 'active_tasks'::regclass, 'task_messages'::regclass,
-                        'sessions'::regclass, 'event_payloads'::regclass, 'runners'::regclass,
-                        'audit_events'::regclass, 'audit_heads'::regclass, 'audit_retrievals'::regclass)
-          -- No statistics: pg_stats shows the owner its tables' (pg_statistic is the superuser's).
-          AND NOT EXISTS (SELECT 1 FROM pg_stats p WHERE p.schemaname = n.nspname AND p.tablename = c.relname)
-        ORDER BY 2
+        SELECT c.relname::text AS name, s.n_mod_since_analyze AS n_mod
+        FROM pg_catalog.pg_class c JOIN pg_catalog.pg_stat_user_tables s ON s.relid OPERATOR(pg_catalog.=) c.oid
+        WHERE c.oid OPERATOR(pg_catalog.=) ANY (ARRAY[
+                  'tasks'::regclass::oid, 'active_tasks'::regclass::oid, 'task_messages'::regclass::oid,
+                  'sessions'::regclass::oid, 'event_payloads'::regclass::oid, 'runners'::regclass::oid,
+                  'audit_events'::regclass::oid, 'audit_heads'::regclass::oid, 'audit_retrievals'::regclass::oid])
+          -- Never analysed, as far as the server's counters know (pg_stats would not say: row-level
+          -- security hides the tables' statistics from an owner that is not a superuser). Counters
+          -- lost in a crash make a table young again: it is analysed once more at 50 changes.
+          AND s.last_analyze IS NULL AND s.last_autoanalyze IS NULL
+        ORDER BY 1
     LOOP
         relname := young.name;
-        -- Another process that holds the lock is analysing; this call reports the table as young.
-        analysed := young.due AND locked;
+        changed := young.n_mod;
+        -- Autovacuum's base threshold (more than 50 rows changed). Another process that holds the
+        -- lock is analysing; this call reports the table as young and not analysed.
+        analysed := young.n_mod OPERATOR(pg_catalog.>) 50::bigint AND locked;
         IF analysed THEN
-            EXECUTE format('ANALYZE %I', young.name);
+            EXECUTE pg_catalog.format('ANALYZE %I'::text, young.name);
         END IF;
         RETURN NEXT;
     END LOOP;

@@ -127,7 +127,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
     autovacuum_on = await db.autovacuum_on()  # read once: it decides a warning and the pass's analyses
-    for warning in db.configuration_warnings(autovacuum_on=autovacuum_on):
+    may_create = await db.login_may_create_in_public()
+    for warning in db.configuration_warnings(autovacuum_on=autovacuum_on, login_may_create_in_public=may_create):
         log.warning(warning)
     runner_db = Database(
         dsn, pool_size=max(2, min(settings.db_pool_size, settings.runner_concurrency)), role=RUNNER_ROLE

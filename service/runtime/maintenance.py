@@ -24,8 +24,11 @@ BATCH = 500
 EVENT_PAYLOAD_MAX_AGE_MS = 60_000
 # Retention deletes in bulk: once in this many seconds is plenty (the first pass runs at start).
 AUDIT_PURGE_EVERY_S = 600.0
-# Until tasks has its first statistics, between passes the young tables are looked at this often.
+# Until tasks has its first statistics, between passes the young tables are looked at this often
+# while its rows change; each look that finds no more changed doubles the wait, up to a second (an
+# idle new deployment is not asked four times a second, and its first burst is still seen at once).
 YOUNG_POLL_S = 0.25
+YOUNG_IDLE_POLL_S = 1.0
 
 
 class Maintenance:
@@ -57,6 +60,8 @@ class Maintenance:
         self._tenants_seen: set[str] = set()
         self._stranded: set[str] = set()  # tools with tasks no live runner can run, as of the last pass
         self._young = True  # until tasks has statistics (migration 0016)
+        self._young_changed = 0  # its rows changed, as of the last look
+        self._young_wait_s = YOUNG_POLL_S
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="maintenance")
@@ -74,8 +79,8 @@ class Maintenance:
             except Exception:
                 log.exception("maintenance pass failed")
             next_pass = time.monotonic() + self.interval_s
-            while self._young and next_pass - time.monotonic() > YOUNG_POLL_S:
-                await asyncio.sleep(YOUNG_POLL_S)
+            while self._young and next_pass - time.monotonic() > self._young_wait_s:
+                await asyncio.sleep(self._young_wait_s)
                 try:
                     await self.analyze_young()
                 except Exception:  # the next pass reports it (an outage, say) and tries again
@@ -94,19 +99,31 @@ class Maintenance:
             await self.purge_audit()
         # Last: the pass's own statements ran on the statistics it found.
         if self._young:
-            await self.analyze_young()
+            try:
+                await self.analyze_young()
+            except Unavailable:
+                raise
+            except Exception:  # not a reason to skip the analyses autovacuum would do
+                log.exception("the first analysis of the service's tables failed")
         if self.analyze:
             await self.analyze_stale()
 
     async def analyze_young(self) -> list[str]:
         """A new deployment's first statistics, autovacuum or not (migration 0016): until its first
         ANALYZE a lookup of one task may walk every task of its tenant, and the plans cached
-        meanwhile stay. Called between passes too, until tasks has statistics."""
+        meanwhile stay. Called between passes too, until tasks has been analysed: every 0.25 s
+        while its rows change, the wait doubling (up to a second) while none do."""
         young = await self.store.analyze_young()
-        analysed = sorted(name for name, done in young.items() if done)
+        analysed = sorted(name for name, (done, _) in young.items() if done)
         if analysed:
             log.info("analysed %s (their first statistics)", ", ".join(analysed))
-        self._young = young.get("tasks") is False
+        done, changed = young.get("tasks", (True, 0))
+        self._young = not done
+        if changed > self._young_changed:
+            self._young_wait_s = YOUNG_POLL_S
+        else:
+            self._young_wait_s = min(2 * self._young_wait_s, YOUNG_IDLE_POLL_S)
+        self._young_changed = changed
         return analysed
 
     async def analyze_stale(self) -> list[str]:

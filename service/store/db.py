@@ -283,10 +283,32 @@ class Database:
         async with self.connection() as conn:
             return bool(await conn.fetchval("SELECT current_setting('autovacuum') = 'on'"))
 
+    async def login_may_create_in_public(self) -> bool:
+        """May the login this service connects as (not a superuser, who may do anything anyway)
+        create objects in schema public? PostgreSQL 14 lets every role, unless revoked."""
+        async with self.connection() as conn:
+            return bool(
+                await conn.fetchval(
+                    "SELECT has_schema_privilege(session_user, 'public', 'CREATE')"
+                    " AND NOT (SELECT rolsuper FROM pg_roles WHERE rolname = session_user)"
+                )
+            )
+
     @staticmethod
-    def configuration_warnings(*, autovacuum_on: bool) -> list[str]:
+    def configuration_warnings(*, autovacuum_on: bool, login_may_create_in_public: bool = False) -> list[str]:
         """What in the server's configuration (as read at start) will hurt this service."""
         warnings = []
+        if login_may_create_in_public:
+            # The schema's SECURITY DEFINER functions (the audit record's among them) look names
+            # up in pg_catalog, then public: a function or operator created there with a closer
+            # match than a built-in they call would run as their owner.
+            warnings.append(
+                "the service's database login may create objects in schema public (PostgreSQL 14's default): "
+                "with it, the service's credentials could make the schema's SECURITY DEFINER functions run "
+                "their code, and so rewrite the audit record; as a superuser or public's owner, run "
+                "REVOKE CREATE ON SCHEMA public FROM PUBLIC in the service's database, and revoke any grant of "
+                "CREATE on public to the service's roles (SECURITY.md, operator checklist)"
+            )
         if not autovacuum_on:
             # Every task update leaves a dead row version and every audit append a new head
             # version: without vacuum the tables and their indexes only grow, and each lookup of

@@ -470,13 +470,13 @@ class RunnerStore:
             analysed = await conn.fetchval(Q["analyze_stale_tables"], every)
         return list(analysed or [])
 
-    async def analyze_young(self) -> dict[str, bool]:
+    async def analyze_young(self) -> dict[str, tuple[bool, int]]:
         """ANALYZE the service's tables that have no statistics yet and in which 50 rows changed
         (whatever autovacuum does); every table still without statistics when called, with whether
-        this call analysed it."""
+        this call analysed it and how many of its rows changed."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["analyze_young_tables"])
-        return {row["relname"]: row["analysed"] for row in rows}
+        return {row["relname"]: (row["analysed"], row["changed"]) for row in rows}
 
     async def queue_by_tool(self) -> list[QueueStats]:
         async with self.db.connection() as conn:

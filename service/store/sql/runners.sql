@@ -75,5 +75,5 @@ SELECT analyze_stale_tables($1::interval) AS analysed;
 
 -- name: analyze_young_tables
 -- The maintenance pass, until tasks has statistics: the tables still without, each with whether
--- this call analysed it (migration 0016).
-SELECT relname, analysed FROM analyze_young_tables();
+-- this call analysed it and its rows changed (migration 0016).
+SELECT relname, analysed, changed FROM analyze_young_tables();
