@@ -28,10 +28,12 @@ async def _main() -> None:
     if not url:
         raise SystemExit("no database URL: set MCP_TASKS_DATABASE_URL")
     engine = create_async_engine(_async_url(url))
-    async with engine.connect() as conn:
-        await conn.run_sync(_run)
-        await conn.commit()
-    await engine.dispose()
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_run)
+            await conn.commit()
+    finally:  # a revision that fails still closes the pool's connection (else it is left to the GC)
+        await engine.dispose()
 
 
 asyncio.run(_main())
