@@ -245,3 +245,33 @@ async def test_an_idle_young_deployment_is_looked_at_less_and_less_often(runner_
         await maintenance.stop()
     assert 3 <= looks <= 7
     assert maintenance._young is True
+
+
+async def test_stopping_lets_the_look_in_flight_finish(runner_db: Database) -> None:
+    """A statement cut by a cancellation makes asyncpg send PostgreSQL a cancel request over a
+    connection of its own, which the end of the process may leave behind: stop lets the look in
+    flight end, and the loop ends at its next wait."""
+    maintenance = Maintenance(runner_db, Registry.load(["service.tools.demo"]), interval_s=60, session_idle_ms=60_000)
+    look = maintenance.store.analyze_young
+    ended: list[bool] = []
+    started = asyncio.Event()
+
+    async def slow() -> dict[str, tuple[bool, int]]:
+        if maintenance._task is not None and started.is_set():
+            return await look()
+        started.set()
+        try:
+            await asyncio.sleep(0.3)  # a statement in flight, as far as the loop can tell
+            ended.append(True)
+        except asyncio.CancelledError:
+            ended.append(False)
+            raise
+        return await look()
+
+    maintenance.store.analyze_young = slow  # type: ignore[method-assign]
+    await maintenance.start()
+    await started.wait()
+    await maintenance.stop()
+    assert ended == [True]
+    assert maintenance._task is not None
+    assert maintenance._task.done()

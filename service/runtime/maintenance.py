@@ -5,6 +5,7 @@ statistics at once, and keep the planner's statistics when the server's autovacu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -29,6 +30,10 @@ AUDIT_PURGE_EVERY_S = 600.0
 # idle new deployment is not asked four times a second, and its first burst is still seen at once).
 YOUNG_POLL_S = 0.25
 YOUNG_IDLE_POLL_S = 1.0
+# Stopping lets the statement in flight finish (cut, asyncpg would send PostgreSQL a cancel request
+# over a connection of its own, left behind if the loop ends first); a pass still running after
+# this long is cancelled.
+STOP_GRACE_S = 5.0
 
 
 class Maintenance:
@@ -62,16 +67,29 @@ class Maintenance:
         self._young = True  # until tasks has statistics (migration 0016)
         self._young_changed = 0  # its rows changed, as of the last look
         self._young_wait_s = YOUNG_POLL_S
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="maintenance")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
+        """The loop ends at its next wait; a pass still running after STOP_GRACE_S is cancelled."""
+        if self._task is None:
+            return
+        self._stopping.set()
+        _done, running = await asyncio.wait({self._task}, timeout=STOP_GRACE_S)
+        await cancel_and_wait(*running)
+        if not self._task.cancelled():
+            self._task.exception()  # collected: a failure of the loop itself was logged by it
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if the loop is stopping; is it?"""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self.run_once()
             except Unavailable as exc:
@@ -80,12 +98,14 @@ class Maintenance:
                 log.exception("maintenance pass failed")
             next_pass = time.monotonic() + self.interval_s
             while self._young and next_pass - time.monotonic() > self._young_wait_s:
-                await asyncio.sleep(self._young_wait_s)
+                if await self._pause(self._young_wait_s):
+                    return
                 try:
                     await self.analyze_young()
                 except Exception:  # the next pass reports it (an outage, say) and tries again
                     break
-            await asyncio.sleep(max(0.0, next_pass - time.monotonic()))
+            if await self._pause(max(0.0, next_pass - time.monotonic())):
+                return
 
     async def run_once(self) -> None:
         await self.reap_lost_leases()
