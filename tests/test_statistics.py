@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import secrets
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
@@ -16,13 +15,11 @@ import asyncpg
 import pytest
 
 from service.runtime.maintenance import Maintenance
-from service.store import migrate
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.queries import Q
 from service.store.repository import RunnerStore
 from service.tools.registry import Registry
-from tests.conftest import _with_db
-from tests.security.conftest import as_user
+from tests.security.conftest import owned_by_a_non_superuser
 from tests.test_batch_record import create, ordered
 
 SERVICE_TABLES = ("active_tasks", "audit_events", "audit_heads", "audit_retrievals", "event_payloads", "runners",
@@ -119,14 +116,7 @@ async def test_a_schema_owner_that_is_not_a_superuser_sees_which_tables_were_ana
     """docs/operations.md: the schema's owner is not a superuser, and row-level security (forced on
     the owner too) hides its tables' statistics from it in pg_stats. Once analysed, a table is no
     longer young (else every start would analyse it again, and a process would poll for ever)."""
-    tag = secrets.token_hex(4)
-    owner, name = f"mcp_tasks_owner_{tag}", f"mcp_tasks_own_{tag}"
-    admin = await asyncpg.connect(admin_dsn)
-    try:
-        await admin.execute(f"CREATE ROLE {owner} LOGIN CREATEROLE")
-        await admin.execute(f'CREATE DATABASE "{name}" OWNER {owner}')
-        url = _with_db(admin_dsn, name)
-        await asyncio.to_thread(migrate.upgrade, as_user(url, owner))
+    async with owned_by_a_non_superuser(admin_dsn) as (url, _owner_url, owner):
         await created(url, 60)
         conn = await asyncpg.connect(url)
         try:
@@ -141,11 +131,6 @@ async def test_a_schema_owner_that_is_not_a_superuser_sees_which_tables_were_ana
         assert "tasks" not in again
         assert "audit_events" not in again  # 60 events: analysed with the tasks
         assert "task_messages" in again  # no rows yet: still young
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.execute(f"DROP OWNED BY {owner}")
-        await admin.execute(f"DROP ROLE IF EXISTS {owner}")
-        await admin.close()
 
 
 async def test_only_the_runner_role_may_ask_for_analyses(database_url: str) -> None:

@@ -27,6 +27,26 @@ def as_user(url: str, user: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
 
 
+@contextlib.asynccontextmanager
+async def owned_by_a_non_superuser(admin_dsn: str) -> AsyncIterator[tuple[str, str, str]]:
+    """A database migrated as docs/operations.md says: by its owner, a CREATEROLE login that is not
+    a superuser. Yields the superuser's URL of it, the owner's URL and the owner; both go on exit."""
+    tag = secrets.token_hex(4)
+    owner, name = f"mcp_tasks_owner_{tag}", f"mcp_tasks_own_{tag}"
+    admin = await asyncpg.connect(admin_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE {owner} LOGIN CREATEROLE")
+        await admin.execute(f'CREATE DATABASE "{name}" OWNER {owner}')
+        url = _with_db(admin_dsn, name)
+        await asyncio.to_thread(migrate.upgrade, as_user(url, owner))
+        yield url, as_user(url, owner), owner
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.execute(f"DROP OWNED BY {owner}")
+        await admin.execute(f"DROP ROLE IF EXISTS {owner}")
+        await admin.close()
+
+
 @dataclass(frozen=True)
 class ClosedDatabase:
     admin_url: str  # the migration user (a superuser here): the schema's owner

@@ -7,7 +7,6 @@ database credentials can do."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +16,10 @@ import httpx
 import orjson
 import pytest
 
-from service.store import migrate
 from service.store.db import APP_ROLE, RUNNER_ROLE
-from tests.conftest import _with_db, make_settings, serve
+from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
-from tests.security.conftest import ClosedDatabase, as_user
+from tests.security.conftest import ClosedDatabase, owned_by_a_non_superuser
 from tests.test_audit import broken, mcp_tasks_audit
 
 ROLES = [APP_ROLE, RUNNER_ROLE]
@@ -259,14 +257,7 @@ async def test_a_schema_owner_that_is_not_a_superuser_migrates_and_hands_the_rec
 ) -> None:
     """docs/operations.md: migrations run as the database's owner (CREATEROLE, not a superuser). It
     may give the record's functions to mcp_tasks_record: the migration makes it a member first."""
-    tag = secrets.token_hex(4)
-    owner, name = f"mcp_tasks_owner_{tag}", f"mcp_tasks_own_{tag}"
-    admin = await asyncpg.connect(admin_dsn)
-    try:
-        await admin.execute(f"CREATE ROLE {owner} LOGIN CREATEROLE")
-        await admin.execute(f'CREATE DATABASE "{name}" OWNER {owner}')
-        url = as_user(_with_db(admin_dsn, name), owner)
-        await asyncio.to_thread(migrate.upgrade, url)
+    async with owned_by_a_non_superuser(admin_dsn) as (_admin_url, url, _owner):
         conn = await asyncpg.connect(url)
         try:
             owners = await conn.fetch(
@@ -278,8 +269,3 @@ async def test_a_schema_owner_that_is_not_a_superuser_migrates_and_hands_the_rec
             await conn.close()
         assert {(r["owner"], r["prosecdef"]) for r in owners} == {("mcp_tasks_record", True)}
         assert len(owners) == 5
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.execute(f"DROP OWNED BY {owner}")
-        await admin.execute(f"DROP ROLE IF EXISTS {owner}")
-        await admin.close()
