@@ -250,7 +250,21 @@ async def server(database_url: str) -> AsyncIterator[RunningServer]:
         yield running
 
 
+# The server closes a keep-alive connection idle for MCP_TASKS_HTTP_KEEPALIVE_TIMEOUT_S (5 s by
+# default) and httpx reuses one idle for up to its keepalive_expiry, also 5 s by default: a request
+# sent just as the server closes its connection fails with ReadError (CI saw it once, in a fencing
+# test that waits about 5 s between two requests). Tests' clients give an idle connection up well
+# before the server would close it.
+KEEPALIVE_EXPIRY_S = 1.0
+
+
+def http_client(timeout: float | httpx.Timeout = 30.0, max_connections: int = 100) -> httpx.AsyncClient:
+    """An httpx client for the tests: never reuses a connection the server may be closing."""
+    limits = httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+    async with http_client() as client:
         yield client

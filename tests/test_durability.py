@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from service.core import GC_THRESHOLDS
-from tests.conftest import free_port, make_settings, serve
+from tests.conftest import free_port, http_client, make_settings, serve
 from tests.rpc import RpcSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ async def mcp_tasks(command: str, database_url: str, **env: str) -> AsyncIterato
     url = f"http://127.0.0.1:{port}/mcp"
     try:
         if command == "serve":
-            async with httpx.AsyncClient() as http, asyncio.timeout(30):
+            async with http_client() as http, asyncio.timeout(30):
                 while True:
                     assert proc.poll() is None, "server exited during start-up"
                     with contextlib.suppress(httpx.HTTPError):
@@ -290,7 +290,7 @@ async def test_sigterm_stops_the_embedded_database_too() -> None:
         return found
 
     try:
-        async with httpx.AsyncClient() as http, asyncio.timeout(60):
+        async with http_client() as http, asyncio.timeout(60):
             while True:
                 assert proc.poll() is None, "server exited during start-up"
                 with contextlib.suppress(httpx.HTTPError):

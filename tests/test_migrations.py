@@ -16,7 +16,7 @@ from alembic import command
 from alembic.config import Config
 
 from service.store import migrate
-from tests.conftest import _with_db
+from tests.conftest import _with_db, http_client
 from tests.pgdump import schema_dump
 
 
@@ -111,13 +111,12 @@ def test_migrate_on_a_database_at_head_is_a_no_op_that_says_so(database_url: str
 async def test_a_newer_schema_keeps_this_version_ready_an_older_one_does_not(database_url: str) -> None:
     """Rolling upgrades: the new release migrates first; old replicas stay ready on the newer schema
     (migrations only add while two releases run, CONTRIBUTING.md). An older schema is not enough."""
-    import httpx
 
     from tests.conftest import make_settings, serve
 
     conn = await asyncpg.connect(database_url)
     try:
-        async with serve(make_settings(database_url)) as running, httpx.AsyncClient() as http:
+        async with serve(make_settings(database_url)) as running, http_client() as http:
             readyz = running.url.removesuffix("/mcp") + "/readyz"
             assert (await http.get(readyz)).status_code == 200
             await conn.execute("UPDATE alembic_version SET version_num = '9999_from_a_newer_release'")

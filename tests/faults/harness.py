@@ -30,6 +30,7 @@ import orjson
 import pytest
 
 from service.client import sse_messages
+from tests.conftest import http_client
 from tests.faults.faultpack import events, executions, not_rerunnable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +99,7 @@ class Replica:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=self.env, stdout=out, stderr=out
             )
-        async with httpx.AsyncClient(timeout=2) as http, asyncio.timeout(60):
+        async with http_client(2) as http, asyncio.timeout(60):
             while True:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"replica {self.name} exited during start-up:\n{self.log()[-3000:]}")
@@ -213,7 +214,7 @@ async def haproxy(tmp: Path, backends: list[Replica]) -> AsyncIterator[Haproxy]:
         proc = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=out, stderr=out)
     proxy = Haproxy(port, proc, log_path)
     try:
-        async with httpx.AsyncClient(timeout=2) as http, asyncio.timeout(20):
+        async with http_client(2) as http, asyncio.timeout(20):
             while True:
                 assert proc.poll() is None, log_path.read_text()
                 with contextlib.suppress(httpx.HTTPError):

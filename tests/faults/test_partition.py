@@ -24,7 +24,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
+from tests.conftest import free_port, http_client
 from tests.faults.partitionpack import executions
 from tests.faults.proxy import TcpProxy, tcp_proxy
 from tests.rpc import RpcSession
@@ -71,7 +71,7 @@ async def replica(name: str, database_url: str, tmp: Path, **env: str) -> AsyncI
         )
     running = Replica(name, proc, f"http://127.0.0.1:{port}/mcp", log)
     try:
-        async with httpx.AsyncClient() as http, asyncio.timeout(30):
+        async with http_client() as http, asyncio.timeout(30):
             while True:
                 assert proc.poll() is None, f"replica {name} exited during start-up:\n{running.logged()}"
                 with contextlib.suppress(httpx.HTTPError):
@@ -186,7 +186,7 @@ async def test_a_cut_shorter_than_the_lease_changes_nothing(database_url: str, t
         tcp_proxy(upstream_port=urlsplit(database_url).port or 5432) as proxy,
         replica("b", database_url, tmp_path, **env) as b,
         replica("a", through(proxy, database_url), tmp_path, **env) as a,
-        httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http,
+        http_client() as http,
     ):
         on_a, on_b = RpcSession(http, a.url), RpcSession(http, b.url)
         await on_a.initialize()
@@ -246,7 +246,7 @@ async def test_a_cut_longer_than_the_lease_fences_the_runner_and_runs_nothing_tw
         tcp_proxy(upstream_port=urlsplit(database_url).port or 5432) as proxy,
         replica("b", database_url, tmp_path, **env) as b,
         replica("a", through(proxy, database_url), tmp_path, **env) as a,
-        httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http,
+        http_client() as http,
     ):
         on_a, on_b = RpcSession(http, a.url), RpcSession(http, b.url)
         await on_a.initialize()

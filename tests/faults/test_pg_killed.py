@@ -7,9 +7,9 @@ import contextlib
 from pathlib import Path
 
 import asyncpg
-import httpx
 import pytest
 
+from tests.conftest import http_client
 from tests.faults.harness import FaultClient, OperationFailed, Tally, db_name, figures, judge, replicas, settle
 
 KILL_ROUNDS = 10
@@ -43,7 +43,7 @@ async def test_killed_database_connections_show_clients_only_503_and_lose_nothin
     try:
         async with (
             replicas(database_url, tmp_path, ("a",), FAULTS_RUNS_LOG=str(runs_log)) as fleet,
-            httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http,
+            http_client() as http,
         ):
             a = fleet["a"]
 

@@ -7,9 +7,9 @@ import contextlib
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.conftest import http_client
 from tests.faults.harness import FaultClient, OperationFailed, Tally, figures, judge, redis_server, replicas, settle
 
 PHASE_S = 2.5
@@ -38,7 +38,7 @@ async def test_redis_killed_fails_open_or_closed_as_set_and_recovers(
             database_url, tmp_path, ("a",),
             MCP_TASKS_RATE_LIMIT_STORAGE=redis.url, MCP_TASKS_RATE_LIMIT_FAIL=mode, FAULTS_RUNS_LOG=str(runs_log),
         ) as fleet,
-        httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as http,
+        http_client() as http,
     ):  # fmt: skip
         a = fleet["a"]
 

@@ -7,8 +7,7 @@ import contextlib
 import signal
 from pathlib import Path
 
-import httpx
-
+from tests.conftest import http_client
 from tests.faults.faultpack import events
 from tests.faults.harness import (
     FaultClient,
@@ -44,7 +43,7 @@ async def test_sigkill_mid_batch_loses_no_answered_create_and_leaves_nothing_stu
         replicas(
             database_url, tmp_path, ("a", "b"), MCP_TASKS_LEASE_MS=str(LEASE_MS), FAULTS_RUNS_LOG=str(runs_log),
         ) as fleet,
-        httpx.AsyncClient(timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=200)) as http,
+        http_client(max_connections=200) as http,
     ):  # fmt: skip
         a, b = fleet["a"], fleet["b"]
 

@@ -9,8 +9,7 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-import httpx
-
+from tests.conftest import http_client
 from tests.faults.faultpack import events, executions
 from tests.faults.harness import (
     FaultClient,
@@ -46,7 +45,7 @@ async def test_sigterm_behind_haproxy_fails_no_client_operation_and_runs_nothing
             MCP_TASKS_SHUTDOWN_GRACE_S=str(GRACE_S), FAULTS_RUNS_LOG=str(runs_log),
         ) as fleet,
         haproxy(tmp_path, list(fleet.values())) as proxy,
-        httpx.AsyncClient(timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=64)) as http,
+        http_client(max_connections=64) as http,
     ):  # fmt: skip
         a, b = fleet["a"], fleet["b"]
 

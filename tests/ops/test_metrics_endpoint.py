@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 
 from service import __version__
 from service.observability.endpoint import MetricsEndpoint
-from tests.conftest import free_port, make_settings, serve
+from tests.conftest import free_port, http_client, make_settings, serve
 
 
 async def test_serve_with_a_metrics_port_serves_metrics_only_there(database_url: str) -> None:
     port = free_port()
-    async with serve(make_settings(database_url, metrics_port=port)) as running, httpx.AsyncClient() as http:
+    async with serve(make_settings(database_url, metrics_port=port)) as running, http_client() as http:
         base = running.url.removesuffix("/mcp")
         assert (await http.get(base + "/metrics")).status_code == 404, "/metrics is not on the /mcp port"
         assert (await http.get(base + "/readyz")).status_code == 200
@@ -42,7 +41,7 @@ async def test_metrics_port_reports_not_ready_when_readiness_fails() -> None:
     endpoint = MetricsEndpoint("127.0.0.1", port, not_ready)
     await endpoint.start()
     try:
-        async with httpx.AsyncClient() as http:
+        async with http_client() as http:
             r = await http.get(f"http://127.0.0.1:{port}/readyz")
             assert r.status_code == 503
             assert r.json() == {"status": "database unreachable"}

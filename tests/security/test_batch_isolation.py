@@ -11,7 +11,7 @@ import time
 import httpx
 import orjson
 
-from tests.conftest import make_settings, run_issuer, serve
+from tests.conftest import http_client, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
 
@@ -46,7 +46,7 @@ def _flood(url: str, tokens: list[str], stop: threading.Event, sent: list[int]) 
             sent[0] += 1
 
     async def main() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as http:
+        async with http_client(60.0) as http:
             await asyncio.gather(*(one(http, token) for token in tokens))
 
     asyncio.run(main())

@@ -13,7 +13,7 @@ import asyncpg
 import httpx
 
 from service.store.queries import Q
-from tests.conftest import make_settings, serve
+from tests.conftest import http_client, make_settings, serve
 from tests.ext import ModernClient
 from tests.rpc import RpcSession
 
@@ -28,7 +28,7 @@ async def test_sessions_beyond_the_cap_end_the_least_recently_used(database_url:
     at 5, eight initializes leave five sessions; the oldest three answer 404 (H-SESS-5: start anew)."""
     async with (
         serve(make_settings(database_url, max_sessions_per_principal=5)) as server,
-        httpx.AsyncClient(timeout=10) as http,
+        http_client(10) as http,
     ):
         sessions = []
         for _ in range(8):
@@ -49,7 +49,7 @@ async def test_oversized_capabilities_or_client_info_are_refused_with_32602(data
     """Issue 14 §4 (capabilities and clientInfo had no size limit): beyond
     MCP_TASKS_MAX_CLIENT_CAPABILITIES_BYTES / _CLIENT_INFO_BYTES, -32602 and nothing is stored, on both wires."""
     settings = make_settings(database_url, max_client_capabilities_bytes=1_024, max_client_info_bytes=512)
-    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+    async with serve(settings) as server, http_client(10) as http:
         base = {"protocolVersion": "2025-11-25", "clientInfo": {"name": "t", "version": "1"}}
         big_caps = await _initialize(http, server.url, {**base, "capabilities": {"x": "a" * 2_000}})
         assert big_caps.json()["error"]["code"] == -32602
@@ -79,7 +79,7 @@ async def test_get_streams_are_capped_per_session_and_per_principal(database_url
     a GET gets 409, beyond MCP_TASKS_MAX_GET_STREAMS_PER_PRINCIPAL 429 + Retry-After; a closed
     stream frees its place."""
     settings = make_settings(database_url, max_get_streams_per_session=2, max_get_streams_per_principal=3)
-    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+    async with serve(settings) as server, http_client(10) as http:
         one, two = RpcSession(http, server.url), RpcSession(http, server.url)
         await one.initialize()
         await two.initialize()
@@ -115,7 +115,7 @@ async def test_a_sessions_capabilities_are_stored_once_not_in_every_task(databas
     task rows of a session keep no copy; the runner reads the session's, so a tool that needs
     elicitation still asks its question."""
     caps = {"elicitation": {}, "x-padding": "p" * 4_000}
-    async with serve(make_settings(database_url)) as server, httpx.AsyncClient(timeout=10) as http:
+    async with serve(make_settings(database_url)) as server, http_client(10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize(capabilities=caps)
         for _ in range(3):
@@ -139,7 +139,7 @@ async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_
     """Issue 14 §4 (eight clients listing large tasks took the server from 229 to 980 MB): a get
     or retrieve (task_batch) returns no arguments and no capabilities, and the list queries'
     plans output none of arguments, capabilities or payload."""
-    async with serve(make_settings(database_url)) as server, httpx.AsyncClient(timeout=10) as http:
+    async with serve(make_settings(database_url)) as server, http_client(10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
         big = "a" * 200_000

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, make_settings, serve
+from tests.conftest import RunningServer, http_client, make_settings, serve
 from tests.ext import ModernClient
 from tests.rpc import RpcSession
 from tests.security.conftest import raw_socket
@@ -44,7 +44,7 @@ async def test_plain_calls_hold_the_requestors_slots_and_are_refused_beyond_the_
     fill it: a third plain call and a task create get the create's -32000 (scope requestor); a
     cancelled call gives its slot back."""
     settings = make_settings(database_url, max_active_tasks_per_requestor=2)
-    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+    async with serve(settings) as server, http_client(10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
         keys = [secrets.token_hex(4) for _ in range(2)]
@@ -80,7 +80,7 @@ async def test_a_plain_call_counts_tasks_from_a_remembered_count_but_is_refused_
     creates is seen by the next plain call at once; a remembered count at the cap is read again
     before a refusal, so a task cancelled meanwhile frees its slot at once."""
     settings = make_settings(database_url, max_active_tasks_per_requestor=2)
-    async with serve(settings) as server, httpx.AsyncClient(timeout=10) as http:
+    async with serve(settings) as server, http_client(10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
         tasks = server.app.state.core.tasks
@@ -130,7 +130,7 @@ async def test_a_legacy_plain_call_is_cancelled_after_the_grace_once_its_client_
     the call is given MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S, then cancelled."""
     async with (
         serve(make_settings(database_url, plain_call_disconnect_grace_s=1.0), ours=ours) as server,
-        httpx.AsyncClient(timeout=10) as http,
+        http_client(10) as http,
     ):
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
@@ -158,7 +158,7 @@ async def test_a_legacy_plain_call_streaming_progress_is_cancelled_once_its_clie
     """Issue 14 §7: the same for a call answering on an SSE stream (progress before the result)."""
     async with (
         serve(make_settings(database_url, plain_call_disconnect_grace_s=0.2)) as server,
-        httpx.AsyncClient(timeout=10) as http,
+        http_client(10) as http,
     ):
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
@@ -180,7 +180,7 @@ async def test_a_2026_plain_call_is_cancelled_as_soon_as_its_client_disconnects(
     """Issue 14 §7, X-HTTP-7: on 2026-07-28 closing the request cancels the call, with no grace."""
     async with (
         serve(make_settings(database_url, plain_call_disconnect_grace_s=60), ours=ours) as server,
-        httpx.AsyncClient(timeout=10) as http,
+        http_client(10) as http,
     ):
         modern = ModernClient(http, server.url, capabilities={})  # not declaring tasks: a plain call
         key = secrets.token_hex(4)
@@ -203,7 +203,7 @@ async def test_a_2026_plain_call_with_a_request_pipelined_behind_it_is_cancelled
     uvicorn marks only the latest request disconnected, but the call waiting to hear it is told too."""
     async with (
         serve(make_settings(database_url, plain_call_disconnect_grace_s=60)) as server,
-        httpx.AsyncClient(timeout=10) as http,
+        http_client(10) as http,
     ):
         modern = ModernClient(http, server.url, capabilities={})
         key = secrets.token_hex(4)

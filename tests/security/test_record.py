@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-import httpx
 import orjson
 import pytest
 
 from service.store.db import APP_ROLE, RUNNER_ROLE
-from tests.conftest import make_settings, serve
+from tests.conftest import http_client, make_settings, serve
 from tests.rpc import RpcSession
 from tests.security.conftest import ClosedDatabase, owned_by_a_non_superuser
 from tests.test_audit import broken, mcp_tasks_audit
@@ -38,7 +37,7 @@ class Scene:
 @pytest.fixture(scope="module")
 async def scene(closed_db: ClosedDatabase) -> AsyncIterator[Scene]:
     """The service (logged in as its own user) with one finished and one running task."""
-    async with httpx.AsyncClient(timeout=30) as http, serve(make_settings(closed_db.service_url)) as running:
+    async with http_client(30) as http, serve(make_settings(closed_db.service_url)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
         finished = (await s.call_tool_as_task("echo", {"text": VICTIM_TEXT}))["task"]["taskId"]
