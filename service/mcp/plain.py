@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -71,16 +72,38 @@ class Inflight:
             await self.signals.cancel(*key)
 
 
-class Outbox(asyncio.Queue[TaskEvent]):
-    """The events a plain call's tool sends before its result; ``first`` resolves on the first."""
+class Outbox:
+    """The events a plain call's tool sends before its result, for one reader at a time;
+    ``first`` resolves on the first. Not an asyncio.Queue: a call makes one, and most calls send
+    nothing (the queue's getters, putters, event and counters cost more than the call's answer)."""
+
+    __slots__ = ("_items", "_waiter", "first")
 
     def __init__(self) -> None:
-        super().__init__()
+        self._items: deque[TaskEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def put_nowait(self, item: TaskEvent) -> None:
-        super().put_nowait(item)
+        self._items.append(item)
+        if (waiter := self._waiter) is not None and not waiter.done():
+            waiter.set_result(None)
         self.wake()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> TaskEvent:
+        return self._items.popleft()  # IndexError when empty: callers look with empty() first
+
+    async def get(self) -> TaskEvent:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
     def wake(self, _: object = None) -> None:
         if not self.first.done():
