@@ -57,7 +57,9 @@ class ToolSpec:
             _check_required(self.name, self.input_schema, arguments)
             return arguments
         try:
-            return self.model.model_validate(arguments).model_dump()
+            # model_validate(...).model_dump() without their Python wrappers (the same defaults)
+            model = self.model
+            return model.__pydantic_serializer__.to_python(model.__pydantic_validator__.validate_python(arguments))  # type: ignore[no-any-return]
         except pydantic.ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: {e['msg']}" for e in exc.errors()
