@@ -16,6 +16,7 @@ import resource
 import time
 import weakref
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import httptools
@@ -202,7 +203,8 @@ def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
             # a callback of ours (a Python call per header): headers that arrive over several reads
             # are bounded by data_received as they come, those of one read (at most the loop's
             # read buffer, already in memory) here.
-            if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > max_header_bytes:
+            headers = self.headers
+            if len(self.url) + 4 * len(headers) + sum(map(len, chain.from_iterable(headers))) > max_header_bytes:
                 self._too_large = True
                 raise HeadersTooLarge
             self._in_headers = False
