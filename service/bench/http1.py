@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
+
+from service.domain.values import frozen
 
 _READ_SIZE: Final = 65_536
 _NO_BODY, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
@@ -57,7 +58,7 @@ def _translated(exc: BaseException) -> HttpError:
     return ConnectionLost(type(exc).__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Endpoint:
     """Where requests go: address, request target and Host header, and TLS for https."""
 

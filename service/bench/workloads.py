@@ -24,6 +24,7 @@ from service.bench.stats import (
     tool_result,
 )
 from service.bench.wire import RequestFailed, Session
+from service.domain.values import frozen
 
 HOLD_SECONDS: Final = 3600
 # An ext lifecycle whose task is not completed within this long counts as failed (kind task_timeout).
@@ -40,7 +41,7 @@ class Client:
     held: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Workload:
     """Prebuilt request parameters, so an operation allocates no more than the wire needs."""
 

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from service.domain.inputs import PendingInput
 from service.domain.task import Task
+from service.domain.values import frozen
 
 # Log levels (RFC 5424 severities), lowest first.
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StatusChanged:
     task: Task
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Progress:
     """A step of a call's progress; ``token`` is the one its creating request gave (T-PROG-1)."""
 
@@ -28,7 +28,7 @@ class Progress:
     message: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LogEntry:
     task_id: str | None
     level: str
@@ -36,13 +36,13 @@ class LogEntry:
     logger: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InputRequested:
     task_id: str | None
     input: PendingInput
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InputVoided:
     """A question this stream carried can no longer be answered (its task ended, C-10)."""
 
@@ -51,7 +51,7 @@ class InputVoided:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Finished:
     task: Task
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import enum
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 from service.domain.errors import InvalidArguments
+from service.domain.values import frozen
 
 
 class InputKind(enum.StrEnum):
@@ -22,14 +22,14 @@ class InputKind(enum.StrEnum):
     ROOTS = "roots"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PendingInput:
     key: str
     kind: InputKind
     params: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InputResponse:
     """The client's answer: a result object, or (2025-11-25 only) the error it answered with."""
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from service.domain.values import frozen
 
 # The audit chain of denials made before any tenant is known; no token may name this tenant.
 RESERVED_TENANT = "-"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Principal:
     """A task belongs to (tenant_id, subject); issuer and client id are recorded for audit."""
 
@@ -28,7 +30,7 @@ class Principal:
 LOCAL_PRINCIPAL = Principal(tenant_id="local", subject="local", issuer="local", client_id="local")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Caller:
     """A principal in one request: what the audit trail records besides the change itself."""
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import field
 from datetime import datetime
 from typing import Any
+
+from service.domain.values import frozen
 
 
 class TaskStatus(enum.StrEnum):
@@ -47,7 +49,7 @@ class FailureReason(enum.StrEnum):
     UNSTORABLE = "unstorable"  # the result could not be stored
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Outcome:
     """A finished call. ``payload`` is the result for RESULT and TOOL_ERROR, and
     ``{"reason", "message", "code"?, "data"?}`` for FAILURE."""
@@ -96,7 +98,7 @@ class Surface(enum.StrEnum):
     EXTENSION = "2026-07-28"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Task:
     tenant_id: str
     task_id: str

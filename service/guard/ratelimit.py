@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import orjson
@@ -35,6 +34,7 @@ from slowapi import Limiter
 from service.config import Settings
 from service.domain.errors import Unavailable
 from service.domain.principal import Principal
+from service.domain.values import frozen
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ LOOKUPS_CLEAR_S = 1.0
 _CLEAR_MAX = 100_000
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RateLimited:
     """Over a limit: answer 429 with Retry-After."""
 

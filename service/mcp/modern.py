@@ -14,7 +14,6 @@ import binascii
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Final
 
 from starlette.datastructures import Headers
@@ -26,6 +25,7 @@ from service.domain.events import LOG_LEVELS, LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller
 from service.domain.task import OutcomeKind, Surface
+from service.domain.values import frozen
 from service.guard.ratelimit import RateLimiter
 from service.mcp import ext_wire as ext
 from service.mcp import jsonrpc
@@ -86,7 +86,7 @@ def _string(params: dict[str, Any], name: str) -> str:
     return value
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ModernCall:
     caller: Caller
     request_id: RequestId
@@ -560,7 +560,7 @@ class ModernSurface:
         return jsonrpc.notification("notifications/tasks", {**ext.detailed(task, pending), "_meta": meta})
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Streamed:
     """An answer sent as SSE: notifications, then the response."""
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from service import __version__
 from service.domain.errors import CapacityExceeded, DomainError, InvalidArguments, TaskNotFound
 from service.domain.events import LOG_LEVELS, Finished, TaskEvent
 from service.domain.principal import Caller, Principal
+from service.domain.values import frozen
 from service.guard.ratelimit import RateLimiter
 from service.mcp import jsonrpc
 from service.mcp.errors import to_rpc
@@ -33,7 +33,7 @@ LOOKUPS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
 RESULT_GRACE_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Call:
     caller: Caller
     session: Session | None
@@ -59,7 +59,7 @@ class Call:
         return (self.principal.tenant_id, session_id, repr(self.request_id))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Streamed:
     """A reply sent as SSE: messages first, the JSON-RPC response last (or none if cancelled).
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from service.domain.task import Task
+from service.domain.values import frozen
 
 RENEW_EVERY = 1 / 8
 RETRY_EVERY = RENEW_EVERY / 4
@@ -43,7 +44,7 @@ assert CLAIM_RENEW_AFTER + FENCE_AFTER < CLAIM_LEASE
 ROW_LEASE = "+row"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LeaseTimes:
     """The runner's intervals, in seconds, for a lease of ``lease_ms``."""
 

@@ -22,13 +22,13 @@ import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import asyncpg
 import orjson
 
 from service.domain.stopping import cancel_and_wait
+from service.domain.values import frozen
 from service.store.db import Database
 from service.store.queries import Q
 
@@ -44,7 +44,7 @@ MAX_INLINE = 7_900
 MAX_FETCHES = 8
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Event:
     KIND: ClassVar[str] = ""
     # Carries text from a client or a tool: never inline over NOTIFY, only by reference.
@@ -55,7 +55,7 @@ class Event:
         return [("kind", self.KIND)]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskEvent(Event):
     task_id: str
 
@@ -63,14 +63,14 @@ class TaskEvent(Event):
         return [("kind", self.KIND), ("task", self.tenant_id, self.task_id)]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskCreated(TaskEvent):
     """A task is queued for a runner (sent by the schema's create and re-queue functions)."""
 
     KIND: ClassVar[str] = "created"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskChanged(TaskEvent):
     """A task's row changed (status, outcome, questions); ``session_id`` routes it to a GET stream."""
 
@@ -84,26 +84,26 @@ class TaskChanged(TaskEvent):
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskCancelRequested(TaskEvent):
     """Stop running this task: it was cancelled (its row says so)."""
 
     KIND: ClassVar[str] = "cancel"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskDeleted(TaskEvent):
     KIND: ClassVar[str] = "deleted"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InputAnswered(TaskEvent):
     """A client answered some of a task's questions (the answers are in the row)."""
 
     KIND: ClassVar[str] = "answer"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskProgress(TaskEvent):
     KIND: ClassVar[str] = "progress"
     BY_REFERENCE: ClassVar[bool] = True
@@ -117,7 +117,7 @@ class TaskProgress(TaskEvent):
         return TaskChanged.topics(self)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskLog(TaskEvent):
     KIND: ClassVar[str] = "log"
     BY_REFERENCE: ClassVar[bool] = True
@@ -130,7 +130,7 @@ class TaskLog(TaskEvent):
         return TaskChanged.topics(self)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PlainAnswer(Event):
     """A client's answer to a question of a plain (non-task) call, for whichever process runs it."""
 
@@ -141,7 +141,7 @@ class PlainAnswer(Event):
     response: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PlainCancel(Event):
     """Stop a plain call (notifications/cancelled), wherever it runs."""
 
@@ -150,13 +150,13 @@ class PlainCancel(Event):
     request: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionChanged(Event):
     KIND: ClassVar[str] = "session_changed"
     session_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Resync(Event):
     """Local only: the listener was away, so anything may have changed."""
 

@@ -7,16 +7,16 @@ A single request is a batch of one (one implementation per stored operation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind
+from service.domain.values import frozen
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskRequest:
     """An item of ``task_batch`` (SQL type task_batch_item): a create, a get or a retrieve."""
 
@@ -71,7 +71,7 @@ def lookup(caller: Caller, task_id: str, *, retrieve: bool) -> TaskRequest:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Lease:
     """A slot of this process's runner: create the task already leased to it."""
 
@@ -129,7 +129,7 @@ def create(
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class FinishRequest:
     """An item of ``task_finish_batch`` (task_finish_item): a runner's outcome, under its lease:
     it lands only while ``owner`` and ``epoch`` (the fencing token it was given) still hold it."""
@@ -174,7 +174,7 @@ class FinishRequest:
         return json_size(self.payload)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReleaseRequest:
     """An item of ``task_release_batch`` (task_release_item): a runner gives a task back; it runs
     again if ``rerunnable`` and attempts remain, else it fails with ``failure``. Only while

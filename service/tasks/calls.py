@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 import enum
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from service.domain.events import TaskEvent
 from service.domain.inputs import InputResponse, PendingInput, check_response
 from service.domain.task import FailureReason
+from service.domain.values import frozen
 from service.tools.context import ToolContextBase
 from service.tools.execute import refused
 
@@ -111,7 +111,7 @@ class CallEnd(enum.Enum):
     RUNNING = "running"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RoundResult(Generic[T]):
     end: CallEnd
     outcome: T | None = None

@@ -13,7 +13,6 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from service.domain.errors import (
@@ -36,6 +35,7 @@ from service.domain.events import (
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, Surface, Task, TaskStatus, clamp_ttl, new_task_id
+from service.domain.values import frozen
 from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -65,7 +65,7 @@ PLAIN_CAP_REMEMBERED = 10_000
 NOT_FOUND = "task not found (unknown, expired, or not yours)"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TaskPolicy:
     default_ttl_ms: int
     min_ttl_ms: int
@@ -96,7 +96,7 @@ class CallMode(enum.Enum):
     REQUIRED = "required"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CallResult:
     """One of: the call's outcome; questions the client must answer (retry with them); the task it became."""
 

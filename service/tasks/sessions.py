@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from service.domain.principal import Principal
+from service.domain.values import frozen
 from service.store.db import Database
 from service.store.events import Event, EventHub, Resync, SessionChanged
 from service.store.repository import SessionStore
@@ -20,7 +20,7 @@ CACHE_SECONDS = 5.0
 CACHE_MAX = 50_000
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Session:
     session_id: str
     protocol_version: str

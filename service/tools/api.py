@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Literal, Protocol
+
+from service.domain.values import frozen
 
 ElicitAction = Literal["accept", "decline", "cancel"]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ElicitAnswer:
     action: ElicitAction
     content: dict[str, Any] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ToolResult:
     """A CallToolResult: content blocks, optional structured content, optional error flag."""
 

@@ -5,20 +5,21 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Literal, get_type_hints
 
 import orjson
 import pydantic
 
 from service.domain.errors import InvalidArguments, UnknownTool
+from service.domain.values import frozen
 from service.tools.api import ToolContext, ToolResult, text
 
 TaskSupport = Literal["forbidden", "optional", "required"]
 ToolFn = Callable[..., Awaitable[Any]]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ToolSpec:
     name: str
     fn: ToolFn
@@ -73,7 +74,7 @@ def _check_required(name: str, schema: dict[str, Any], arguments: dict[str, Any]
         raise InvalidArguments(f"invalid arguments for tool {name!r}: missing {', '.join(missing)}")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ResourceSpec:
     uri: str
     name: str
@@ -91,7 +92,7 @@ class ResourceSpec:
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PromptSpec:
     name: str
     render: Callable[..., Awaitable[list[dict[str, Any]]]]
