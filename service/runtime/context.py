@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
@@ -58,9 +59,13 @@ class TaskSink:
 class TaskRunContext(ToolContextBase):
     """The context of a task a runner claimed: everything goes through its TaskSink."""
 
-    def __init__(self, task: Task, sink: TaskSink) -> None:
+    def __init__(self, task: Task, sink: TaskSink, client_capabilities: dict[str, Any] | None = None) -> None:
+        """``client_capabilities``: what the task's client declared, when the task row does not
+        carry it (a session's task: the session's, read when the run began)."""
         super().__init__(
-            task_id=task.task_id, progress_token=task.progress_token, client_capabilities=task.client_capabilities
+            task_id=task.task_id,
+            progress_token=task.progress_token,
+            client_capabilities=task.client_capabilities if client_capabilities is None else client_capabilities,
         )
         self._sink = sink
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -630,14 +629,15 @@ class Runner:
         run = self._running[(task.tenant_id, task.task_id)]  # _start put it there before this first ran
         started = time.perf_counter()
         try:
-            if job is None and task.session_id is not None and not task.client_capabilities:
+            caps = task.client_capabilities
+            if job is None and task.session_id is not None and not caps:
                 if capabilities is None:
                     capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
-                task = dataclasses.replace(task, client_capabilities=capabilities)
+                caps = capabilities
             run.tool_started = True
             if job is None:
                 outcome = await run_tool(
-                    self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task))
+                    self.registry, task.tool, task.arguments, TaskRunContext(task, self._sink(task), caps)
                 )
             else:
                 outcome = await job  # cancelling us cancels it
