@@ -8,8 +8,7 @@ commits, and nowhere else.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,6 +17,7 @@ import asyncpg
 from service.domain.inputs import InputKind, InputResponse, PendingInput, check_response
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task, TaskStatus
+from service.domain.values import frozen
 from service.observability import metrics
 from service.store.db import Database
 from service.store.events import InputAnswered, SessionChanged, TaskCancelRequested, TaskChanged, TaskDeleted, notify
@@ -25,9 +25,14 @@ from service.store.queries import Q
 from service.store.requests import FinishRequest, ReleaseRequest, TaskRequest, as_items
 
 
-def task_from_row(row: asyncpg.Record) -> Task:
+def task_from_row(
+    row: asyncpg.Record,
+    arguments: dict[str, Any] | None = None,
+    client_capabilities: dict[str, Any] | None = None,
+) -> Task:
     """A task from its row. Lists and lookups read only the columns they answer with (issue 14
-    §4): the arguments, the capabilities and (lists) the payload they leave out come back empty."""
+    §4): the arguments, the capabilities and (lists) the payload they leave out come back empty.
+    ``arguments`` and ``client_capabilities``: what the row was written with, not read back."""
     outcome = None
     if row["outcome"] is not None:
         outcome = Outcome(OutcomeKind(row["outcome"]), row.get("payload") or {})
@@ -43,10 +48,12 @@ def task_from_row(row: asyncpg.Record) -> Task:
         created_at=row["created_at"],
         last_updated_at=row["last_updated_at"],
         outcome=outcome,
-        arguments=row.get("arguments") or {},
+        arguments=(row.get("arguments") or {}) if arguments is None else arguments,
         session_id=row["session_id"],
         progress_token=row["progress_token"],
-        client_capabilities=row.get("client_capabilities") or {},
+        client_capabilities=(row.get("client_capabilities") or {})
+        if client_capabilities is None
+        else client_capabilities,
         attempts=row["attempts"],
         client_id=row["client_id"],
         issuer=row["issuer"],
@@ -60,15 +67,20 @@ def _task_or_none(row: asyncpg.Record | None) -> Task | None:
     return task_from_row(row) if row is not None else None
 
 
-def _matched(keys: list[tuple[str, str]], rows: list[asyncpg.Record]) -> list[Task | None]:
+def _matched(
+    requests: Sequence[TaskRequest | FinishRequest | ReleaseRequest], rows: list[asyncpg.Record]
+) -> list[Task | None]:
     """One task (or None) per request, checked to be the request's own: answers are handed out by
-    position, so a row that is not its request's task fails the batch instead of reaching anyone."""
+    position, so a row that is not its request's task fails the batch instead of reaching anyone.
+    A create's task takes its arguments and capabilities from its request (not read back)."""
     tasks: list[Task | None] = []
-    for key, row in zip(keys, rows, strict=True):  # a missing or extra row raises
+    for request, row in zip(requests, rows, strict=True):  # a missing or extra row raises
         if row["task_id"] is None:
             tasks.append(None)
-        elif (row["tenant_id"], row["task_id"]) != key:
+        elif (row["tenant_id"], row["task_id"]) != (request.tenant_id, request.task_id):
             raise RuntimeError("a batch returned a row for another request")
+        elif isinstance(request, TaskRequest) and request.k == "create":
+            tasks.append(task_from_row(row, request.arguments, request.client_capabilities))
         else:
             tasks.append(task_from_row(row))
     return tasks
@@ -118,7 +130,7 @@ async def _audit_caller(
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CancelResult:
     """``task`` is the cancelled task; else ``existing`` is the task that was already terminal
     (both None: no such task for this principal)."""
@@ -138,7 +150,7 @@ class TaskStore:
         task for a request (a cap refused the create; the task is unknown, expired or not yours)."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["task_batch"], as_items(requests))
-        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
+        tasks = _matched(requests, rows)
         for request, task in zip(requests, tasks, strict=True):
             if request.k == "create" and task is not None:
                 metrics.task_created(task.tool, task.tenant_id)
@@ -290,7 +302,7 @@ class TaskStore:
         return str(answered_task)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class QueueStats:
     tool: str
     queued: int
@@ -299,7 +311,7 @@ class QueueStats:
     oldest_running_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LostLease:
     tenant_id: str
     task_id: str
@@ -311,7 +323,7 @@ class LostLease:
     epoch: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LeaseState:
     status: TaskStatus
     owner: str | None
@@ -399,7 +411,7 @@ class RunnerStore:
         come back without their payload, arguments and capabilities (the runner has them)."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["finish_task_batch"], as_items(requests))
-        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
+        tasks = _matched(requests, rows)
         for task in tasks:
             if task is not None:
                 _finished(task)
@@ -409,7 +421,7 @@ class RunnerStore:
         """Give tasks back: re-queued (rerunnable, attempts left) or failed; audited, woken."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["release_task_batch"], as_items(requests))
-        tasks = _matched([(r.tenant_id, r.task_id) for r in requests], rows)
+        tasks = _matched(requests, rows)
         for task in tasks:
             if task is None:
                 continue
@@ -496,7 +508,7 @@ class RunnerStore:
         return {"working": max(0, int(row["active"]) - waiting), "input_required": waiting}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StoredSession:
     session_id: str
     protocol_version: str
@@ -559,7 +571,7 @@ class SessionStore:
         return row is not None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChainProblem:
     tenant_id: str
     seq: int

@@ -177,13 +177,20 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
 
 -- name: task_batch
 -- Many creates and retrieves in one statement and one commit (migration 0005): one row per item,
--- in order; a row of NULLs where there is no task. (Gets go to task_get_batch.)
-SELECT * FROM task_batch($1);
+-- in order; a row of NULLs where there is no task. (Gets go to task_get_batch.) Only the columns
+-- a Task holds: not the arguments and capabilities a create sent (its request has them), nor the
+-- expiry and lease times, which no caller reads (each timestamp costs a microsecond to decode).
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+       status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
+       rerunnable, lease_epoch
+FROM task_batch($1);
 
 -- name: task_get_batch
 -- Many gets in one statement (migration 0010): a row per item found, with its place (o), nothing
--- for an item whose task is unknown, expired or not its subject's.
-SELECT * FROM task_get_batch($1, $2, $3);
+-- for an item whose task is unknown, expired or not its subject's. Not its expiry (checked there).
+SELECT o, tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+       status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
+FROM task_get_batch($1, $2, $3);
 
 -- name: finish_task_batch
 -- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
