@@ -88,7 +88,9 @@ class _Direct:
         if cycle.disconnected:
             return True  # as uvicorn's send: nobody to write to
         parts = [line]
-        for name, value in (*cycle.default_headers, *headers):
+        for name, value in cycle.default_headers:  # the server's own (date, server): sent on every answer
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
             if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value) or name == b"connection":
                 return False  # uvicorn's send refuses it, or reads it (connection: close)
             parts += (name, b": ", value, b"\r\n")
