@@ -6,7 +6,7 @@ SHELL := /bin/bash
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test security schema-check lint format interop faults soak bench bench-smoke ops-check lock lock-check dashboards clean
+.PHONY: promtool help run test security schema-check lint format interop faults soak bench bench-smoke ops-check lock lock-check dashboards clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -21,7 +21,11 @@ run: $(STAMP) ## run the service (embedded PostgreSQL unless MCP_TASKS_DATABASE_
 	$(BIN)/mcp-tasks serve
 
 # tests/security runs once, under `make security` (CI calls both); a bare `pytest` runs everything.
-test: $(STAMP) ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
+# The alert rules' tests run promtool: Debian's prometheus package has it (root, as CI runs).
+promtool:
+	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; }
+
+test: $(STAMP) promtool ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
 	$(BIN)/pytest --ignore=tests/security
 
 security: $(STAMP) ## the attack tests of SECURITY.md (tests/security: loopback only, seconds each)
@@ -70,8 +74,7 @@ lock-check: $(STAMP) ## requirements.lock is current with pyproject.toml (resolv
 dashboards: $(STAMP) ## regenerate grafana/dashboards/*.json from grafana/dashboards/generate.py
 	$(BIN)/python grafana/dashboards/generate.py
 
-ops-check: $(STAMP) lock-check ## image, Helm chart, dashboards, alert rules, and the live Prometheus check (minutes)
-	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; }
+ops-check: $(STAMP) lock-check promtool ## image, Helm chart, dashboards, alert rules, and the live Prometheus check (minutes)
 	MCP_TASKS_OPS_SLOW=1 $(BIN)/pytest -rP tests/ops  # -rP: the live check names every panel and rule it evaluated
 
 clean: ## remove the virtual environment and caches
