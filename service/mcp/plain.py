@@ -75,14 +75,23 @@ class Inflight:
 class Outbox:
     """The events a plain call's tool sends before its result, for one reader at a time;
     ``first`` resolves on the first. Not an asyncio.Queue: a call makes one, and most calls send
-    nothing (the queue's getters, putters, event and counters cost more than the call's answer)."""
+    nothing (the queue's getters, putters, event and counters cost more than the call's answer).
+    ``first`` is made when asked for: a call that ends in its first step never waits on it."""
 
-    __slots__ = ("_items", "_waiter", "first")
+    __slots__ = ("_first", "_items", "_waiter")
 
     def __init__(self) -> None:
         self._items: deque[TaskEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self.first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._first: asyncio.Future[None] | None = None
+
+    @property
+    def first(self) -> asyncio.Future[None]:
+        if self._first is None:
+            self._first = asyncio.get_running_loop().create_future()
+            if self._items:
+                self._first.set_result(None)
+        return self._first
 
     def put_nowait(self, item: TaskEvent) -> None:
         self._items.append(item)
@@ -106,13 +115,13 @@ class Outbox:
         return self._items.popleft()
 
     def wake(self, _: object = None) -> None:
-        if not self.first.done():
-            self.first.set_result(None)
+        if self._first is not None and not self._first.done():
+            self._first.set_result(None)
 
 
-async def first_of(job: asyncio.Task[Any], outbox: Outbox) -> None:
+async def first_of(job: asyncio.Future[Any], outbox: Outbox) -> None:
     """Wait until the job ends or sends its first event: plain futures, no helper task."""
-    if job.done() or outbox.first.done():
+    if job.done() or not outbox.empty():
         return
     job.add_done_callback(outbox.wake)
     await outbox.first

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from service import __version__
+from service.domain import eager
 from service.domain.errors import CapacityExceeded, DomainError, InvalidArguments, TaskNotFound
 from service.domain.events import LOG_LEVELS, Finished, TaskEvent
 from service.domain.principal import Caller, Principal
@@ -260,12 +261,16 @@ class Surface:
             release = await self.tasks.hold_plain_slot(call.caller, name)  # issue 14 §7
         except DomainError as exc:
             raise to_rpc(exc) from None
-        job = asyncio.create_task(run_tool(self.registry, name, arguments, ctx))
-        job.add_done_callback(lambda _j: release())
-        key = call.cancel_key
-        self.inflight.calls[key] = job.cancel
-        job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))
-        await first_of(job, outbox)
+        # Its first step now: most calls end in it, and need no task, no cancel hook, no wait.
+        job = eager.start(run_tool(self.registry, name, arguments, ctx))
+        if job.done():
+            release()
+        else:
+            job.add_done_callback(lambda _j: release())
+            key = call.cancel_key
+            self.inflight.calls[key] = job.cancel
+            job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))
+            await first_of(job, outbox)
         if job.done() and outbox.empty():
             if job.cancelled():
                 return Streamed(_nothing())
