@@ -7,6 +7,8 @@ import logging
 import secrets
 from typing import Any
 
+import orjson
+
 from service.domain.task import FailureReason, Outcome, OutcomeKind
 from service.tools.api import ToolContext, ToolError, ToolFailure, text
 from service.tools.registry import Registry, normalize_result
@@ -25,8 +27,19 @@ def _without_nul(value: Any) -> Any:
     return value
 
 
+def _scrubbed(payload: Any) -> Any:
+    """``payload`` without U+0000, walked only when it holds one: orjson escapes it as \\u0000, and
+    serialising is cheaper than the walk (a payload orjson refuses is walked all the same)."""
+    try:
+        if b"\\u0000" not in orjson.dumps(payload):
+            return payload
+    except TypeError:
+        pass
+    return _without_nul(payload)
+
+
 def tool_outcome(value: Any) -> Outcome:
-    payload = _without_nul(normalize_result(value))
+    payload = _scrubbed(normalize_result(value))
     kind = OutcomeKind.TOOL_ERROR if payload.get("isError") else OutcomeKind.RESULT
     return Outcome(kind, payload)
 
