@@ -14,30 +14,33 @@ from service.mcp import jsonrpc
 
 
 class RequestHeaders(Headers):
-    """Starlette's ``Headers`` (read-only) answering ``get``, ``[]`` and ``in`` from a dict built once:
-    ``Headers`` scans and decodes the whole header list on every lookup, and a request makes about
-    a dozen. The first of repeated headers wins, as with ``Headers.get``."""
+    """Starlette's ``Headers`` (read-only) answering ``get``, ``[]`` and ``in`` from a dict built once,
+    in C, of the raw names and values: ``Headers`` scans and decodes the whole header list on every
+    lookup, and a request makes about a dozen; a value is decoded only when asked for. The first
+    of repeated headers wins, as with ``Headers.get``."""
 
     def __init__(self, scope: Scope) -> None:
-        super().__init__(scope=scope)
+        # What Headers' other methods read (not copied, as Headers does: nothing here changes it).
+        self._list = scope["headers"]
         # Built last to first, so the first of repeated headers is the one kept. ASGI servers send
-        # names lowercased; a name that is not is lowercased here (the spec asks it of them).
-        self._first = {
-            (name if name.islower() else name.lower()): value.decode("latin-1")
-            for name, value in ((key.decode("latin-1"), value) for key, value in reversed(self._list))
-        }
+        # names lowercased; where one does not, they are lowercased here (the spec asks it of them).
+        first = dict(reversed(self._list))
+        if not all(map(bytes.islower, first)):
+            first = {name.lower(): value for name, value in reversed(self._list)}
+        self._first = first
 
     def __getitem__(self, key: str) -> str:
-        try:
-            return self._first[key.lower()]
-        except KeyError:
-            raise KeyError(key) from None
+        value = self._first.get(key.lower().encode("latin-1"))
+        if value is None:
+            raise KeyError(key)
+        return value.decode("latin-1")
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self._first.get(key.lower(), default)
+        value = self._first.get(key.lower().encode("latin-1"))
+        return default if value is None else value.decode("latin-1")
 
     def __contains__(self, key: Any) -> bool:
-        return isinstance(key, str) and key.lower() in self._first
+        return isinstance(key, str) and key.lower().encode("latin-1") in self._first
 
 
 class RequestConnection(HTTPConnection):
