@@ -257,10 +257,13 @@ class Surface:
             progress_token=token,
             client_capabilities=caps,
         )
-        try:
-            release = await self.tasks.hold_plain_slot(call.caller, name)  # issue 14 §7
-        except DomainError as exc:
-            raise to_rpc(exc) from None
+        # A slot of the requestor's active-task cap (issue 14 §7): from memory as a rule.
+        release = self.tasks.take_plain_slot(call.caller)
+        if release is None:
+            try:
+                release = await self.tasks.hold_plain_slot(call.caller, name)
+            except DomainError as exc:
+                raise to_rpc(exc) from None
         # Its first step now: most calls end in it, and need no task, no cancel hook, no wait.
         job = eager.start(run_tool(self.registry, name, arguments, ctx))
         if job.done():

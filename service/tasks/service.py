@@ -115,6 +115,21 @@ def notice_of(event: Event) -> TaskEvent | None:
     return None
 
 
+class _PlainSlot:
+    """How a plain call gives its requestor's slot back: once, however often it is called."""
+
+    __slots__ = ("_key", "_service")
+
+    def __init__(self, service: TaskService, key: tuple[str, str]) -> None:
+        self._service: TaskService | None = service
+        self._key = key
+
+    def __call__(self) -> None:
+        service, self._service = self._service, None
+        if service is not None:
+            service._release_plain(self._key)
+
+
 class TaskService:
     def __init__(
         self,
@@ -162,10 +177,23 @@ class TaskService:
             raise TaskSupportMismatch(f"Task augmentation required for tool {name!r}: send params.task")
         return spec, spec.validate(arguments)
 
+    def take_plain_slot(self, caller: Caller) -> Callable[[], None] | None:
+        """``hold_plain_slot`` without I/O: the slot, taken, when the requestor's remembered count
+        admits it; None when only a fresh count can tell (then ``hold_plain_slot``)."""
+        key = caller.principal.owner_key
+        held = self.plain_calls.get(key, 0) + 1
+        tasks = self._remembered_tasks(key)
+        if tasks is None or tasks + held > self.policy.max_active_per_requestor:
+            return None
+        self.plain_calls[key] = held
+        return _PlainSlot(self, key)
+
     async def hold_plain_slot(self, caller: Caller, tool: str) -> Callable[[], None]:
         """Take one of the requestor's active-task slots for a plain call (its tasks and the
         plain calls it runs here count together); returns how to give it back. Beyond the cap,
         the same refusal as a create: CapacityExceeded, audited."""
+        if (slot := self.take_plain_slot(caller)) is not None:
+            return slot
         key = caller.principal.owner_key
         self.plain_calls[key] += 1  # taken before the count is read: concurrent calls cannot overshoot
         limit = self.policy.max_active_per_requestor
@@ -181,15 +209,7 @@ class TaskService:
         except BaseException:
             self._release_plain(key)
             raise
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._release_plain(key)
-
-        return release
+        return _PlainSlot(self, key)
 
     def _remembered_tasks(self, key: tuple[str, str]) -> int | None:
         """The requestor's active tasks as read for a plain call within PLAIN_CAP_RECOUNT_S, if any."""
