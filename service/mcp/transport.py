@@ -478,7 +478,8 @@ class McpEndpoint:
             label = metrics.method(method)
             logctx.method.set(label)
             started = time.perf_counter()
-            waits = metrics.track_waits()
+            # Only tasks/result waits for tasks (its latency leaves the waits out).
+            waits = metrics.track_waits() if label == "tasks/result" else None
             outcome: str = "internal_error"
             code: int | None = INTERNAL_ERROR
             wire = {"wire": "none"}  # the session's protocol version, once known
@@ -495,8 +496,10 @@ class McpEndpoint:
                 metrics.labelled(metrics.requests, label, outcome, wire["wire"]).inc()
                 if code is not None:
                     metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), wire["wire"]).inc()
-                metrics.labelled(metrics.request_seconds, label).observe(max(0.0, elapsed - sum(waits)))
-                if label == "tasks/result":
+                if waits is None:
+                    metrics.labelled(metrics.request_seconds, label).observe(elapsed)
+                else:
+                    metrics.labelled(metrics.request_seconds, label).observe(max(0.0, elapsed - sum(waits)))
                     metrics.task_result_seconds.observe(elapsed)
             return
         if "id" in message and ("result" in message) != ("error" in message):
