@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.auth.base import Authenticator, AuthFailure
 from service.config import Settings, is_loopback_host
+from service.domain import eager
 from service.domain.errors import DomainError, InvalidArguments
 from service.domain.inputs import InputResponse
 from service.domain.principal import Caller, Principal
@@ -594,42 +595,22 @@ class McpEndpoint:
     ) -> Any:
         """``work``'s reply, or _GONE if the client disconnected first. 2025-11-25 does not treat
         a disconnect as a cancellation, but a plain call nobody waits for is stopped after
-        MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S (issue 14 §7, docs/decisions.md)."""
-        direct = direct_exchange(scope)
-        if direct is not None:
-            gone = _Gone(asyncio.current_task())
-            if direct.on_gone(receive, gone):
-                return await self._unless_gone_here(work, plain_key, gone)
-        running = asyncio.ensure_future(work)
-        await until_done_or_gone(scope, receive, running)
-        if running.done():
-            return running.result()
-        running.cancel()  # the handler only waits to choose JSON or SSE; the call runs in a task of its own
-        with contextlib.suppress(BaseException):
-            await running
-        self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
-        return _GONE
-
-    async def _unless_gone_here(self, work: Coroutine[Any, Any, Any], plain_key: CallKey, gone: _Gone) -> Any:
-        """_unless_gone on our server: ``work`` runs in this request's own task, which the
-        connection's goodbye cancels while it waits (no task of its own to wait on: one fewer step
-        of the event loop per call, and a tool's result goes straight to its answer)."""
-        if gone.heard:  # gone before the call began
-            work.close()
-            return _GONE
-        gone.waiting = True
-        try:
-            reply = await work
-        except asyncio.CancelledError:
-            if not gone.cancelled or gone.task.uncancel() > 0:
-                raise  # cancelled for another reason too (a shutdown): that goes on
-            self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
-            return _GONE
-        finally:
-            gone.waiting = False
-        if gone.cancelled:  # the call ended all the same: its answer goes out, as when it ends first
-            gone.task.uncancel()
-        return reply
+        MCP_TASKS_PLAIN_CALL_DISCONNECT_GRACE_S (issue 14 §7, docs/decisions.md). Its first step
+        runs at once: a call that ends in it (most do) needs no watch on its client."""
+        running = eager.start(work)
+        if not running.done():
+            try:
+                await until_done_or_gone(scope, receive, running)
+            except BaseException:  # this request was cancelled (a shutdown): so is the call
+                running.cancel()
+                raise
+            if not running.done():
+                running.cancel()  # the handler only waits to choose JSON or SSE; the call runs in a task of its own
+                with contextlib.suppress(BaseException):
+                    await running
+                self.surface.inflight.abandon(plain_key, self._disconnect_grace_s)
+                return _GONE
+        return running.result()
 
     async def _notification(self, send: Send, headers: Headers, caller: Caller, method: str, params: Any) -> None:
         """H-POST-2: accepted notifications get 202 and no body."""
@@ -692,25 +673,3 @@ class McpEndpoint:
         session = await self._session(headers, principal)
         await self.sessions.end(principal, session.session_id)
         await send_json(send, 200, None)
-
-
-class _Gone:
-    """The callback the connection calls when a tools/call's client leaves: cancels the request's
-    task if it is waiting on the call then, and remembers it either way."""
-
-    __slots__ = ("cancelled", "heard", "task", "waiting")
-
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
-        assert task is not None, "a request runs in a task"
-        self.task = task
-        self.heard = False
-        self.waiting = False
-        self.cancelled = False
-
-    def __call__(self) -> None:
-        if self.heard:
-            return
-        self.heard = True
-        if self.waiting:
-            self.cancelled = True
-            self.task.cancel()
