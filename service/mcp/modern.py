@@ -166,7 +166,7 @@ class ModernSurface:
         if not jsonrpc.valid_id(request_id):
             raise HttpError(400, INVALID_REQUEST, "Invalid Request: id must be a string or an integer")
         label = metrics.method(method)
-        logctx.method.set(label)
+        logctx.note_method(label)
         started = time.perf_counter()
         outcome = "error"
         code: int | None = None

@@ -240,12 +240,11 @@ class McpEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = RequestHeaders(scope)
         request_id = _request_id(headers.get("x-request-id"))
-        scope.setdefault("state", {})["request_id"] = request_id
-        logctx.request_id.set(request_id)
+        logged = logctx.begin_request(request_id)
         started_at = time.perf_counter()
         answer = _Answer(send, direct_exchange(scope), request_id.encode())
         try:
-            await self._serve(scope, receive, answer, headers)
+            await self._serve(scope, receive, answer, headers, logged)
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("unexpected error on %s /mcp (reference %s)", scope["method"], ref)
@@ -261,13 +260,15 @@ class McpEndpoint:
                     extra={"status": answer.status, "duration_ms": round((time.perf_counter() - started_at) * 1000, 2)},
                 )
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders) -> None:
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders, logged: logctx.RequestContext
+    ) -> None:
         method = scope["method"]
         try:
             self._check_host_and_origin(headers)
             client = scope.get("client")
             address = client[0] if client else "-"
-            request_id = scope["state"]["request_id"]
+            request_id = logged.request_id
             connection = RequestConnection(scope, receive, headers)
             # A token verified before costs no work (the hot path). Any other request from an
             # address over its failed-authentication budget is refused before any token work.
@@ -275,7 +276,7 @@ class McpEndpoint:
             if principal is None:
                 principal = await self._authenticate(connection, headers, address, request_id)
             caller = Caller(principal, request_id, address)
-            logctx.tenant.set(principal.tenant_id)
+            logged.tenant = principal.tenant_id
             if limited := await self.limiter.request(principal):
                 metrics.denied("rate_limited", principal.tenant_id)
                 if await self.limiter.may_record_denial(f"p:{principal.tenant_id}\x00{principal.subject}"):
@@ -477,7 +478,7 @@ class McpEndpoint:
                 await self._notification(send, headers, caller, method, message.get("params"))
                 return
             label = metrics.method(method)
-            logctx.method.set(label)
+            logctx.note_method(label)
             started = time.perf_counter()
             # Only tasks/result waits for tasks (its latency leaves the waits out).
             waits = metrics.track_waits() if label == "tasks/result" else None

@@ -14,11 +14,36 @@ from typing import Any
 
 import orjson
 
-request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant", default=None)
-method: contextvars.ContextVar[str | None] = contextvars.ContextVar("method", default=None)
 
-_CONTEXT = (("request_id", request_id), ("tenant", tenant), ("method", method))
+class RequestContext:
+    """What the log lines of one request carry. Set once, when the request begins (one context
+    variable: each set copies the context's mapping); the tenant and the method are filled in as
+    they become known, and tasks the request starts see them too."""
+
+    __slots__ = ("method", "request_id", "tenant")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.tenant: str | None = None
+        self.method: str | None = None
+
+
+request: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("mcp_tasks_request", default=None)
+
+
+def begin_request(request_id: str) -> RequestContext:
+    """The log context of a request beginning in this task."""
+    context = RequestContext(request_id)
+    request.set(context)
+    return context
+
+
+def note_method(label: str) -> None:
+    """The request's method, once known (a request outside one, e.g. in a test, notes nothing)."""
+    if (context := request.get()) is not None:
+        context.method = label
+
+
 # color_message: uvicorn's ANSI-coloured copy of the message.
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
     "message",
@@ -35,10 +60,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for key, var in _CONTEXT:
-            value = var.get()
-            if value is not None:
-                entry[key] = value
+        if (context := request.get()) is not None:
+            for key in RequestContext.__slots__:
+                if (value := getattr(context, key)) is not None:
+                    entry[key] = value
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value
