@@ -69,9 +69,10 @@ class _Direct:
     object keeps no reference to a request, so a request's objects are freed by reference counting
     (a cycle through the scope would leave every request to the garbage collector)."""
 
-    __slots__ = ("_gone",)
+    __slots__ = ("_gone", "memo")
 
     def __init__(self) -> None:
+        self.memo: Any = None  # the app's, for this connection's later requests
         # The request waiting to hear of a disconnect (weakly: nothing of a request is kept) and
         # how to tell it. One at a time: a connection's requests are answered one after another.
         self._gone: tuple[weakref.ref[RequestResponseCycle], Callable[[], None]] | None = None

@@ -184,6 +184,41 @@ async def test_valid_token_is_accepted_and_uppercase_audience_matches_A_AUD_4(
     assert (await post(http, hosted.url, issuer.mint(multi))).status_code == 200  # type: ignore[arg-type]
 
 
+async def test_each_request_on_one_connection_is_its_own_tokens_T_SEC_2_A_TOK_3(
+    hosted: RunningServer, issuer: LocalIssuer, tenant: str
+) -> None:
+    """The endpoint remembers a connection's Authorization header and its principal (a keep-alive
+    client sends the same one each time): another token on the same connection is its own
+    principal, and a bad one after a good one is refused."""
+    aud = audience(hosted)
+    alice_token, bob_token = (issuer.mint(aud, sub=sub, tenant_id=tenant) for sub in ("alice", "bob"))
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1)) as one:
+        alice, bob = await session_for(one, hosted, alice_token), await session_for(one, hosted, bob_token)
+        task_id = (await alice.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"]
+        for _ in range(2):  # back and forth on the one connection
+            assert (await bob.error("tasks/get", {"taskId": task_id}))["code"] == -32602
+            assert (await alice.result("tasks/get", {"taskId": task_id}))["status"] == "working"
+        forged = _tampered(issuer, aud)
+        refused = await post(one, hosted.url, forged, {"jsonrpc": "2.0", "id": 2, "method": "ping"})
+        assert refused.status_code == 401
+        assert (await alice.result("tasks/cancel", {"taskId": task_id}))["status"] == "cancelled"
+
+
+async def test_a_token_that_runs_out_is_refused_on_the_connection_that_used_it_A_TOK_3(
+    database_url: str, issuer: LocalIssuer
+) -> None:
+    settings = make_settings(database_url, auth="oauth", oauth_issuer=issuer.url, oauth_leeway_s=0)
+    async with serve(settings) as server, httpx.AsyncClient(limits=httpx.Limits(max_connections=1)) as one:
+        token = issuer.mint(audience(server), exp=int(time.time()) + 2)
+        s = await session_for(one, server, token)
+        assert await s.result("ping") == {}
+        await asyncio.sleep(max(0.0, int(time.time()) + 1 - time.time()) + 2)  # past exp, whole seconds
+        r = await post(one, server.url, token, {"jsonrpc": "2.0", "id": 3, "method": "ping"},
+                       **{"Mcp-Session-Id": s.session_id or ""})  # fmt: skip
+        assert r.status_code == 401
+        assert "expired" in r.headers["www-authenticate"]
+
+
 async def test_rsa_keys_work_too(database_url: str, http: httpx.AsyncClient) -> None:
     from joserfc.jwk import RSAKey
 

@@ -42,6 +42,10 @@ class RequestHeaders(Headers):
     def __contains__(self, key: Any) -> bool:
         return isinstance(key, str) and key.lower().encode("latin-1") in self._first
 
+    def raw_value(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lowercase) as sent, undecoded."""
+        return self._first.get(name)
+
 
 class RequestConnection(HTTPConnection):
     """The request as the authenticator sees it, sharing the request's ``RequestHeaders``."""
@@ -75,6 +79,10 @@ DIRECT: str = "mcp.direct"
 
 
 class DirectExchange(Protocol):
+    # One value the app keeps with the connection, for its later requests (None at first; gone
+    # with the connection): the endpoint keeps the principal of its Authorization header there.
+    memo: Any
+
     def respond(
         self, request: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> bool:

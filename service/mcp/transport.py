@@ -272,7 +272,7 @@ class McpEndpoint:
             connection = RequestConnection(scope, receive, headers)
             # A token verified before costs no work (the hot path). Any other request from an
             # address over its failed-authentication budget is refused before any token work.
-            principal = self.auth.known(connection)
+            principal = self._known(scope, connection, headers)
             if principal is None:
                 principal = await self._authenticate(connection, headers, address, request_id)
             caller = Caller(principal, request_id, address)
@@ -313,6 +313,25 @@ class McpEndpoint:
                 jsonrpc.error_message(None, failure.error_object()),
                 failure.headers,
             )
+
+    def _known(self, scope: Scope, connection: RequestConnection, headers: RequestHeaders) -> Principal | None:
+        """``auth.known``, remembered per connection on our server: a keep-alive connection's
+        requests carry one Authorization header as a rule, and the principal found for it holds
+        for the same header until its token runs out, as in the verifier's cache. The header is
+        compared whole, so another token on the same connection (a proxy's) is looked up anew;
+        the memo goes with the connection."""
+        direct = direct_exchange(scope)
+        header = headers.raw_value(b"authorization")
+        if direct is None or header is None or scope.get("query_string"):
+            return self.auth.known(connection)
+        memo: tuple[bytes, Principal] | None = direct.memo
+        if memo is not None and memo[0] == header:
+            expires = memo[1].expires_at
+            if expires is None or expires > time.time():
+                return memo[1]
+        principal = self.auth.known(connection)
+        direct.memo = None if principal is None else (header, principal)
+        return principal
 
     async def _authenticate(
         self, connection: RequestConnection, headers: Headers, address: str, request_id: str
