@@ -177,6 +177,12 @@ def encode(event: Event) -> bytes:
     return orjson.dumps(body)
 
 
+# Each kind's field names, for decode (dataclasses.fields builds a tuple on every call).
+_FIELDS: dict[type[Event], frozenset[str]] = {
+    cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _KINDS.values()
+}
+
+
 def decode(body: dict[str, Any], *, inline: bool = False) -> Event | None:
     """The event of a payload, or None for one this version does not know (a newer replica's), or
     for one that came ``inline`` over NOTIFY but is only ever sent by reference (a forgery)."""
@@ -185,7 +191,7 @@ def decode(body: dict[str, Any], *, inline: bool = False) -> Event | None:
     cls = _KINDS.get(str(body.get("k")))
     if cls is None or (inline and cls.BY_REFERENCE):
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _FIELDS[cls]
     fields = {k: v for k, v in body.items() if k in names}
     # Routing fields must be text: anything else is not one of ours.
     if any(not isinstance(fields.get(k, ""), str) for k in ("tenant_id", "task_id", "session_id", "subject", "key")
