@@ -185,16 +185,16 @@ tasks_created, tasks_finished, denials = _tenant_counters(False)
 
 
 def task_created(tool: str, tenant_id: str) -> None:
-    (tasks_created.labels(tool, tenant(tenant_id)) if _tenant_label else tasks_created.labels(tool)).inc()
+    (labelled(tasks_created, tool, tenant(tenant_id)) if _tenant_label else labelled(tasks_created, tool)).inc()
 
 
 def task_finished(tool: str, status: str, outcome: str, tenant_id: str) -> None:
     labels = (tool, status, outcome, tenant(tenant_id)) if _tenant_label else (tool, status, outcome)
-    tasks_finished.labels(*labels).inc()
+    labelled(tasks_finished, *labels).inc()
 
 
 def denied(reason: str, tenant_id: str) -> None:
-    (denials.labels(reason, tenant(tenant_id)) if _tenant_label else denials.labels(reason)).inc()
+    (labelled(denials, reason, tenant(tenant_id)) if _tenant_label else labelled(denials, reason)).inc()
 
 
 def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "", component: str = "serve") -> None:

@@ -216,7 +216,7 @@ class Runner:
             self._background(self._hand_back([task], "re-queued: the runner was shut down"))
             return
         attach(task.task_id, self._sink(task))
-        metrics.task_start_delay.labels(task.tool).observe(0.0)
+        metrics.labelled(metrics.task_start_delay, task.tool).observe(0.0)
         self._start(task, since, job, covered_since=min(since, row_sent))
 
     def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None:
@@ -233,7 +233,7 @@ class Runner:
                 self._hand_back([task], "re-queued: the runner was shut down before it started", never_started=True)
             )
             return
-        metrics.task_start_delay.labels(task.tool).observe(0.0)
+        metrics.labelled(metrics.task_start_delay, task.tool).observe(0.0)
         self._start(task, since, capabilities=capabilities, covered_since=min(since, row_sent))
 
     def adopt_unknown(self, tenant_id: str, task_id: str) -> None:
@@ -482,7 +482,7 @@ class Runner:
         now = datetime.now(UTC)
         started = 0
         for task in tasks:
-            metrics.task_start_delay.labels(task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
+            metrics.labelled(metrics.task_start_delay, task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
             # The claim reads our row, never extends it.
             run = self._start(task, sent, covered_since=min(sent, row_sent))
             if run is not None:
@@ -646,7 +646,7 @@ class Runner:
             run.tool_done = True  # from here on the run is recording its outcome
             self._recorded(run, +1)
             self._give_slot(run)
-            metrics.task_run_seconds.labels(task.tool).observe(time.perf_counter() - started)
+            metrics.labelled(metrics.task_run_seconds, task.tool).observe(time.perf_counter() - started)
             await self._finish(task, outcome)
         except asyncio.CancelledError:
             if (back := self._after_cancel(run, task)) is not None:
