@@ -482,7 +482,9 @@ class Runner:
         now = datetime.now(UTC)
         started = 0
         for task in tasks:
-            metrics.labelled(metrics.task_start_delay, task.tool).observe(max(0.0, (now - task.created_at).total_seconds()))
+            metrics.labelled(metrics.task_start_delay, task.tool).observe(
+                max(0.0, (now - task.created_at).total_seconds())
+            )
             # The claim reads our row, never extends it.
             run = self._start(task, sent, covered_since=min(sent, row_sent))
             if run is not None:
