@@ -199,7 +199,12 @@ def pin_postgres(core: str) -> None:
         subprocess.run(["taskset", "-a", "-cp", core, pid], capture_output=True)
 
 
-def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None, principals: int = 32) -> Server:
+def start_ours(
+    db_url: str, logs: Path, extra_env: dict[str, str] | None = None, principals: int = 32,
+    wrap: list[str] | None = None, start_timeout: float = 60,
+) -> Server:  # fmt: skip
+    """Our server, its dev issuer and ``principals`` tokens. ``wrap``: a command our server runs
+    under (bench/instructions.py: callgrind), which may make its start slower than ``start_timeout``."""
     issuer_port, port = free_port(), free_port()
     issuer = f"http://127.0.0.1:{issuer_port}"
     url = f"http://127.0.0.1:{port}/mcp"
@@ -226,9 +231,9 @@ def start_ours(db_url: str, logs: Path, extra_env: dict[str, str] | None = None,
         **(extra_env or {}),
     }
     with (logs / "ours.log").open("ab") as log:
-        proc = subprocess.Popen(pinned(SERVER_CORE, [str(BIN / "mcp-tasks"), "serve"]), env=ours_env(server_env),
-                                stdout=log, stderr=log)  # fmt: skip
-    wait_http(url.removesuffix("/mcp") + "/healthz", proc)
+        proc = subprocess.Popen(pinned(SERVER_CORE, [*(wrap or []), str(BIN / "mcp-tasks"), "serve"]),
+                                env=ours_env(server_env), stdout=log, stderr=log)  # fmt: skip
+    wait_http(url.removesuffix("/mcp") + "/healthz", proc, timeout=start_timeout)
     tokens = []
     for i in range(principals):  # 8 tenants x 4 subjects: many principals, as in production
         tokens.append(subprocess.run(

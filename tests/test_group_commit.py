@@ -555,6 +555,43 @@ async def test_an_item_queued_while_a_drain_gives_its_hold_back_is_still_sent() 
         assert await first == "t1"
 
 
+async def test_a_failed_item_reaches_its_waiter_and_an_abandoned_one_is_not_logged() -> None:
+    """An item's exception goes to whoever awaits it; one whose waiter went away under a shield is
+    not reported as "never retrieved" when its future is collected (nobody was left to take it)."""
+    import gc
+
+    async def run_many(items: list[rq.TaskRequest]) -> list[str]:
+        raise Unavailable("the database went away")
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        batcher: Batcher[rq.TaskRequest, str] = Batcher(run_many, name="test-unretrieved")
+        caller = Caller(principal("acme", "alice"), "r", "127.0.0.1")
+        with pytest.raises(Unavailable):
+            await batcher.submit(rq.lookup(caller, "t1", retrieve=False))
+
+        async def wait_shielded() -> None:
+            await asyncio.shield(batcher.enqueue(rq.lookup(caller, "t2", retrieve=False)))
+
+        abandoned = asyncio.create_task(wait_shielded())
+        await asyncio.sleep(0)
+        abandoned.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await abandoned
+        async with asyncio.timeout(5):
+            while batcher._drainers[0] is not None:  # the batch ran and failed, with nobody waiting
+                await asyncio.sleep(0.01)
+        del abandoned
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert [c for c in reported if "never retrieved" in str(c.get("message"))] == []
+
+
 async def test_a_held_connection_killed_between_statements_is_replaced(app_db: Database, database_url: str) -> None:
     """The server ended the held connection between two batches (a failover, pg_terminate_backend):
     the next statement does not fail on it, it goes through the pool as any other."""
