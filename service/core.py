@@ -73,10 +73,12 @@ class Core:
         return self.drain_deadline
 
     async def close(self) -> None:
+        # Maintenance first: a pass between the runner's hand-back and its withdrawal from the
+        # runners table would relabel the tasks it just re-queued as having no runner at all.
+        await self.maintenance.stop()
         if self.runner is not None:
             deadline = self.begin_drain(self.settings.shutdown_grace_s)
             await self.runner.stop(deadline)
-        await self.maintenance.stop()
         await self.hub.stop()
         await self.runner_db.close()
         await self.db.close()
