@@ -684,6 +684,10 @@ async def test_each_tenant_has_its_own_chain_starting_at_seq_1_T_SEC_10(
         a2 = (await acme.call_tool_as_task("hang", {}))["task"]["taskId"]
         await acme.result("tasks/cancel", {"taskId": a2})
         await globex.error("tasks/get", {"taskId": a1})  # another tenant's task: not found, in globex's chain
+        for session, task_id in ((acme, a1), (globex, g1)):  # their completes are in before the chains are read
+            async with asyncio.timeout(10):
+                while (await session.result("tasks/get", {"taskId": task_id}))["status"] != "completed":
+                    await asyncio.sleep(0.02)
         events = await audit_rows(database_url)
         issuer_url = issuer.url
     acme_chain = [e for e in events if e["tenant_id"] == "acme"]
