@@ -333,7 +333,7 @@ def run_load(
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
         profile.parent.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "py-spy"), "record", "--pid", str(server.proc.pid), "--output", str(profile),
-                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--rate", "250"] if SPY_BLOCKING else ["--nonblocking"]),
+                                                  "--duration", str(int(duration) + 5), "--format", "raw", *(["--rate", "250"] if SPY_BLOCKING or SPY_NATIVE else ["--nonblocking"]),
                                                   *(["--native"] if SPY_NATIVE else [])]),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     done = subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
@@ -409,7 +409,9 @@ def main() -> int:
         "--spy-blocking", action="store_true", help="--profile pausing the server per sample (exact stacks)"
     )
     ap.add_argument(
-        "--spy-native", action="store_true", help="--profile with native frames too (C extensions: asyncpg, json)"
+        "--spy-native",
+        action="store_true",
+        help="--profile with native frames too (C extensions: asyncpg, json); py-spy takes those pausing the server, as --spy-blocking",
     )
     ap.add_argument("--servers", help="comma-separated subset of ours,sdk,fastmcp,fastmcp4,floor (default: all)")
     ap.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
