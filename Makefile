@@ -21,9 +21,11 @@ run: $(STAMP) ## run the service (embedded PostgreSQL unless MCP_TASKS_DATABASE_
 	$(BIN)/mcp-tasks serve
 
 # tests/security runs once, under `make security` (CI calls both); a bare `pytest` runs everything.
-# The alert rules' tests run promtool: Debian's prometheus package has it (root, as CI runs).
+# The alert rules' tests run promtool: Debian's prometheus package has it (installed here as root,
+# as CI runs; anyone else is told how, and those tests say so too).
 promtool:
-	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; }
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; } \
+	  || echo "promtool is missing: sudo apt-get install prometheus (the alert rules' tests need it)"
 
 test: $(STAMP) promtool ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
 	$(BIN)/pytest --ignore=tests/security
