@@ -10,9 +10,10 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.observability import metrics
 from tests.conftest import RunningServer, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import ACCEPT_BOTH, RpcSession
@@ -253,6 +254,57 @@ def value(m: dict[Any, float], name: str, **labels: str) -> float:
 async def metered(database_url: str) -> AsyncIterator[RunningServer]:
     async with serve(make_settings(database_url, max_active_tasks_per_requestor=1)) as running:
         yield running
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_the_request_meter_hands_prometheus_client_what_inc_and_observe_would_T_SEC_9() -> None:
+    """Requests are counted without prometheus-client's locks and handed over in sums: the
+    exposition is the one a counter ``inc`` and a histogram ``observe`` per request would give,
+    bucket for bucket (a latency on a bound goes in that bound's bucket; beyond the last, +Inf)."""
+    method = f"test/{secrets.token_hex(4)}"  # a child of its own: the deltas are this test's alone
+    latencies = [0.0, 0.0004, 0.001, 0.0011, 0.7, 2.5, 59.0, 61.0, 1e6]
+    reference = Histogram("ref_seconds", "reference", buckets=metrics.LATENCY_BUCKETS, registry=CollectorRegistry())
+    for seconds in latencies:
+        metrics.request_meter.record(method, "ok", "2025-11-25", seconds)
+        reference.observe(seconds)
+    metrics.request_meter.record(method, "error", "2025-11-25", 0.002)
+    reference.observe(0.002)
+    assert _sample("mcp_tasks_request_duration_seconds_count", method=method) == 0  # not handed over yet
+    metrics.request_meter.flush()
+    assert _sample("mcp_tasks_requests_total", method=method, outcome="ok", wire="2025-11-25") == len(latencies)
+    assert _sample("mcp_tasks_requests_total", method=method, outcome="error", wire="2025-11-25") == 1
+    ref = {(s.name, s.labels.get("le")): s.value for m in reference.collect() for s in m.samples}
+    for le in [*(str(float(b)) for b in metrics.LATENCY_BUCKETS), "+Inf"]:
+        got = _sample("mcp_tasks_request_duration_seconds_bucket", method=method, le=le)
+        assert got == ref[("ref_seconds_bucket", le)], le
+    assert _sample("mcp_tasks_request_duration_seconds_count", method=method) == len(latencies) + 1
+    assert _sample("mcp_tasks_request_duration_seconds_sum", method=method) == pytest.approx(
+        ref[("ref_seconds_sum", None)]
+    )
+    metrics.request_meter.flush()  # nothing new: nothing counted twice
+    assert _sample("mcp_tasks_request_duration_seconds_count", method=method) == len(latencies) + 1
+
+
+def test_the_request_meter_hands_over_at_once_outside_an_event_loop_T_SEC_9() -> None:
+    method = f"test/{secrets.token_hex(4)}"
+    metrics.request_meter.record(method, "ok", "none", 0.02)
+    assert _sample("mcp_tasks_requests_total", method=method, outcome="ok", wire="none") == 1
+
+
+async def test_the_request_meter_hands_over_within_a_second_without_a_scrape_T_SEC_9() -> None:
+    """Multiprocess mode's files are scraped by another process: a request's count must reach
+    prometheus-client by itself, not only when this process is scraped."""
+    method = f"test/{secrets.token_hex(4)}"
+    metrics.request_meter.record(method, "ok", "2026-07-28", 0.01)
+    for _ in range(100):  # REQUEST_FLUSH_S is 1 s; a loaded machine gets five
+        if _sample("mcp_tasks_requests_total", method=method, outcome="ok", wire="2026-07-28") == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert _sample("mcp_tasks_requests_total", method=method, outcome="ok", wire="2026-07-28") == 1
+    assert _sample("mcp_tasks_request_duration_seconds_sum", method=method) == pytest.approx(0.01)
 
 
 async def test_metrics_move_as_tasks_run_T_SEC_9(metered: RunningServer, http: httpx.AsyncClient) -> None:

@@ -192,10 +192,9 @@ class ModernSurface:
             )
             return
         finally:
-            metrics.labelled(metrics.requests, label, outcome, ext.MODERN).inc()
             if outcome != "ok":
                 metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), ext.MODERN).inc()
-            metrics.labelled(metrics.request_seconds, label).observe(time.perf_counter() - started)
+            metrics.request_meter.record(label, outcome, ext.MODERN, time.perf_counter() - started)
         await send_json(send, 200, jsonrpc.result_message(request_id, reply))
 
     def _envelope(

@@ -514,13 +514,12 @@ class McpEndpoint:
                 raise
             finally:
                 elapsed = time.perf_counter() - started
-                metrics.labelled(metrics.requests, label, outcome, wire["wire"]).inc()
                 if code is not None:
                     metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), wire["wire"]).inc()
                 if waits is None:
-                    metrics.labelled(metrics.request_seconds, label).observe(elapsed)
+                    metrics.request_meter.record(label, outcome, wire["wire"], elapsed)
                 else:
-                    metrics.labelled(metrics.request_seconds, label).observe(max(0.0, elapsed - sum(waits)))
+                    metrics.request_meter.record(label, outcome, wire["wire"], max(0.0, elapsed - sum(waits)))
                     metrics.task_result_seconds.observe(elapsed)
             return
         if "id" in message and ("result" in message) != ("error" in message):
