@@ -516,10 +516,9 @@ class McpEndpoint:
                 elapsed = time.perf_counter() - started
                 if code is not None:
                     metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), wire["wire"]).inc()
-                if waits is None:
-                    metrics.request_meter.record(label, outcome, wire["wire"], elapsed)
-                else:
-                    metrics.request_meter.record(label, outcome, wire["wire"], max(0.0, elapsed - sum(waits)))
+                latency = elapsed if waits is None else max(0.0, elapsed - sum(waits))
+                metrics.request_meter.record(label, outcome, wire["wire"], latency)
+                if waits is not None:
                     metrics.task_result_seconds.observe(elapsed)
             return
         if "id" in message and ("result" in message) != ("error" in message):

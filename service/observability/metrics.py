@@ -275,7 +275,7 @@ class RequestMeter:
     """``requests`` and ``request_seconds`` for every request, counted on the event loop's thread.
 
     prometheus-client takes a lock for each value it changes, three per request (the counter, the
-    histogram's sum and its bucket): about 5 % of a plain call's CPU. Here a request adds to plain
+    histogram's sum and its bucket): about 5 % of py-spy's samples of a plain call. Here a request adds to plain
     dictionaries, and the sums go to prometheus-client at every scrape (``exposition``), at most
     ``REQUEST_FLUSH_S`` after the request (so multiprocess mode's files, which another process
     scrapes, lag by no more), and when the process exits. Nothing is lost, nothing counted twice:
@@ -408,7 +408,8 @@ def method(value: str) -> str:
 
 
 def process_exiting() -> None:
-    """In multiprocess mode, drop this process's live gauges (runner slots, pool use) on the way out."""
+    """On the way out: the requests counted since the last hand-over go to prometheus-client, and in
+    multiprocess mode this process's live gauges (runner slots, pool use) are dropped."""
     request_meter.flush()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
