@@ -22,3 +22,16 @@ def run_script(sql: str) -> None:
         bind.exec_driver_sql("SELECT 1")
     assert driver_conn.is_in_transaction(), "a migration script must run inside the revision's transaction"
     await_only(driver_conn.execute(sql))
+
+
+def run_outside_transaction(*statements: str) -> None:
+    """Statements PostgreSQL runs only outside a transaction block (``CREATE INDEX CONCURRENTLY``),
+    one at a time, in autocommit, between this revision's transaction and the next. Each must be
+    safe to run again: a revision that fails half-way is retried from its first statement."""
+    with op.get_context().autocommit_block():
+        bind = op.get_bind()
+        driver_conn = bind.connection.driver_connection
+        assert driver_conn is not None
+        for statement in statements:
+            assert not driver_conn.is_in_transaction(), "this statement must run outside a transaction"
+            await_only(driver_conn.execute(statement))

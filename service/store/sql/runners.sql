@@ -42,7 +42,7 @@ verdicts AS MATERIALIZED (
            format('queued: no connected worker runs tool %s%s; start one with the tool pack that provides it',
                   quote_literal(g.tool), coalesce(' version ' || quote_literal(g.tool_version), '')) AS waiting
     FROM (SELECT tool, tool_version, count(*) AS queued FROM tasks
-          WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
+          WHERE lease_owner IS NULL AND finished_at IS NULL AND status = 'working' AND expires_at > clock_timestamp()
           GROUP BY tool, tool_version) g
 ),
 -- Rows whose message changes, locked in key order and skipping rows locked elsewhere (a claim, a
@@ -50,7 +50,8 @@ verdicts AS MATERIALIZED (
 targets AS (
     SELECT t.ctid AS row_id
     FROM tasks t JOIN verdicts v ON v.tool = t.tool AND v.tool_version IS NOT DISTINCT FROM t.tool_version
-    WHERE t.status = 'working' AND t.lease_owner IS NULL AND t.expires_at > clock_timestamp()
+    WHERE t.lease_owner IS NULL AND t.finished_at IS NULL AND t.status = 'working'
+      AND t.expires_at > clock_timestamp()
       AND CASE WHEN v.runnable THEN t.status_message = v.waiting
                ELSE t.status_message IS DISTINCT FROM v.waiting END
     ORDER BY t.tenant_id COLLATE "C", t.task_id COLLATE "C"

@@ -49,7 +49,10 @@ RETURNING *;
 -- so one claim cut short, by rows another statement held, is evened out by the next), then each
 -- one's second, and so on. A task accepted
 -- for a version of its tool waits for that version ($9: tool → version). A "no worker runs tool"
--- message of the maintenance pass (mark_tasks_without_runner) no longer holds.
+-- message of the maintenance pass (mark_tasks_without_runner) no longer holds. The window is read
+-- from tasks_queued by its own conditions, null tests whose statistics the runner role's planner
+-- may use (migration 0017): with `status = 'working'` among them it took a queue of thousands for a
+-- few rows and sorted a scan of it; the status is checked on the rows picked.
 -- A new epoch: a runner that held this task before (even this one) can no longer write its outcome.
 -- The claimed tasks' lease is the runner's row too: nothing is claimed by a runner whose row has
 -- lapsed (its heartbeat publishes it afresh first). Read, not extended: a claim must not hold the
@@ -75,7 +78,7 @@ FROM (
                                  AND runs.subject = window_rows.subject), 0) AS subject_turn
             FROM (
                 SELECT tenant_id, task_id, subject, created_at FROM tasks
-                WHERE status = 'working' AND lease_owner IS NULL AND expires_at > clock_timestamp()
+                WHERE lease_owner IS NULL AND finished_at IS NULL AND expires_at > clock_timestamp()
                   AND EXISTS (SELECT 1 FROM runners r WHERE r.owner = $1 AND r.live_until > clock_timestamp())
                   AND tool = ANY ($5::text[]) AND (tool_version IS NULL OR tool_version = $9::jsonb ->> tool)
                   AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
@@ -91,7 +94,7 @@ FROM (
     ORDER BY turns.tenant_turn, turns.created_at
     LIMIT $4
 ) picked
-WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id
+WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id AND t.status = 'working'
 RETURNING t.*;
 
 -- name: renew_leases
@@ -208,7 +211,8 @@ SELECT * FROM task_release_batch($1);
 -- name: queue_by_tool
 -- Queued (working, unclaimed) and running (claimed) tasks per tool, with the age of the oldest of
 -- each, for the queue gauges. It reads the rows of the two partial indexes only, queued and leased
--- (the sweeper's pass, not a request's; an active task in neither counts in neither).
+-- (the sweeper's pass, not a request's; an active task in neither counts in neither), named by
+-- their own conditions, null tests, whose statistics the runner role's planner may use (migration 0017).
 SELECT tool,
        count(*) FILTER (WHERE lease_owner IS NULL AND status = 'working') AS queued,
        count(*) FILTER (WHERE lease_owner IS NOT NULL) AS running,
@@ -217,7 +221,7 @@ SELECT tool,
        coalesce(extract(epoch FROM clock_timestamp() - min(coalesce(started_at, created_at))
                 FILTER (WHERE lease_owner IS NOT NULL)), 0) AS oldest_running_s
 FROM tasks
-WHERE ((status = 'working' AND lease_owner IS NULL) OR lease_owner IS NOT NULL) AND expires_at > clock_timestamp()
+WHERE ((lease_owner IS NULL AND finished_at IS NULL) OR lease_owner IS NOT NULL) AND expires_at > clock_timestamp()
 GROUP BY tool;
 
 -- name: active_by_tenant
