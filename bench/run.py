@@ -775,16 +775,17 @@ def started_ours_on(db_url: str, logs: Path) -> Iterator[Server]:
 
 
 async def fill(db_url: str, n: int) -> None:
-    """Completed tasks of other tenants (RLS keeps them out of every query but the indexes)."""
+    """Completed tasks of other tenants (RLS keeps them out of every query but the indexes), each
+    with its finish time as the service records it."""
     conn = await asyncpg.connect(db_url)
     try:
         await conn.execute(
             """
             INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
-                               ttl_ms, poll_interval_ms, expires_at, created_at, last_updated_at)
+                               ttl_ms, poll_interval_ms, expires_at, created_at, last_updated_at, finished_at)
             SELECT 'filler-' || (i % 1000), md5(i::text) || md5((i + 1)::text), 'user-' || (i % 50), '2025-11-25',
                    'echo', '{"text":"x"}', 'completed', 'result', '{"content":[{"type":"text","text":"x"}]}',
-                   86400000, 1000, now() + interval '1 day', now() - (i || ' ms')::interval, now()
+                   86400000, 1000, now() + interval '1 day', now() - (i || ' ms')::interval, now(), now()
             FROM generate_series(1, $1) AS i
             """,
             n,
