@@ -139,6 +139,9 @@ CREATE TABLE tasks (
 -- `status = 'working'` in the predicate it took the queue for 0.5 % of the table, whatever the
 -- table held, and scanned a large table instead (migration 0017).
 CREATE INDEX tasks_queued ON tasks (created_at) WHERE lease_owner IS NULL AND finished_at IS NULL;
+-- The same rows as the release before named them, kept while it may still run beside this one (its
+-- claims read it; CONTRIBUTING.md, "expand, then contract"). A later release drops it.
+CREATE INDEX tasks_claimable ON tasks (created_at) WHERE status = 'working' AND lease_owner IS NULL;
 -- The reaper scans leases that may have lapsed.
 CREATE INDEX tasks_leased ON tasks (lease_expires_at) WHERE lease_owner IS NOT NULL;
 -- tasks/list keyset pagination, newest first.

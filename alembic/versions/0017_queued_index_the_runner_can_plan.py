@@ -25,8 +25,10 @@ the status on the rows it picked; the gauges count ``working`` among them.
 
 Built ``CONCURRENTLY``: a plain ``CREATE INDEX`` holds writes to ``tasks`` for as long as the build
 reads the table (0.4 s per million tasks stored, measured here). A build that failed leaves an
-invalid index, dropped and built again by the next run of this revision. A server of the release
-before claims from the table without its index until it is replaced (as in migration 0015).
+invalid index, dropped and built again by the next run of this revision. ``tasks_claimable`` stays
+for now: the release before reads the queue through it while it runs beside this one, and again
+after a rollback (CONTRIBUTING.md, "expand, then contract"); a later release drops it. Until then
+a queued create enters both indexes.
 """
 
 from service.store.sqlscript import run_outside_transaction
@@ -42,13 +44,8 @@ def upgrade() -> None:
         "DROP INDEX CONCURRENTLY IF EXISTS tasks_queued",
         "CREATE INDEX CONCURRENTLY tasks_queued ON tasks (created_at)"
         " WHERE lease_owner IS NULL AND finished_at IS NULL",
-        "DROP INDEX CONCURRENTLY IF EXISTS tasks_claimable",
     )
 
 
 def downgrade() -> None:
-    run_outside_transaction(
-        "DROP INDEX CONCURRENTLY IF EXISTS tasks_claimable",
-        "CREATE INDEX CONCURRENTLY tasks_claimable ON tasks (created_at) WHERE status = 'working' AND lease_owner IS NULL",
-        "DROP INDEX CONCURRENTLY IF EXISTS tasks_queued",
-    )
+    run_outside_transaction("DROP INDEX CONCURRENTLY IF EXISTS tasks_queued")
