@@ -135,9 +135,10 @@ CREATE TABLE tasks (
 -- working ones: a task asks for input only while a runner holds it, and every hand-back makes it
 -- working again (task_release_batch). Null tests only, because they call no operator: row-level
 -- security applies to the service's roles, and under it the planner may not use a column's
--- statistics with an operator that is not leakproof, as the enum's `=` is not; with
--- `status = 'working'` in the predicate it took the queue for 0.5 % of the table, whatever the
--- table held, and scanned a large table instead (migration 0017).
+-- statistics with an operator that is not leakproof, as the enum's `=` is not: `status =
+-- 'working'` was estimated from the column's count of distinct values alone, so in a table of
+-- finished tasks the queue looked like half of it, or all, and a large table was scanned instead
+-- (migration 0017).
 CREATE INDEX tasks_queued ON tasks (created_at) WHERE lease_owner IS NULL AND finished_at IS NULL;
 -- The same rows as the release before named them, kept while it may still run beside this one (its
 -- claims read it; CONTRIBUTING.md, "expand, then contract"). A later release drops it.

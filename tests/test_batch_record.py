@@ -393,10 +393,11 @@ async def test_the_queue_gauges_count_from_the_queued_and_leased_rows_alone(admi
     the two partial indexes of exactly those rows, not by a scan of every stored task.
 
     Migration 0017: planned as the runner role that runs it, under row-level security, where the
-    planner may not use the statistics of ``status`` (the enum's ``=`` is not leakproof). Before,
-    it took the queued tasks for half of a table of finished ones, and with a million stored chose
-    a scan of the table; the null test in ``tasks_queued`` tells it how few they are. The pass's
-    other reader of the queue, mark_tasks_without_runner, is planned the same way."""
+    planner may not use the most common values of ``status`` (the enum's ``=`` is not leakproof).
+    Before, it took the queued tasks for half of a table of finished ones (1 over the status's
+    count of distinct values), and with a million stored chose a scan of the table; the null test
+    in ``tasks_queued`` tells it how few they are. The pass's other reader of the queue,
+    mark_tasks_without_runner, is planned the same way."""
     queued = [create("acme", "alice", tool="slow", lease_owner=None, lease_key=None, lease_ms=None) for _ in range(3)]
     running = [create("acme", "bob", tool="slow") for _ in range(2)] + [create("globex", "carol")]
     done = [create("acme", "alice") for _ in range(3)]

@@ -7,11 +7,12 @@ The claim, the queue gauges and the pass that tells queued tasks no runner has t
 queued tasks through the partial index ``tasks_claimable`` (``status = 'working' AND lease_owner IS
 NULL``). Row-level security applies to the runner role, and under it the planner may not use a
 column's statistics with an operator that is not leakproof (``selfuncs.c``,
-``statistic_proc_security_check``): the enum's ``=`` is not, so the planner took
-``status = 'working'`` to hold for 0.5 % of the table, whatever the table held. With 1 million
-finished tasks stored and 6,400 queued, it judged the index's 5,000 heap fetches dearer than a
-parallel scan of the table and scanned: 160 ms per claim, 220 ms per queue-gauge read and 200-780 ms
-per runner check, every maintenance pass (5 s) on the database's core, and more as the table
+``statistic_proc_security_check``): the enum's ``=`` is not, so ``status = 'working'`` was estimated
+from the column's count of distinct values alone (``var_eq_const``'s fallback, without the most
+common values), and in a table of finished tasks the queue looked like half the table, or all of it.
+With 1 million finished tasks stored and 6,400 queued, the planner judged the index dearer than a
+parallel scan of the table: 160 ms per claim, 220 ms per queue-gauge read and 200-780 ms per runner
+check, every maintenance pass (5 s) on the database's core, and more as the table
 grows. (``bench/run.py``'s scale run: the ``tasks/get`` p99 with 1 million tasks stored.)
 
 ``tasks_queued`` holds the same rows, named by null tests alone: ``lease_owner IS NULL AND
@@ -20,7 +21,8 @@ working again, and only the moves to a terminal status set ``finished_at``). A n
 operator, so its statistics (the shares of unclaimed and of unfinished tasks) are open to every
 role: the planner estimates the queue from them, whether it is a few rows among a million finished
 (an index scan, not a scan of the table) or most of the table (the index's order, so the claim's
-``LIMIT`` stops early, not a sort of it all). The claim's window names these conditions and checks
+``LIMIT`` stops early, not a sort of it all: once migration 0018 has the runner's policy estimated
+right too). The claim's window names these conditions and checks
 the status on the rows it picked; the gauges count ``working`` among them.
 
 Built ``CONCURRENTLY``: a plain ``CREATE INDEX`` holds writes to ``tasks`` for as long as the build

@@ -20,9 +20,10 @@ The record role's policies keep the plain comparison: its statements, inside the
 functions, find rows by key, and written this way they cost a create 8-11 % more PostgreSQL CPU in
 two runs of ``bench/ab.py --workload create`` (plans chosen for 200 times the rows).
 
-``ALTER POLICY`` takes each table's ACCESS EXCLUSIVE lock for a moment (no rewrite); the migration
-waits at most 10 s for each, so that a long transaction fails it (run it again) rather than queue
-every request behind it.
+``ALTER POLICY`` rewrites nothing, but takes each table's ACCESS EXCLUSIVE lock and holds it until
+the revision commits, so a wait for a later table holds up every request to the earlier ones. The
+revision waits at most 2 s for each lock: a long transaction on one of the tables fails it, having
+changed nothing (run it again), rather than queue the service's requests behind it.
 """
 
 from service.store.sqlscript import run_script
@@ -33,7 +34,7 @@ branch_labels = None
 depends_on = None
 
 UPGRADE = """
-SET LOCAL lock_timeout = '10s';
+SET LOCAL lock_timeout = '2s';
 ALTER POLICY tasks_runner_all_tenants ON tasks USING ((CASE WHEN current_user = 'mcp_tasks_runner' THEN true END) IS NOT NULL);
 ALTER POLICY active_tasks_runner_all_tenants ON active_tasks USING ((CASE WHEN current_user = 'mcp_tasks_runner' THEN true END) IS NOT NULL);
 ALTER POLICY task_messages_runner_all_tenants ON task_messages USING ((CASE WHEN current_user = 'mcp_tasks_runner' THEN true END) IS NOT NULL);
@@ -45,7 +46,7 @@ ALTER POLICY audit_heads_runner_all_tenants ON audit_heads USING ((CASE WHEN cur
 """
 
 DOWNGRADE = """
-SET LOCAL lock_timeout = '10s';
+SET LOCAL lock_timeout = '2s';
 ALTER POLICY tasks_runner_all_tenants ON tasks USING (current_user = 'mcp_tasks_runner');
 ALTER POLICY active_tasks_runner_all_tenants ON active_tasks USING (current_user = 'mcp_tasks_runner');
 ALTER POLICY task_messages_runner_all_tenants ON task_messages USING (current_user = 'mcp_tasks_runner');

@@ -26,8 +26,12 @@ def run_script(sql: str) -> None:
 
 def run_outside_transaction(*statements: str) -> None:
     """Statements PostgreSQL runs only outside a transaction block (``CREATE INDEX CONCURRENTLY``),
-    one at a time, in autocommit, between this revision's transaction and the next. Each must be
-    safe to run again: a revision that fails half-way is retried from its first statement."""
+    one at a time, in autocommit. Alembic commits the revision's transaction first (with whatever
+    ``upgrade()`` ran before this call) and opens another after, in which the revision is recorded.
+    So such a revision is not applied whole or not at all: each statement must be safe to run
+    again, since one that fails leaves the database at the previous revision and the next run
+    starts over (``DROP INDEX CONCURRENTLY IF EXISTS`` before a build: a failed build leaves an
+    invalid index behind)."""
     with op.get_context().autocommit_block():
         bind = op.get_bind()
         driver_conn = bind.connection.driver_connection
