@@ -135,6 +135,49 @@ async def test_a_subjects_turns_in_a_claim_come_after_the_runs_it_has_here_alrea
     assert Counter(t.subject for t in tasks) == {"s1": 7, "s2": 8}
 
 
+async def test_a_claim_takes_only_queued_working_tasks(database_url: str) -> None:
+    """Migration 0017: the claim's window reads the unclaimed, unfinished rows (tasks_queued) and
+    the status is checked on the rows it picked. Among an unleased input_required row (no path of
+    the service leaves one; written here directly), finished rows without a finish time (as a
+    release that did not record it might have left), rows another runner holds and expired ones, it
+    claims the two queued working tasks and nothing else."""
+    db = await asyncpg.connect(database_url)
+    app = Database(database_url, pool_size=1, role=RUNNER_ROLE)
+    await app.open()
+    try:
+        await db.execute(
+            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
+                                  expires_at, created_at)
+               SELECT 'ta', name, 's1', '2025-11-25', 'echo', '{}', 60000, 100,
+                      now() + CASE WHEN name = 'expired' THEN interval '-1 second' ELSE interval '1 hour' END,
+                      now() - g * interval '1 second'
+               FROM unnest(ARRAY['queued-1', 'queued-2', 'asking', 'completed', 'cancelled', 'held', 'expired'])
+                    WITH ORDINALITY AS x(name, g)"""
+        )
+        await db.execute("UPDATE tasks SET status = 'input_required' WHERE task_id = 'asking'")
+        await db.execute(
+            """UPDATE tasks SET status = 'completed', outcome = 'result', payload = '{}'
+               WHERE task_id = 'completed'"""
+        )
+        await db.execute("UPDATE tasks SET status = 'cancelled' WHERE task_id = 'cancelled'")
+        await db.execute(
+            """UPDATE tasks SET lease_owner = 'other', lease_key = 2, lease_expires_at = now() + interval '1 hour'
+               WHERE task_id = 'held'"""
+        )
+        store = RunnerStore(app)
+        owner = f"only:{secrets.token_hex(4)}{ROW_LEASE}"
+        await store.publish(owner, 1, {}, 60_000)
+        tasks = await store.claim(owner, 1, 60_000, 16, {"echo": None}, tenant_share=16, held={})
+        rows = {r["task_id"]: (r["status"], r["lease_owner"]) for r in await db.fetch("SELECT * FROM tasks")}
+    finally:
+        await app.close()
+        await db.close()
+    assert sorted(t.task_id for t in tasks) == ["queued-1", "queued-2"]
+    assert rows["asking"] == ("input_required", None)
+    assert rows["held"] == ("working", "other")
+    assert [rows[name][1] for name in ("completed", "cancelled", "expired")] == [None, None, None]
+
+
 async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_url: str) -> None:
     """Issue 14 finding 2: fairness must not cost a scan of the table. With 20,000 queued tasks of
     200 tenants, the oldest 256 of a tenant at its share (the claim skips them), it reads
