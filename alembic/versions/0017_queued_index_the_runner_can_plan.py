@@ -12,8 +12,8 @@ from the column's count of distinct values alone (``var_eq_const``'s fallback, w
 common values), and in a table of finished tasks the queue looked like half the table, or all of it.
 With 1 million finished tasks stored and 6,400 queued, the planner judged the index dearer than a
 parallel scan of the table: 160 ms per claim, 220 ms per queue-gauge read and 200-780 ms per runner
-check, every maintenance pass (5 s) on the database's core, and more as the table
-grows. (``bench/run.py``'s scale run: the ``tasks/get`` p99 with 1 million tasks stored.)
+check, every maintenance pass (5 s) on the database's core, and more as the table grows.
+(``bench/run.py``'s scale run: the ``tasks/get`` p99 with 1 million tasks stored.)
 
 ``tasks_queued`` holds the same rows, named by null tests alone: ``lease_owner IS NULL AND
 finished_at IS NULL`` (a task asks for input only while a runner holds it, every hand-back makes it
@@ -22,8 +22,8 @@ operator, so its statistics (the shares of unclaimed and of unfinished tasks) ar
 role: the planner estimates the queue from them, whether it is a few rows among a million finished
 (an index scan, not a scan of the table) or most of the table (the index's order, so the claim's
 ``LIMIT`` stops early, not a sort of it all: once migration 0018 has the runner's policy estimated
-right too). The claim's window names these conditions and checks
-the status on the rows it picked; the gauges count ``working`` among them.
+right too). The claim's window names these conditions and checks the status on the rows it
+picked; the gauges count ``working`` among them.
 
 Built ``CONCURRENTLY``: a plain ``CREATE INDEX`` holds writes to ``tasks`` for as long as the build
 reads the table (0.4 s per million tasks stored, measured here). A build that failed leaves an

@@ -7,14 +7,22 @@ readable SQL.
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import op
 from sqlalchemy.util import await_only
 
 
+def _driver() -> Any:
+    """The revision's asyncpg connection, under SQLAlchemy's adapter."""
+    driver_conn = op.get_bind().connection.driver_connection
+    assert driver_conn is not None
+    return driver_conn
+
+
 def run_script(sql: str) -> None:
     bind = op.get_bind()
-    driver_conn = bind.connection.driver_connection
-    assert driver_conn is not None
+    driver_conn = _driver()
     # SQLAlchemy's asyncpg adapter sends BEGIN only before its own first statement. A script sent
     # straight to the driver before that would run in autocommit, outside the revision's
     # transaction: a revision failing half-way would leave its first half behind.
@@ -33,9 +41,7 @@ def run_outside_transaction(*statements: str) -> None:
     starts over (``DROP INDEX CONCURRENTLY IF EXISTS`` before a build: a failed build leaves an
     invalid index behind)."""
     with op.get_context().autocommit_block():
-        bind = op.get_bind()
-        driver_conn = bind.connection.driver_connection
-        assert driver_conn is not None
+        driver_conn = _driver()
         for statement in statements:
             assert not driver_conn.is_in_transaction(), "this statement must run outside a transaction"
             await_only(driver_conn.execute(statement))
