@@ -657,6 +657,105 @@ END
 $$;
 ALTER FUNCTION audit_append_many(text, audit_event_item[]) OWNER TO mcp_tasks_record;
 
+-- Append a batch's events of many tenants: p_tenants[i] is the tenant of p_events[i]. Each tenant's
+-- events go onto its chain in their order, as audit_append_many would append them (the same retrieve
+-- interval, seq, time and hash), with every head locked in tenant order (as the per-tenant calls
+-- did), the events inserted by one statement and the heads written by one. Not callable by the
+-- service's roles: only the record's own functions call it (task_finish_batch), so it has no
+-- tenant check of its own. A batch of one tenant goes to audit_append_many, which costs less for one.
+CREATE FUNCTION audit_append_all(p_tenants text[], p_events audit_event_item[]) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    tenants text[];
+    heads audit_heads[];
+    at_order integer[];
+    ev audit_event_item;
+    e audit_events;
+    chain audit_events[] := '{}';
+    head_seq bigint[] := '{}';
+    head_hash bytea[] := '{}';
+    head_at timestamptz[] := '{}';
+    repeats bigint;
+    h integer := 0;
+    k integer;
+    n integer := 0;
+BEGIN
+    SELECT array_agg(d.t ORDER BY d.t) INTO tenants
+    FROM (SELECT DISTINCT x.t COLLATE "C" AS t FROM unnest(p_tenants) AS x(t)) d;
+    IF tenants IS NULL THEN
+        RETURN;
+    ELSIF array_position(tenants, NULL) IS NOT NULL OR cardinality(p_tenants) <> cardinality(p_events) THEN
+        RAISE EXCEPTION 'audit_append_all: every event needs its tenant' USING ERRCODE = 'invalid_parameter_value';
+    ELSIF cardinality(tenants) = 1 THEN
+        PERFORM audit_append_many(tenants[1], p_events);
+        RETURN;
+    END IF;
+    -- The retrieve intervals first, as audit_append decides them before it locks a head.
+    FOR i IN 1 .. cardinality(p_events) LOOP
+        ev := p_events[i];
+        ev.subject := coalesce(ev.subject, '');
+        IF ev.action = 'retrieve' AND ev.task_id IS NOT NULL THEN
+            repeats := audit_retrieval_due(p_tenants[i], ev.task_id, ev.subject);
+            IF repeats IS NULL THEN  -- only counted
+                p_tenants[i] := NULL;
+                CONTINUE;
+            END IF;
+            IF repeats > 0 THEN
+                ev.detail := coalesce(ev.detail, '{}') || jsonb_build_object('repeats_before', repeats);
+            END IF;
+        END IF;
+        p_events[i] := ev;
+    END LOOP;
+    -- The events by tenant (in tenant order), each tenant's in their order.
+    SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C")
+        INTO at_order, tenants
+    FROM unnest(p_tenants) WITH ORDINALITY AS x(t, o) WHERE x.t IS NOT NULL;
+    IF at_order IS NULL THEN  -- every event was a retrieval only counted
+        RETURN;
+    END IF;
+    -- The heads, locked in tenant order (rows are locked as the sort returns them); a tenant's
+    -- first event creates its head.
+    SELECT array_agg(a ORDER BY a.tenant_id COLLATE "C") INTO heads
+    FROM (SELECT * FROM audit_heads WHERE tenant_id = ANY (tenants) ORDER BY tenant_id COLLATE "C" FOR UPDATE) a;
+    IF coalesce(cardinality(heads), 0) < cardinality(tenants) THEN
+        INSERT INTO audit_heads (tenant_id, seq, hash)
+        SELECT t, 0, decode(repeat('00', 32), 'hex') FROM unnest(tenants) AS t ORDER BY t COLLATE "C"
+        ON CONFLICT (tenant_id) DO NOTHING;
+        SELECT array_agg(a ORDER BY a.tenant_id COLLATE "C") INTO heads
+        FROM (SELECT * FROM audit_heads WHERE tenant_id = ANY (tenants) ORDER BY tenant_id COLLATE "C" FOR UPDATE) a;
+    END IF;
+    FOREACH k IN ARRAY at_order LOOP
+        IF h = 0 OR e.tenant_id <> p_tenants[k] THEN  -- the next tenant's chain
+            IF h > 0 THEN
+                head_seq[h] := e.seq; head_hash[h] := e.hash; head_at[h] := e.at;
+            END IF;
+            h := h + 1;
+            IF heads[h].tenant_id IS DISTINCT FROM p_tenants[k] THEN  -- a bug: never append to another chain
+                RAISE EXCEPTION 'audit_append_all: no head for tenant %', p_tenants[k];
+            END IF;
+            e.tenant_id := heads[h].tenant_id; e.seq := heads[h].seq; e.hash := heads[h].hash; e.at := heads[h].at;
+        END IF;
+        ev := p_events[k];
+        e.seq := e.seq + 1; e.at := greatest(clock_timestamp(), e.at);
+        e.action := ev.action; e.outcome := ev.outcome;
+        e.subject := ev.subject; e.client_id := coalesce(ev.client_id, '');
+        e.issuer := coalesce(ev.issuer, ''); e.task_id := ev.task_id; e.request_id := ev.request_id;
+        e.client_address := ev.client_address; e.detail := ev.detail; e.prev_hash := e.hash;
+        e.hash := sha256(e.prev_hash || convert_to(audit_canonical(e), 'UTF8'));
+        n := n + 1;
+        chain[n] := e;
+    END LOOP;
+    head_seq[h] := e.seq; head_hash[h] := e.hash; head_at[h] := e.at;
+    INSERT INTO audit_events SELECT * FROM unnest(chain);
+    -- Each head by key (ANY), whatever plan a join of the heads with an array would get.
+    UPDATE audit_heads
+    SET seq = head_seq[array_position(tenants, tenant_id)], hash = head_hash[array_position(tenants, tenant_id)],
+        at = head_at[array_position(tenants, tenant_id)]
+    WHERE tenant_id = ANY (tenants);
+END
+$$;
+ALTER FUNCTION audit_append_all(text[], audit_event_item[]) OWNER TO mcp_tasks_record;
+
 -- `mcp-tasks audit export` read a tenant's chain from its start up to p_seq: those rows may be purged.
 CREATE FUNCTION audit_mark_exported(p_tenant text, p_seq bigint) RETURNS bigint
 LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog, public
@@ -718,8 +817,8 @@ GRANT SELECT ON audit_events, audit_heads TO mcp_tasks_app, mcp_tasks_runner;
 GRANT SELECT, INSERT, DELETE ON audit_events TO mcp_tasks_record;
 GRANT SELECT, INSERT, UPDATE ON audit_heads TO mcp_tasks_record;
 REVOKE ALL ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
-    audit_append_many(text, audit_event_item[]), audit_retrieval_due(text, text, text),
-    audit_mark_exported(text, bigint), audit_purge(text, timestamptz) FROM PUBLIC;
+    audit_append_many(text, audit_event_item[]), audit_append_all(text[], audit_event_item[]),
+    audit_retrieval_due(text, text, text), audit_mark_exported(text, bigint), audit_purge(text, timestamptz) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
     audit_append_many(text, audit_event_item[]), audit_canonical(audit_events) TO mcp_tasks_app, mcp_tasks_runner;
 GRANT USAGE ON TYPE audit_event_item TO mcp_tasks_app, mcp_tasks_runner;
@@ -957,7 +1056,6 @@ DECLARE
     events audit_event_item[] := '{}';
     event_tenants text[] := '{}';
     n_events integer := 0;
-    audit_tenant text;
 BEGIN
     SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
@@ -986,7 +1084,7 @@ BEGIN
     FOR j IN 1 .. coalesce(cardinality(done_at), 0) LOOP
         done_tasks[done_at[j]] := done_list[j];
     END LOOP;
-    -- The audit events in item order, appended once per tenant in tenant order.
+    -- The audit events in item order, appended by one call for all their tenants.
     FOR i IN 1 .. n LOOP
         done := done_tasks[i];
         CONTINUE WHEN done.task_id IS NULL;
@@ -997,11 +1095,9 @@ BEGIN
         PERFORM pg_notify('mcp_tasks', json_build_object('v', 1, 'k', 'status', 'tenant_id', done.tenant_id,
                                                          'task_id', done.task_id, 'session_id', done.session_id)::text);
     END LOOP;
-    FOR audit_tenant IN SELECT DISTINCT x.tenant COLLATE "C" FROM unnest(event_tenants) AS x(tenant) ORDER BY 1 LOOP
-        PERFORM audit_append_many(audit_tenant, ARRAY(
-            SELECT events[x.o] FROM unnest(event_tenants) WITH ORDINALITY AS x(tenant, o)
-            WHERE x.tenant = audit_tenant ORDER BY x.o));
-    END LOOP;
+    IF n_events > 0 THEN
+        PERFORM audit_append_all(event_tenants, events);
+    END IF;
     FOR i IN 1 .. n LOOP
         RETURN NEXT done_tasks[i];
     END LOOP;

@@ -302,6 +302,100 @@ async def test_audit_append_many_appends_only_for_the_transactions_tenant_T_SEC_
     assert await chain_problems(admin) == []
 
 
+async def test_a_finish_batch_of_many_tenants_appends_every_chain_with_one_call_T_SEC_10(
+    admin: asyncpg.Connection,
+) -> None:
+    """Migration 0019: a finish batch spanning tenants appends all their events by one call of
+    audit_append_all (no audit_append_many per tenant), each event on its own tenant's chain, in
+    item order after what the chain held, and every chain verifies."""
+    await as_role(
+        admin, APP, "SELECT audit_append('acme', 'deny', 'x', '', '', '', NULL, NULL, NULL, NULL)", tenant="acme"
+    )
+    items = ordered([create(t, s) for t in ("acme", "globex", "initech") for s in ("alice", "bob") for _ in range(3)])
+    await batch(admin, items)
+    async with admin.transaction():
+        await admin.execute("SET LOCAL track_functions = 'all'")
+        await admin.execute(f"SET LOCAL ROLE {RUNNER}")
+        done = await admin.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(i) for i in items]))
+        await admin.execute("RESET ROLE")
+        calls = dict(
+            await admin.fetch(
+                """SELECT funcname, calls FROM pg_stat_xact_user_functions
+                   WHERE funcname IN ('audit_append_all', 'audit_append_many')"""
+            )
+        )
+    assert [r["task_id"] for r in done] == [i["task_id"] for i in items]
+    assert calls == {"audit_append_all": 1}
+    for tenant, before in (("acme", 1), ("globex", 0), ("initech", 0)):
+        mine = [i["task_id"] for i in items if i["tenant_id"] == tenant]
+        events = await chain(admin, tenant)
+        assert [e["seq"] for e in events] == list(range(1, before + 2 * len(mine) + 1))
+        assert [e["action"] for e in events[before + len(mine) :]] == ["complete"] * len(mine)
+        assert [e["task_id"] for e in events[before + len(mine) :]] == mine
+        assert all(a["at"] <= b["at"] for a, b in itertools.pairwise(events))
+        head = await admin.fetchrow("SELECT seq, hash FROM audit_heads WHERE tenant_id = $1", tenant)
+        last = await admin.fetchrow(
+            "SELECT seq, hash FROM audit_events WHERE tenant_id = $1 ORDER BY seq DESC LIMIT 1", tenant
+        )
+        assert tuple(head) == tuple(last)
+    await counters_match(admin)
+    assert await chain_problems(admin) == []
+
+
+async def test_audit_append_all_is_the_records_own_and_appends_as_per_tenant_calls_would_T_SEC_10(
+    admin: asyncpg.Connection,
+) -> None:
+    """Migration 0019: neither service role may call audit_append_all (it has no tenant check: only
+    the record's functions call it). Called by the record, it appends as audit_append_many would,
+    tenant by tenant: a tenant's first event makes its head, a retrieval within the interval is
+    only counted and the next one recorded with its repeats, and a batch of one tenant goes
+    through audit_append_many itself."""
+    for role in (APP, RUNNER):
+        assert not await admin.fetchval(
+            "SELECT has_function_privilege($1, 'audit_append_all(text[], audit_event_item[])', 'EXECUTE')", role
+        )
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await as_role(
+                admin, role, "SELECT audit_append_all(ARRAY['acme'], ARRAY[]::audit_event_item[])", tenant="acme"
+            )
+    item = create("acme", "alice")
+    await batch(admin, [item])
+    await finish_batch(admin, [finish(item)])
+    await batch(admin, [retrieve(item)])  # the first hand-out: recorded, and remembered
+
+    def event(action: str, task_id: str | None = None, subject: str = "alice") -> str:
+        task = "NULL" if task_id is None else f"'{task_id}'"
+        return f"ROW('{action}', 'ok', '{subject}', 'c', 'i', {task}, 'r', NULL, NULL)::audit_event_item"
+
+    async def append_all(tenants: list[str], events: list[str]) -> None:
+        await as_role(
+            admin, "mcp_tasks_record", f"SELECT audit_append_all($1::text[], ARRAY[{', '.join(events)}])", tenants
+        )
+
+    await admin.execute("SET mcp_tasks.audit_retrieve_interval_s = '3600'")
+    # zeta has no head yet; acme's retrieval is within the interval: counted, not recorded.
+    await append_all(
+        ["zeta", "acme", "zeta", "acme"],
+        [event("deny"), event("retrieve", item["task_id"]), event("deny", subject="z"), event("deny")],
+    )
+    assert [(e["seq"], e["action"]) for e in await chain(admin, "zeta")] == [(1, "deny"), (2, "deny")]
+    acme = await chain(admin, "acme")
+    assert [e["action"] for e in acme] == ["create", "complete", "retrieve", "deny"]
+    assert await admin.fetchval("SELECT repeats FROM audit_retrievals WHERE task_id = $1", item["task_id"]) == 1
+    # Past the interval, the next retrieval is recorded with the repeats counted since.
+    await admin.execute("UPDATE audit_retrievals SET audited_at = audited_at - interval '2 hours'")
+    await append_all(["zeta", "acme"], [event("deny"), event("retrieve", item["task_id"])])
+    assert json.loads((await chain(admin, "acme"))[-1]["detail"]) == {"repeats_before": 1}
+    # One tenant: audit_append_many's own path, the same chain.
+    await append_all(["zeta", "zeta"], [event("deny"), event("deny")])
+    assert [e["seq"] for e in await chain(admin, "zeta")] == [1, 2, 3, 4, 5]
+    # An event without its tenant is refused whole.
+    with pytest.raises(asyncpg.InvalidParameterValueError):
+        await append_all(["zeta", None], [event("deny"), event("deny")])  # type: ignore[list-item]
+    assert len(await chain(admin, "zeta")) == 5
+    assert await chain_problems(admin) == []
+
+
 async def test_a_tasks_retrieval_rows_go_with_it_when_the_sweeper_deletes_it_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
