@@ -414,7 +414,8 @@ GRANT SELECT, INSERT ON service_keys TO mcp_tasks_app, mcp_tasks_runner;
 -- events are numbered without gaps even with many replicas. The service's roles may only SELECT
 -- events and heads and call the functions below, which run as mcp_tasks_record: audit_append (one
 -- event) and audit_append_many (a batch's events of one tenant) take the time themselves (never
--- earlier than the chain's last event) and compute the hash. A trigger
+-- earlier than the chain's last event) and compute the hash; so does audit_append_all (a batch's
+-- events of many tenants), which only the record's own functions call. A trigger
 -- refuses UPDATE and TRUNCATE for everyone, and DELETE to all but audit_purge (retention).
 CREATE TABLE audit_events (
     tenant_id      text        NOT NULL,
@@ -658,100 +659,89 @@ $$;
 ALTER FUNCTION audit_append_many(text, audit_event_item[]) OWNER TO mcp_tasks_record;
 
 -- Append a batch's events of many tenants: p_tenants[i] is the tenant of p_events[i]. Each tenant's
--- events go onto its chain in their order, as audit_append_many would append them (the same retrieve
--- interval, seq, time and hash), with every head locked in tenant order (as the per-tenant calls
--- did), the events inserted by one statement and the heads written by one. Not callable by the
--- service's roles: only the record's own functions call it (task_finish_batch), so it has no
--- tenant check of its own. A batch of one tenant goes to audit_append_many, which costs less for one.
+-- events go onto its chain in their order, as audit_append_many would append them (the same seq,
+-- time and hash), with the events inserted by one statement and the heads written by one, where
+-- per-tenant calls took a function call and three statements each. Locks: a tenant's missing head
+-- is inserted before any head is locked, then the heads are locked in tenant order (COLLATE "C"),
+-- as the per-tenant calls took them. Not for retrievals (their interval rows would be locked
+-- before the heads, where audit_append_many locks a tenant's after the tenants' before it). Not
+-- callable by the service's roles: only the record's own functions call it (task_finish_batch),
+-- so it has no tenant check of its own (audit_append_many's applies to the app role only). A batch
+-- of one tenant goes to audit_append_many, which costs less for one (migration 0019).
 CREATE FUNCTION audit_append_all(p_tenants text[], p_events audit_event_item[]) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
+    n integer := coalesce(cardinality(p_events), 0);
     tenants text[];
-    heads audit_heads[];
     at_order integer[];
+    head_tenant text[];
+    head_seq bigint[];
+    head_hash bytea[];
+    head_at timestamptz[];
     ev audit_event_item;
     e audit_events;
     chain audit_events[] := '{}';
-    head_seq bigint[] := '{}';
-    head_hash bytea[] := '{}';
-    head_at timestamptz[] := '{}';
-    repeats bigint;
     h integer := 0;
     k integer;
-    n integer := 0;
+    retrievals boolean;
 BEGIN
-    SELECT array_agg(d.t ORDER BY d.t) INTO tenants
-    FROM (SELECT DISTINCT x.t COLLATE "C" AS t FROM unnest(p_tenants) AS x(t)) d;
-    IF tenants IS NULL THEN
+    IF n = 0 THEN
         RETURN;
-    ELSIF array_position(tenants, NULL) IS NOT NULL OR cardinality(p_tenants) <> cardinality(p_events) THEN
-        RAISE EXCEPTION 'audit_append_all: every event needs its tenant' USING ERRCODE = 'invalid_parameter_value';
+    ELSIF cardinality(p_tenants) IS DISTINCT FROM n OR array_lower(p_tenants, 1) <> 1 OR array_lower(p_events, 1) <> 1
+          OR array_position(p_tenants, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'audit_append_all: one tenant for every event' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- The events by tenant (in tenant order), each tenant's in their order; the tenants in order.
+    SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C"),
+           bool_or((p_events[x.o]).action = 'retrieve')
+        INTO at_order, tenants, retrievals
+    FROM unnest(p_tenants) WITH ORDINALITY AS x(t, o);
+    IF retrievals THEN
+        RAISE EXCEPTION 'audit_append_all: retrievals go through audit_append_many' USING ERRCODE = 'invalid_parameter_value';
     ELSIF cardinality(tenants) = 1 THEN
         PERFORM audit_append_many(tenants[1], p_events);
         RETURN;
     END IF;
-    -- The retrieve intervals first, as audit_append decides them before it locks a head.
-    FOR i IN 1 .. cardinality(p_events) LOOP
-        ev := p_events[i];
-        ev.subject := coalesce(ev.subject, '');
-        IF ev.action = 'retrieve' AND ev.task_id IS NOT NULL THEN
-            repeats := audit_retrieval_due(p_tenants[i], ev.task_id, ev.subject);
-            IF repeats IS NULL THEN  -- only counted
-                p_tenants[i] := NULL;
-                CONTINUE;
-            END IF;
-            IF repeats > 0 THEN
-                ev.detail := coalesce(ev.detail, '{}') || jsonb_build_object('repeats_before', repeats);
-            END IF;
-        END IF;
-        p_events[i] := ev;
-    END LOOP;
-    -- The events by tenant (in tenant order), each tenant's in their order.
-    SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C")
-        INTO at_order, tenants
-    FROM unnest(p_tenants) WITH ORDINALITY AS x(t, o) WHERE x.t IS NOT NULL;
-    IF at_order IS NULL THEN  -- every event was a retrieval only counted
-        RETURN;
-    END IF;
-    -- The heads, locked in tenant order (rows are locked as the sort returns them); a tenant's
-    -- first event creates its head.
-    SELECT array_agg(a ORDER BY a.tenant_id COLLATE "C") INTO heads
-    FROM (SELECT * FROM audit_heads WHERE tenant_id = ANY (tenants) ORDER BY tenant_id COLLATE "C" FOR UPDATE) a;
-    IF coalesce(cardinality(heads), 0) < cardinality(tenants) THEN
+    -- A tenant's first event: its head is made before any head is locked, in tenant order.
+    IF (SELECT count(*) FROM audit_heads WHERE tenant_id = ANY (tenants)) < cardinality(tenants) THEN
         INSERT INTO audit_heads (tenant_id, seq, hash)
         SELECT t, 0, decode(repeat('00', 32), 'hex') FROM unnest(tenants) AS t ORDER BY t COLLATE "C"
         ON CONFLICT (tenant_id) DO NOTHING;
-        SELECT array_agg(a ORDER BY a.tenant_id COLLATE "C") INTO heads
-        FROM (SELECT * FROM audit_heads WHERE tenant_id = ANY (tenants) ORDER BY tenant_id COLLATE "C" FOR UPDATE) a;
     END IF;
+    -- The heads, locked in tenant order (rows are locked as the sort returns them), read field by
+    -- field: a row array would be converted through text, its time by the session's DateStyle.
+    SELECT array_agg(l.tenant_id ORDER BY l.tenant_id COLLATE "C"), array_agg(l.seq ORDER BY l.tenant_id COLLATE "C"),
+           array_agg(l.hash ORDER BY l.tenant_id COLLATE "C"), array_agg(l.at ORDER BY l.tenant_id COLLATE "C")
+        INTO head_tenant, head_seq, head_hash, head_at
+    FROM (SELECT tenant_id, seq, hash, at FROM audit_heads WHERE tenant_id = ANY (tenants)
+          ORDER BY tenant_id COLLATE "C" FOR UPDATE) l;
     FOREACH k IN ARRAY at_order LOOP
         IF h = 0 OR e.tenant_id <> p_tenants[k] THEN  -- the next tenant's chain
             IF h > 0 THEN
                 head_seq[h] := e.seq; head_hash[h] := e.hash; head_at[h] := e.at;
             END IF;
             h := h + 1;
-            IF heads[h].tenant_id IS DISTINCT FROM p_tenants[k] THEN  -- a bug: never append to another chain
+            IF head_tenant[h] IS DISTINCT FROM p_tenants[k] THEN  -- never append to another chain
                 RAISE EXCEPTION 'audit_append_all: no head for tenant %', p_tenants[k];
             END IF;
-            e.tenant_id := heads[h].tenant_id; e.seq := heads[h].seq; e.hash := heads[h].hash; e.at := heads[h].at;
+            e.tenant_id := head_tenant[h]; e.seq := head_seq[h]; e.hash := head_hash[h]; e.at := head_at[h];
         END IF;
         ev := p_events[k];
         e.seq := e.seq + 1; e.at := greatest(clock_timestamp(), e.at);
         e.action := ev.action; e.outcome := ev.outcome;
-        e.subject := ev.subject; e.client_id := coalesce(ev.client_id, '');
+        e.subject := coalesce(ev.subject, ''); e.client_id := coalesce(ev.client_id, '');
         e.issuer := coalesce(ev.issuer, ''); e.task_id := ev.task_id; e.request_id := ev.request_id;
         e.client_address := ev.client_address; e.detail := ev.detail; e.prev_hash := e.hash;
         e.hash := sha256(e.prev_hash || convert_to(audit_canonical(e), 'UTF8'));
-        n := n + 1;
-        chain[n] := e;
+        chain[cardinality(chain) + 1] := e;
     END LOOP;
     head_seq[h] := e.seq; head_hash[h] := e.hash; head_at[h] := e.at;
     INSERT INTO audit_events SELECT * FROM unnest(chain);
     -- Each head by key (ANY), whatever plan a join of the heads with an array would get.
     UPDATE audit_heads
-    SET seq = head_seq[array_position(tenants, tenant_id)], hash = head_hash[array_position(tenants, tenant_id)],
-        at = head_at[array_position(tenants, tenant_id)]
-    WHERE tenant_id = ANY (tenants);
+    SET seq = head_seq[array_position(head_tenant, tenant_id)], hash = head_hash[array_position(head_tenant, tenant_id)],
+        at = head_at[array_position(head_tenant, tenant_id)]
+    WHERE tenant_id = ANY (head_tenant);
 END
 $$;
 ALTER FUNCTION audit_append_all(text[], audit_event_item[]) OWNER TO mcp_tasks_record;

@@ -302,6 +302,27 @@ async def test_audit_append_many_appends_only_for_the_transactions_tenant_T_SEC_
     assert await chain_problems(admin) == []
 
 
+async def called(conn: asyncpg.Connection, sql: str, *args: Any, role: str = "mcp_tasks_record") -> dict[str, int]:
+    """Run ``sql`` as ``role``; how often each audit function ran in it. (The view adds the counts
+    of earlier transactions the backend has not reported yet: the difference is this one's.)"""
+
+    async def counts() -> dict[str, int]:
+        rows = await conn.fetch(
+            """SELECT funcname, calls FROM pg_stat_xact_user_functions
+               WHERE funcname IN ('audit_append_all', 'audit_append_many')"""
+        )
+        return {r["funcname"]: r["calls"] for r in rows}
+
+    async with conn.transaction():
+        await conn.execute("SET LOCAL track_functions = 'all'")
+        before = await counts()
+        await conn.execute(f"SET LOCAL ROLE {role}")
+        await conn.execute(sql, *args)
+        await conn.execute("RESET ROLE")
+        after = await counts()
+    return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+
 async def test_a_finish_batch_of_many_tenants_appends_every_chain_with_one_call_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
@@ -313,19 +334,12 @@ async def test_a_finish_batch_of_many_tenants_appends_every_chain_with_one_call_
     )
     items = ordered([create(t, s) for t in ("acme", "globex", "initech") for s in ("alice", "bob") for _ in range(3)])
     await batch(admin, items)
-    async with admin.transaction():
-        await admin.execute("SET LOCAL track_functions = 'all'")
-        await admin.execute(f"SET LOCAL ROLE {RUNNER}")
-        done = await admin.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(i) for i in items]))
-        await admin.execute("RESET ROLE")
-        calls = dict(
-            await admin.fetch(
-                """SELECT funcname, calls FROM pg_stat_xact_user_functions
-                   WHERE funcname IN ('audit_append_all', 'audit_append_many')"""
-            )
-        )
-    assert [r["task_id"] for r in done] == [i["task_id"] for i in items]
+    calls = await called(
+        admin, "SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(i) for i in items]), role=RUNNER
+    )
     assert calls == {"audit_append_all": 1}
+    finished = await admin.fetch("SELECT task_id FROM tasks WHERE status = 'completed'")
+    assert {r["task_id"] for r in finished} == {i["task_id"] for i in items}
     for tenant, before in (("acme", 1), ("globex", 0), ("initech", 0)):
         mine = [i["task_id"] for i in items if i["tenant_id"] == tenant]
         events = await chain(admin, tenant)
@@ -333,66 +347,114 @@ async def test_a_finish_batch_of_many_tenants_appends_every_chain_with_one_call_
         assert [e["action"] for e in events[before + len(mine) :]] == ["complete"] * len(mine)
         assert [e["task_id"] for e in events[before + len(mine) :]] == mine
         assert all(a["at"] <= b["at"] for a, b in itertools.pairwise(events))
-        head = await admin.fetchrow("SELECT seq, hash FROM audit_heads WHERE tenant_id = $1", tenant)
+        head = await admin.fetchrow("SELECT seq, hash, at FROM audit_heads WHERE tenant_id = $1", tenant)
         last = await admin.fetchrow(
-            "SELECT seq, hash FROM audit_events WHERE tenant_id = $1 ORDER BY seq DESC LIMIT 1", tenant
+            "SELECT seq, hash, at FROM audit_events WHERE tenant_id = $1 ORDER BY seq DESC LIMIT 1", tenant
         )
         assert tuple(head) == tuple(last)
     await counters_match(admin)
     assert await chain_problems(admin) == []
 
 
+def events_sql(actions: list[tuple[str, str]], first: int = 0, numbers: list[int] | None = None) -> str:
+    """An audit_event_item[] literal of (action, subject) pairs, each numbered (its task, request
+    and detail) by ``numbers``, else from ``first`` on."""
+    numbers = numbers or list(range(first, first + len(actions)))
+    rows = [
+        f"ROW('{action}', 'ok', '{subject}', 'c', 'i', 't{n}', 'r{n}', NULL, '{{\"n\": {n}}}')::audit_event_item"
+        for n, (action, subject) in zip(numbers, actions, strict=True)
+    ]
+    return f"ARRAY[{', '.join(rows)}]::audit_event_item[]"
+
+
 async def test_audit_append_all_is_the_records_own_and_appends_as_per_tenant_calls_would_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
     """Migration 0019: neither service role may call audit_append_all (it has no tenant check: only
-    the record's functions call it). Called by the record, it appends as audit_append_many would,
-    tenant by tenant: a tenant's first event makes its head, a retrieval within the interval is
-    only counted and the next one recorded with its repeats, and a batch of one tenant goes
-    through audit_append_many itself."""
+    the record's functions call it). Called by the record, it leaves each chain exactly as one
+    audit_append_many call per tenant, in "C" order, leaves the same events on another set of
+    tenants (new heads and old, names whose "C" order differs from a locale's); one tenant goes
+    through audit_append_many itself; retrievals and an event without its tenant are refused whole."""
     for role in (APP, RUNNER):
         assert not await admin.fetchval(
             "SELECT has_function_privilege($1, 'audit_append_all(text[], audit_event_item[])', 'EXECUTE')", role
         )
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await as_role(admin, role, f"SELECT audit_append_all(ARRAY['acme'], {events_sql([('deny', 'a')])})")
+    pairs = [("Zeta", "X-Zeta"), ("alpha", "X-alpha"), ("a-b", "X-a-b"), ("ab", "X-ab")]
+    for ours, theirs in pairs[:2]:  # two of each set have a chain already
+        for tenant in (ours, theirs):
             await as_role(
-                admin, role, "SELECT audit_append_all(ARRAY['acme'], ARRAY[]::audit_event_item[])", tenant="acme"
+                admin, "mcp_tasks_record", f"SELECT audit_append_many($1, {events_sql([('deny', 'old')])})", tenant
             )
-    item = create("acme", "alice")
-    await batch(admin, [item])
-    await finish_batch(admin, [finish(item)])
-    await batch(admin, [retrieve(item)])  # the first hand-out: recorded, and remembered
-
-    def event(action: str, task_id: str | None = None, subject: str = "alice") -> str:
-        task = "NULL" if task_id is None else f"'{task_id}'"
-        return f"ROW('{action}', 'ok', '{subject}', 'c', 'i', {task}, 'r', NULL, NULL)::audit_event_item"
-
-    async def append_all(tenants: list[str], events: list[str]) -> None:
+    actions = [("complete", f"s{n % 3}") for n in range(12)]
+    tenants = [pairs[n % 4][0] for n in range(12)]
+    assert await called(admin, f"SELECT audit_append_all($1::text[], {events_sql(actions)})", tenants) == {
+        "audit_append_all": 1
+    }
+    for ours, theirs in sorted(pairs, key=lambda p: p[1].encode()):  # the per-tenant calls, in "C" order
+        mine = [n for n, t in enumerate(tenants) if t == ours]
         await as_role(
-            admin, "mcp_tasks_record", f"SELECT audit_append_all($1::text[], ARRAY[{', '.join(events)}])", tenants
+            admin,
+            "mcp_tasks_record",
+            f"SELECT audit_append_many($1, {events_sql([actions[n] for n in mine], numbers=mine)})",
+            theirs,
         )
+    fields = "seq, action, outcome, subject, client_id, issuer, request_id, detail::text AS detail"
+    for ours, theirs in pairs:
+        got = await admin.fetch(f"SELECT {fields} FROM audit_events WHERE tenant_id = $1 ORDER BY seq", ours)
+        want = await admin.fetch(f"SELECT {fields} FROM audit_events WHERE tenant_id = $1 ORDER BY seq", theirs)
+        assert [tuple(r) for r in got] == [tuple(r) for r in want]
+        assert len(got) == (4 if ours in ("Zeta", "alpha") else 3)
+        head = await admin.fetchrow("SELECT seq, hash, at FROM audit_heads WHERE tenant_id = $1", ours)
+        last = await admin.fetchrow(
+            "SELECT seq, hash, at FROM audit_events WHERE tenant_id = $1 ORDER BY seq DESC LIMIT 1", ours
+        )
+        assert tuple(head) == tuple(last)
+    # One tenant: audit_append_many's own path.
+    assert await called(admin, f"SELECT audit_append_all(ARRAY['ab', 'ab'], {events_sql([('deny', 'a')] * 2)})") == {
+        "audit_append_all": 1,
+        "audit_append_many": 1,
+    }
+    # Refused whole: a retrieval (its interval rows would be locked before the heads), an event
+    # without its tenant, tenants and events that do not pair up.
+    for tenants_sql, events in (
+        ("ARRAY['ab', 'Zeta']", events_sql([("deny", "a"), ("retrieve", "a")])),
+        ("ARRAY['ab', NULL]", events_sql([("deny", "a")] * 2)),
+        ("ARRAY['ab']", events_sql([("deny", "a")] * 2)),
+    ):
+        with pytest.raises(asyncpg.InvalidParameterValueError):
+            await as_role(admin, "mcp_tasks_record", f"SELECT audit_append_all({tenants_sql}, {events})")
+    assert await admin.fetchval("SELECT seq FROM audit_heads WHERE tenant_id = 'ab'") == 5
+    assert await chain_problems(admin) == []
 
-    await admin.execute("SET mcp_tasks.audit_retrieve_interval_s = '3600'")
-    # zeta has no head yet; acme's retrieval is within the interval: counted, not recorded.
-    await append_all(
-        ["zeta", "acme", "zeta", "acme"],
-        [event("deny"), event("retrieve", item["task_id"]), event("deny", subject="z"), event("deny")],
-    )
-    assert [(e["seq"], e["action"]) for e in await chain(admin, "zeta")] == [(1, "deny"), (2, "deny")]
-    acme = await chain(admin, "acme")
-    assert [e["action"] for e in acme] == ["create", "complete", "retrieve", "deny"]
-    assert await admin.fetchval("SELECT repeats FROM audit_retrievals WHERE task_id = $1", item["task_id"]) == 1
-    # Past the interval, the next retrieval is recorded with the repeats counted since.
-    await admin.execute("UPDATE audit_retrievals SET audited_at = audited_at - interval '2 hours'")
-    await append_all(["zeta", "acme"], [event("deny"), event("retrieve", item["task_id"])])
-    assert json.loads((await chain(admin, "acme"))[-1]["detail"]) == {"repeats_before": 1}
-    # One tenant: audit_append_many's own path, the same chain.
-    await append_all(["zeta", "zeta"], [event("deny"), event("deny")])
-    assert [e["seq"] for e in await chain(admin, "zeta")] == [1, 2, 3, 4, 5]
-    # An event without its tenant is refused whole.
-    with pytest.raises(asyncpg.InvalidParameterValueError):
-        await append_all(["zeta", None], [event("deny"), event("deny")])  # type: ignore[list-item]
-    assert len(await chain(admin, "zeta")) == 5
+
+async def test_a_finish_batch_dates_its_events_the_same_under_any_date_style_T_SEC_10(
+    admin: asyncpg.Connection,
+) -> None:
+    """Migration 0019, found in review: the heads' times are read as timestamps, not through a
+    row's text, which the session's DateStyle writes with a zone abbreviation that reads back at
+    another offset (CST: China, read as US Central). Every event is dated now, never ahead."""
+    items = ordered([create(t, "alice") for t in ("acme", "globex") for _ in range(2)])
+    await batch(admin, items)
+    for round_ in range(2):  # the second batch starts from the times the first one wrote
+        if round_:
+            again = ordered([create(t, "alice") for t in ("acme", "globex") for _ in range(2)])
+            await batch(admin, again)
+            items = again
+        async with admin.transaction():
+            await admin.execute("SET LOCAL DateStyle = 'Postgres'")
+            await admin.execute("SET LOCAL TimeZone = 'Asia/Shanghai'")
+            await admin.execute(f"SET LOCAL ROLE {RUNNER}")
+            await admin.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(i) for i in items]))
+    ahead = await admin.fetchval("SELECT count(*) FROM audit_events WHERE at > clock_timestamp()")
+    assert ahead == 0
+    for tenant in ("acme", "globex"):
+        head = await admin.fetchrow("SELECT seq, at FROM audit_heads WHERE tenant_id = $1", tenant)
+        last = await admin.fetchrow(
+            "SELECT seq, at FROM audit_events WHERE tenant_id = $1 ORDER BY seq DESC LIMIT 1", tenant
+        )
+        assert tuple(head) == tuple(last)
     assert await chain_problems(admin) == []
 
 
