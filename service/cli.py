@@ -90,7 +90,10 @@ def _serve(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
     )
     tune_gc()
-    Server(config).run()
+    # Ctrl-C: uvicorn drains and shuts down, then raises the signal again, which asyncio turns into
+    # a KeyboardInterrupt; the stop was asked for and is done, as `worker` treats it.
+    with contextlib.suppress(KeyboardInterrupt):
+        Server(config).run()
 
 
 async def _worker_main() -> None:

@@ -583,3 +583,40 @@ async def test_a_run_stopped_while_it_reads_its_session_goes_back_to_the_queue_w
         assert row is not None
         assert (row["lease_owner"], row["outcome"]) == (None, None)
         await s.result("tasks/cancel", {"taskId": task_id})
+
+
+async def test_ctrl_c_stops_serve_cleanly_without_a_traceback(database_url: str, tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C under `make run`): the server drains and exits 0, as `worker` does. uvicorn
+    re-raises the signal after its own clean shutdown, which printed a KeyboardInterrupt traceback
+    under an orderly "Finished server process"."""
+    port = free_port()
+    environ = {
+        **os.environ,
+        "MCP_TASKS_DATABASE_URL": database_url,
+        "MCP_TASKS_PORT": str(port),
+        "MCP_TASKS_LOG_LEVEL": "INFO",
+        "MCP_TASKS_SHUTDOWN_GRACE_S": "0",
+    }
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ, stdout=out, stderr=out
+        )
+    try:
+        async with http_client() as http, asyncio.timeout(30):
+            while True:
+                assert proc.poll() is None, log.read_text()
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+    text = log.read_text()
+    assert "Finished server process" in text
+    assert "Traceback" not in text, text
+    assert code == 0
