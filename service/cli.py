@@ -323,7 +323,10 @@ async def _audit_main(args: argparse.Namespace) -> int:
     settings = _settings()
     dsn = settings.database_url
     if dsn:
-        await check_schema(dsn)
+        try:
+            await check_schema(dsn)
+        except RuntimeError as exc:  # unreachable, or at another schema: say so and what to do, no traceback
+            sys.exit(f"mcp-tasks audit: {exc}")
     else:
         dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
     db = Database(dsn, pool_size=2, role=RUNNER_ROLE)

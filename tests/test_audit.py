@@ -19,7 +19,7 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.conftest import RunningServer, make_settings, run_issuer, serve
+from tests.conftest import RunningServer, free_port, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
 
@@ -588,6 +588,15 @@ TAMPERING: dict[str, tuple[tuple[str, ...], set[int]]] = {
         {3},
     ),
 }
+
+
+async def test_verify_against_a_database_it_cannot_reach_says_so_in_one_line() -> None:
+    """An operator's mistake (a wrong URL, a database not migrated) is a one-line error that says
+    what is wrong, with exit 1, not a traceback."""
+    done = await mcp_tasks_audit(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere", "verify")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().startswith("mcp-tasks audit: cannot connect to MCP_TASKS_DATABASE_URL"), done.stderr
 
 
 @pytest.mark.parametrize("case", list(TAMPERING))
