@@ -489,18 +489,26 @@ CREATE TRIGGER tasks_forget_retrievals AFTER DELETE ON tasks REFERENCING OLD TAB
     FOR EACH STATEMENT EXECUTE FUNCTION tasks_forget_retrievals();
 
 -- The canonical text of an event, hashed into the chain; also used by `mcp-tasks audit verify`.
--- PL/pgSQL, not SQL: a SQL function called from PL/pgSQL is parsed and planned again in every
--- transaction. Existing chains depend on its output: it must never change.
+-- Existing chains depend on its output: it must never change. It is the text of the jsonb object
+-- of the event's fields (migration 0001), written directly (migration 0020): keys in jsonb's order
+-- (by length, then bytes), jsonb's spacing, strings escaped by to_json as jsonb escapes them, null
+-- for a missing value. PL/pgSQL, not SQL: a SQL function called from PL/pgSQL is parsed and planned
+-- again in every transaction.
 CREATE FUNCTION audit_canonical(e audit_events) RETURNS text
 LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
-    RETURN jsonb_build_object(
-        'tenant_id', e.tenant_id, 'seq', e.seq,
-        'at', to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
-        'action', e.action, 'outcome', e.outcome, 'subject', e.subject, 'client_id', e.client_id,
-        'issuer', e.issuer, 'task_id', e.task_id, 'request_id', e.request_id,
-        'client_address', e.client_address, 'detail', e.detail
-    )::text;
+    RETURN '{"at": ' || coalesce('"' || to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') || '"', 'null')
+        || ', "seq": ' || coalesce(e.seq::text, 'null')
+        || ', "action": ' || coalesce(to_json(e.action)::text, 'null')
+        || ', "detail": ' || coalesce(e.detail::text, 'null')
+        || ', "issuer": ' || coalesce(to_json(e.issuer)::text, 'null')
+        || ', "outcome": ' || coalesce(to_json(e.outcome)::text, 'null')
+        || ', "subject": ' || coalesce(to_json(e.subject)::text, 'null')
+        || ', "task_id": ' || coalesce(to_json(e.task_id)::text, 'null')
+        || ', "client_id": ' || coalesce(to_json(e.client_id)::text, 'null')
+        || ', "tenant_id": ' || coalesce(to_json(e.tenant_id)::text, 'null')
+        || ', "request_id": ' || coalesce(to_json(e.request_id)::text, 'null')
+        || ', "client_address": ' || coalesce(to_json(e.client_address)::text, 'null') || '}';
 END
 $$;
 
