@@ -43,7 +43,7 @@ WATCHED: tuple[tuple[str, str], ...] = (
     ("heap_insert", "new rows"),
     ("heap_update", "row updates"),
     ("XLogInsert", "WAL records"),
-    ("jsonb_build_object", "jsonb objects (the audit event's canonical text)"),
+    ("jsonb_build_object", "jsonb objects (the audit event's canonical text, until migration 0020)"),
     ("json_build_object", "json objects (NOTIFY payloads)"),
     ("pg_parse_json", "JSON input (the batches' items)"),
     ("pg_proc_aclcheck", "EXECUTE permission checks, once per function call site and statement"),

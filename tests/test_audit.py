@@ -549,6 +549,16 @@ async def test_even_a_superuser_cannot_change_or_remove_events_while_the_trigger
 # --- 4. verify ---------------------------------------------------------------------------------
 
 
+async def test_verify_against_a_database_it_cannot_reach_says_so_in_one_line() -> None:
+    """An operator's mistake (a wrong URL, a database not migrated) is a one-line error that says
+    what is wrong, with exit 1, not a traceback."""
+    done = await mcp_tasks_audit(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere", "verify")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().startswith("mcp-tasks audit: cannot connect to MCP_TASKS_DATABASE_URL"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 async def test_verify_reports_an_intact_chain_with_exit_0_T_SEC_10(chain_of_four: str) -> None:
     for args in ((), ("--tenant", "local")):
         done = await mcp_tasks_audit(chain_of_four, "verify", *args)
@@ -588,15 +598,6 @@ TAMPERING: dict[str, tuple[tuple[str, ...], set[int]]] = {
         {3},
     ),
 }
-
-
-async def test_verify_against_a_database_it_cannot_reach_says_so_in_one_line() -> None:
-    """An operator's mistake (a wrong URL, a database not migrated) is a one-line error that says
-    what is wrong, with exit 1, not a traceback."""
-    done = await mcp_tasks_audit(f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere", "verify")
-    assert done.returncode == 1
-    assert "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip().startswith("mcp-tasks audit: cannot connect to MCP_TASKS_DATABASE_URL"), done.stderr
 
 
 @pytest.mark.parametrize("case", list(TAMPERING))

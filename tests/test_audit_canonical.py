@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -22,8 +18,7 @@ from hypothesis import strategies as st
 
 from service.store import migrate
 from service.store.queries import Q
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.test_audit import mcp_tasks_audit
 
 # The definition every chain was written with until migration 0020 (0001's body).
 REFERENCE = """jsonb_build_object(
@@ -39,8 +34,8 @@ TEXT_FIELDS = ("tenant_id", "action", "outcome", "subject", "client_id", "issuer
 # Both texts for many events at once: one array per field, each event rebuilt as an audit_events row.
 COMPARE = f"""
 SELECT o, want, audit_canonical(ROW(e.tenant_id, e.seq, e.at, e.action, e.outcome, e.subject, e.client_id, e.issuer,
-                                    e.task_id, e.request_id, e.client_address, e.detail, '\\x00'::bytea,
-                                    '\\x00'::bytea)::audit_events) AS got
+                                    e.task_id, e.request_id, e.client_address, e.detail, decode('00', 'hex'),
+                                    decode('00', 'hex'))::audit_events) AS got
 FROM (SELECT u.*, {REFERENCE.replace("e.at", "u.at::timestamptz").replace("e.", "u.")} AS want
       FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
                   $8::text[], $9::text[], $10::text[], $11::text[], $12::jsonb[])
@@ -130,14 +125,13 @@ def differing(events: list[dict[str, Any]], texts: list[tuple[str, str]]) -> lis
     return [(e, got, want) for e, (got, want) in zip(events, texts, strict=True) if got != want]
 
 
-# Session settings that change how values are written elsewhere: none may change the text.
+# Session settings that change how times and numbers are written elsewhere, and how a function's
+# body is compiled (standard_conforming_strings): none may change the text.
 ODD_SETTINGS = {
     "DateStyle": "Postgres, DMY",
     "TimeZone": "Asia/Kathmandu",
-    "IntervalStyle": "sql_standard",
     "extra_float_digits": "-15",
-    "bytea_output": "escape",
-    "lc_monetary": "C",
+    "standard_conforming_strings": "off",
 }
 
 
@@ -196,37 +190,40 @@ async def test_the_canonical_text_is_the_jsonb_objects_for_generated_events_T_SE
     assert differing(generated, texts) == []
 
 
-async def audit_verify(database_url: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MCP_TASKS_DATABASE_URL": database_url, "MCP_TASKS_LOG_LEVEL": "WARNING"}
-    return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "service", "audit", "verify"], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
-
-
 APPEND = """SELECT audit_append_many($1, ARRAY[
-    ROW('create', 'working', $2, 'c', 'https://i', 'task-1', '1', '10.0.0.1', $3::jsonb),
-    ROW('complete', 'completed', $2, 'c', 'https://i', 'task-1', NULL, NULL, NULL)]::audit_event_item[])"""
+    ROW('create', $2, $3, $4, $5, $6, $7, $8, $9::jsonb),
+    ROW('complete', $2, $3, $4, $5, NULL, NULL, NULL, NULL)]::audit_event_item[])"""
+BODY = "SELECT prosrc FROM pg_proc WHERE oid = 'audit_canonical(audit_events)'::regprocedure"
+
+
+async def append_awkward(conn: asyncpg.Connection, tenant: str, text: str, detail: Any) -> None:
+    """Two events whose every free field needs escaping (the action is one of a fixed set)."""
+    fields = [f"{name} {text}" for name in ("outcome", "subject", "client", "issuer", "task", "request", "address")]
+    await conn.execute(APPEND, tenant, *fields, json.dumps(detail))
 
 
 async def test_chains_written_before_migration_0020_verify_after_it_and_back_T_SEC_10(database_url: str) -> None:
     """Events appended by 0019's audit_canonical and by 0020's lie in one chain that verifies
     under either, and every row's hash is the hash of its canonical text."""
     awkward = {"why": '"quoted" \\ \n\t\u0001 é 😀', "n": [1, 1.5, -0.0, 10**30], "": None}
+    tenants = ('acme "one"\n', "bob's \\ tenant")
     await asyncio.to_thread(migrate.downgrade, database_url, "0019")
     conn = await asyncpg.connect(database_url)
     try:
-        await conn.execute(APPEND, "acme", 'al"ice\n', json.dumps(awkward))
-        await conn.execute(APPEND, "bob's tenant", "日本", None)
+        assert "jsonb_build_object" in await conn.fetchval(BODY)  # 0019's body, as 0001 wrote it
+        await append_awkward(conn, tenants[0], 'al"ice\n\u0002', awkward)
+        await append_awkward(conn, tenants[1], "日本 \\ /", None)
         await asyncio.to_thread(migrate.upgrade, database_url)
         assert await migrate.current_revision(database_url) == migrate.head_revision()
-        await conn.execute(APPEND, "acme", 'al"ice\n', json.dumps(awkward))
-        await conn.execute(APPEND, "bob's tenant", "\\", json.dumps("scalar"))
-        done = await audit_verify(database_url)
+        assert "jsonb_build_object" not in await conn.fetchval(BODY)
+        await append_awkward(conn, tenants[0], 'al"ice\n\u0002', awkward)
+        await append_awkward(conn, tenants[1], "\b\f\r", "scalar")
+        done = await mcp_tasks_audit(database_url, "verify")
         assert done.returncode == 0, done.stdout + done.stderr
         await asyncio.to_thread(migrate.downgrade, database_url, "0019")
+        assert "jsonb_build_object" in await conn.fetchval(BODY)
         # This version's `audit verify` refuses the older schema, saying what to do (no traceback) ...
-        done = await audit_verify(database_url)
+        done = await mcp_tasks_audit(database_url, "verify")
         assert done.returncode == 1, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
         assert "mcp-tasks audit: the database schema is at 0019" in done.stderr
@@ -234,13 +231,12 @@ async def test_chains_written_before_migration_0020_verify_after_it_and_back_T_S
         # ... so 0019's own audit_canonical checks the chain through the query `audit verify` runs.
         assert await conn.fetch(Q["audit_chain_problems"], None) == []
         await asyncio.to_thread(migrate.upgrade, database_url)
-        seqs = await conn.fetch(
+        rows = await conn.fetch(
             """SELECT tenant_id, seq, hash = sha256(prev_hash || convert_to(audit_canonical(e), 'UTF8')) AS ok
                FROM audit_events e ORDER BY tenant_id, seq"""
         )
     finally:
         await conn.close()
-    assert [(r["tenant_id"], r["seq"], r["ok"]) for r in seqs] == [
-        *((t, n, True) for t in ("acme",) for n in range(1, 5)),
-        *((t, n, True) for t in ("bob's tenant",) for n in range(1, 5)),
-    ]
+    assert sorted((r["tenant_id"], r["seq"], r["ok"]) for r in rows) == sorted(
+        (tenant, seq, True) for tenant in tenants for seq in range(1, 5)
+    )

@@ -4,8 +4,8 @@ Revision ID: 0020
 Revises: 0019
 
 ``audit_canonical`` built a ``jsonb`` object of the event's twelve fields and returned its text:
-every call converted each field into a jsonb value (looking up how to convert its type), sorted the
-keys, built the object and rendered it again as text. The chain hashes that text, so it must never
+every call converted each field into a jsonb value, sorted the keys, built the object and rendered
+it again as text. The chain hashes that text, so it must never
 change; the new body writes the same text without the object in between:
 
 - the keys in the order jsonb keeps them (shorter keys first, keys of one length by their bytes):
@@ -27,7 +27,7 @@ Per event 6.7 -> 4.7 µs in transactions of 16 events, as the batches make them 
 one long one); `mcp-tasks audit verify` of 200,000 events 1.8 -> 1.3 s (-27 %). A lifecycle's
 PostgreSQL CPU should fall by about 1.5 % (three events), below what ``bench/sql_ab.py`` resolves:
 -1.4 % and +0.3 % in two runs (issue 15; docs/performance.md, twenty-second pass).
-Old and new replicas write the same text, so a rolling deploy needs no care.
+Replacing the body changes no text, so it may run while the service runs.
 """
 
 from service.store.sqlscript import run_script
