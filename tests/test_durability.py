@@ -29,8 +29,11 @@ pytestmark = pytest.mark.slow
 
 
 @contextlib.asynccontextmanager
-async def mcp_tasks(command: str, database_url: str, **env: str) -> AsyncIterator[tuple[subprocess.Popen[bytes], str]]:
-    """Run ``python -m service COMMAND`` as its own process; yield it and its MCP URL."""
+async def mcp_tasks(
+    command: str, database_url: str, output: Path | None = None, **env: str
+) -> AsyncIterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``python -m service COMMAND`` as its own process; yield it and its MCP URL. ``output``:
+    a file for its stdout and stderr (else they are the test's)."""
     port = free_port()
     environ = {
         **os.environ,
@@ -44,7 +47,11 @@ async def mcp_tasks(command: str, database_url: str, **env: str) -> AsyncIterato
         "MCP_TASKS_SHUTDOWN_GRACE_S": "0",  # tests that drain set it
         **env,
     }
-    proc = subprocess.Popen([sys.executable, "-m", "service", command], cwd=ROOT, env=environ)
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(output.open("wb")) if output is not None else None
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", command], cwd=ROOT, env=environ, stdout=out, stderr=out
+        )
     url = f"http://127.0.0.1:{port}/mcp"
     try:
         if command == "serve":
@@ -589,33 +596,10 @@ async def test_ctrl_c_stops_serve_cleanly_without_a_traceback(database_url: str,
     """SIGINT (Ctrl-C under `make run`): the server drains and exits 0, as `worker` does. uvicorn
     re-raises the signal after its own clean shutdown, which printed a KeyboardInterrupt traceback
     under an orderly "Finished server process"."""
-    port = free_port()
-    environ = {
-        **os.environ,
-        "MCP_TASKS_DATABASE_URL": database_url,
-        "MCP_TASKS_PORT": str(port),
-        "MCP_TASKS_LOG_LEVEL": "INFO",
-        "MCP_TASKS_SHUTDOWN_GRACE_S": "0",
-    }
     log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ, stdout=out, stderr=out
-        )
-    try:
-        async with http_client() as http, asyncio.timeout(30):
-            while True:
-                assert proc.poll() is None, log.read_text()
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+    async with mcp_tasks("serve", database_url, output=log, MCP_TASKS_LOG_LEVEL="INFO") as (proc, _):
         proc.send_signal(signal.SIGINT)
         code = await asyncio.to_thread(proc.wait, 30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
     text = log.read_text()
     assert "Finished server process" in text
     assert "Traceback" not in text, text
