@@ -395,10 +395,17 @@ class Runner:
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
-            # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
-            # walking past every one of them (one busy tenant's creates each woke a claim that
-            # scanned its whole queue). One of its slots freed here claims again (the backlog).
-            self._backlog = True
+            if self._claiming is not None and self._held_by(event.tenant_id) < self.tenant_share:
+                # Only what the claim in flight may bring takes the tenant to its share, and that
+                # claim may have read the queue before this task's create committed: the next
+                # pass decides, once the claim's answer is counted. (Marked as backlog instead,
+                # it waited for the next poll: the claim sets the backlog afresh from its answer.)
+                self._wake.set()
+            else:
+                # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
+                # walking past every one of them (one busy tenant's creates each woke a claim that
+                # scanned its whole queue). One of its slots freed here claims again (the backlog).
+                self._backlog = True
         elif isinstance(event, TaskCreated | Resync):
             if isinstance(event, Resync):
                 # Cancels or deletes may have been missed: the next beat reads every run's row.

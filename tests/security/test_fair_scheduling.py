@@ -292,6 +292,43 @@ async def test_creates_of_a_tenant_at_its_share_wake_no_claim_and_a_freed_slot_c
         await s.result("tasks/cancel", {"taskId": running[1]})
 
 
+async def test_a_task_created_while_a_claim_is_in_flight_starts_without_waiting_for_the_poll(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A create made while a claim is in flight finds every free slot promised to that claim, so its
+    task is queued, and its created event arrives while the claim still counts what it may bring.
+    That estimate put the tenant at its share, the event was kept as backlog, and the claim's
+    answer (read before the create committed, without the task) set the backlog afresh: the task
+    waited for the next poll (10 s here) with every slot free. Seen as the flaky start of the test
+    above on a loaded machine. The next pass must claim it at once."""
+    settings = make_settings(database_url, runner_concurrency=4, runner_tenant_share="2", poll_interval_ms=10_000)
+    async with serve(settings) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        runner = server.app.state.core.runner
+        claim = runner.store.claim
+        answered, release = asyncio.Event(), asyncio.Event()
+
+        async def held_back(*args: object, **kwargs: object) -> object:
+            got = await claim(*args, **kwargs)  # type: ignore[arg-type]
+            if not release.is_set():  # the first claim: answered, but held in flight
+                answered.set()
+                await release.wait()
+            return got
+
+        runner.store.claim = held_back
+        runner._wake.set()  # a claim pass now (the loop sleeps until the 10 s poll otherwise)
+        async with asyncio.timeout(5):
+            await answered.wait()
+        assert runner.held()["local"] == 0
+        task_id = (await s.call_tool_as_task("echo", {"text": "queued"}))["task"]["taskId"]
+        await asyncio.sleep(0.3)  # its created event has arrived while the claim is in flight
+        release.set()
+        async with asyncio.timeout(START_BOUND_S):  # claimed by the next pass, not at the next poll
+            result = await s.result("tasks/result", {"taskId": task_id})
+        assert result["content"] == [{"type": "text", "text": "queued"}]
+
+
 async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenants_slots(
     database_url: str, http: httpx.AsyncClient
 ) -> None:
