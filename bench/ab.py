@@ -1,21 +1,25 @@
-"""Before/after of our server on a noisy machine: both trees' servers up at once, short loads alternated.
+"""Before/after of our server on a noisy machine: the trees' loads alternated, round after round.
 
 On a shared virtual machine the speed drifts by 20-30 % over minutes, so two `bench/run.py
---server-tree` runs minutes apart cannot tell a 5-10 % change. Here both servers (each tree's code,
-its own fresh database, pinned with PostgreSQL to core 0 as in `make bench`) stay up, and loads of a
-few seconds go to one and then the other, the order swapped every round; the medians of each tree's
-server CPU per operation and throughput are compared. An A/A run (one tree twice) measures what is
-left of the noise (about 5 % on the AMD EPYC machine of the tenth pass).
+--server-tree` runs minutes apart cannot tell a 5-10 % change. Here loads of a few seconds go to
+each tree in turn (each tree's code on a database made by its own migrations, pinned with
+PostgreSQL to core 0 as in `make bench`), the order swapped every round. Each tree's throughput,
+server CPU and PostgreSQL CPU per operation are reported as medians, and server + PostgreSQL CPU
+against the first tree both as the median of the rounds' ratios and as the ratio of the medians.
+An A/A run (one tree twice) measures what is left of the noise (about 5 % on the AMD EPYC machine
+of the tenth pass).
 
     .venv/bin/python bench/ab.py --workload plain --rounds 8 --seconds 4 /tmp/before /tmp/after
 
 Each tree is a worktree sharing this venv (`git worktree add /tmp/before <commit> && ln -s
 "$PWD/.venv" /tmp/before/.venv`). Nothing here is a verdict: `make bench` gives those.
 
-With ``--fresh`` every load gets a server and database of its own, started for it and stopped after
-it, as `make bench` runs them: each tree is then measured as a fresh deployment, not after the
-minutes of load the rounds before left in its database (an early tree's plans may degrade as its
-tables fill). Slower (a start per load, some 20 s); both ways are worth a look.
+By default each tree's server and database stay up for the whole run, so a load meets what the
+rounds before left in its tables. That suits a small change between two trees of one schema. With
+``--fresh`` every load gets a server and a database started for it and dropped after it, as `make
+bench` runs them: use it against an older tree whose plans may degrade as its tables fill (issue
+15's baseline `2b534eb`, docs/performance.md, twenty-third pass). It costs some 20 s more per load.
+If a load fails, the rounds every tree completed are still summarised.
 """
 
 from __future__ import annotations
@@ -44,54 +48,76 @@ def main() -> int:
     # Each tree runs on the schema its own migrations make: an earlier tree's server on today's
     # functions would measure its Python with today's SQL.
     dbs = [run.Databases() for _ in args.trees]
+    keys = [f"{i}:{tree}" for i, tree in enumerate(args.trees)]
     servers: dict[str, run.Server] = {}
-    results: dict[str, list[tuple[float, float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float]]] = {key: [] for key in keys}
+    failed = False
     try:
         for i, tree in enumerate(args.trees):
             run.SERVER_TREE = tree
             dbs[i].create_template()
             if not args.fresh:
-                servers[f"{i}:{tree}"] = run.start_ours(dbs[i].fresh(), Path(tempfile.mkdtemp(prefix="mcp-ab-")))
-            results[f"{i}:{tree}"] = []
-        run.pin_postgres(run.SERVER_CORE)
-        keys = list(results)
+                servers[keys[i]] = run.start_ours(dbs[i].fresh(), Path(tempfile.mkdtemp(prefix="mcp-ab-")))
+        run.pin_postgres(run.SERVER_CORE)  # a fresh server's backends inherit the postmaster's pinning
         for r in range(args.rounds):
             for key in keys if r % 2 == 0 else keys[::-1]:
-                out = Path(tempfile.mkdtemp(prefix="mcp-ab-")) / "load.json"
-                if args.fresh:
-                    i = keys.index(key)
-                    run.SERVER_TREE = args.trees[i]
-                    servers[key] = run.start_ours(dbs[i].fresh(), out.parent)
-                try:
-                    got: dict[str, Any] = run.run_load(servers[key], args.workload, args.seconds, out)
-                finally:
-                    if args.fresh:
-                        servers.pop(key).stop()
+                got = load(args, dbs, servers, keys.index(key))
                 if "error" in got:
                     print(f"{key}: {got['error']}", file=sys.stderr)
-                    return 1
+                    failed = True
+                    break
                 row = (got["throughput_per_s"], got["server"]["cpu_ms_per_op"], got.get("db_cpu_ms_per_op") or 0.0)
                 results[key].append(row)
                 print(f"round {r + 1} {key}: {row[0]:.0f} ops/s, {row[1]:.4f} + {row[2]:.4f} ms/op", flush=True)
+            if failed:
+                break
     finally:
         for server in servers.values():
             server.stop()
         for made in dbs:
             made.drop_all()
-    first = results[keys[0]]
-    for tree, rows in results.items():
+    summarise(keys, results)
+    return 1 if failed else 0
+
+
+def load(args: argparse.Namespace, dbs: list[run.Databases], servers: dict[str, run.Server], i: int) -> dict[str, Any]:
+    """One load on tree ``i``: on its server, or (``--fresh``) on one started for it and dropped after."""
+    out = Path(tempfile.mkdtemp(prefix="mcp-ab-")) / "load.json"
+    key = f"{i}:{args.trees[i]}"
+    if not args.fresh:
+        return run.run_load(servers[key], args.workload, args.seconds, out)
+    run.SERVER_TREE = args.trees[i]
+    url = dbs[i].fresh()
+    try:
+        servers[key] = run.start_ours(url, out.parent)
+        return run.run_load(servers[key], args.workload, args.seconds, out)
+    finally:
+        if key in servers:
+            servers.pop(key).stop()
+        dbs[i].drop(url)
+
+
+def summarise(keys: list[str], results: dict[str, list[tuple[float, float, float]]]) -> None:
+    """Medians per tree over the rounds every tree completed; server + PostgreSQL CPU against the
+    first tree as the median of the rounds' ratios (each round's loads minutes apart at most) and
+    as the ratio of the medians."""
+    rounds = min(len(rows) for rows in results.values())
+    if rounds == 0:
+        print("no round completed", file=sys.stderr)
+        return
+    first = results[keys[0]][:rounds]
+    for key in keys:
+        rows = results[key][:rounds]
         cpu = statistics.median(r[1] for r in rows)
         db = statistics.median(r[2] for r in rows)
-        line = f"{tree}: medians {statistics.median(r[0] for r in rows):.0f} ops/s, server CPU {cpu:.4f} ms/op, PostgreSQL {db:.4f} ms/op"
-        if rows is not first:
-            # Server + PostgreSQL against the first tree: the median of the rounds' ratios (each
-            # round's loads minutes apart at most), and the ratio of the medians.
+        line = (f"{key}: medians of {rounds} rounds {statistics.median(r[0] for r in rows):.0f} ops/s, "
+                f"server CPU {cpu:.4f} ms/op, PostgreSQL {db:.4f} ms/op")  # fmt: skip
+        if key != keys[0]:
             per_round = [(a[1] + a[2]) / (b[1] + b[2]) for a, b in zip(rows, first, strict=True)]
             whole = (cpu + db) / statistics.median(r[1] + r[2] for r in first)
             line += (f"; server + PostgreSQL {statistics.median(per_round):.3f}x the first (median of the rounds'"
                      f" ratios, {min(per_round):.2f}-{max(per_round):.2f}), {whole:.3f}x (ratio of the medians)")  # fmt: skip
         print(line)
-    return 0
 
 
 if __name__ == "__main__":

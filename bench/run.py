@@ -184,6 +184,14 @@ class Databases:
         self.made.append(name)
         return self.url(name)
 
+    def drop(self, url: str) -> None:
+        """Drop one database that ``fresh`` made (its server stopped)."""
+        name = url.rsplit("/", 1)[1]
+        with contextlib.suppress(Exception):
+            asyncio.run(self._exec(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        if name in self.made:
+            self.made.remove(name)
+
     def drop_all(self) -> None:
         for name in reversed(self.made):
             with contextlib.suppress(Exception):
@@ -211,36 +219,41 @@ def start_ours(
     env = ours_env({**os.environ, "MCP_TASKS_DATA_DIR": str(logs / "issuer"), "MCP_TASKS_PUBLIC_URL": url})
     dev = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "mcp-tasks"), "dev-issuer", "--port", str(issuer_port)]),
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    wait_http(f"{issuer}/jwks", dev)
-    server_env = {
-        **os.environ,
-        "MCP_TASKS_DATABASE_URL": db_url,
-        "MCP_TASKS_PORT": str(port),
-        "MCP_TASKS_OAUTH_ISSUER": issuer,
-        # Operators size these to their load; the defaults are for protection, not for a load test.
-        "MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR": "1000000",
-        "MCP_TASKS_MAX_ACTIVE_TASKS_PER_TENANT": "10000000",
-        # The runner's tenant share is such a protection too (a hard cap per tenant, 50 % of the
-        # slots by default in hosted mode): left at its default it is what one principal's 32
-        # clients meet first, and their tasks wait in the queue for a claim (docs/performance.md).
-        "MCP_TASKS_RUNNER_TENANT_SHARE": "100%",
-        "MCP_TASKS_RATE_LIMIT": "10000000/minute",
-        "MCP_TASKS_MAX_TTL_MS": "86400000",
-        "MCP_TASKS_LOG_LEVEL": "WARNING",
-        "MCP_TASKS_SHUTDOWN_GRACE_S": "1",  # stopped between runs with tasks held: no drain to wait out
-        **(extra_env or {}),
-    }
-    with (logs / "ours.log").open("ab") as log:
-        proc = subprocess.Popen(pinned(SERVER_CORE, [*(wrap or []), str(BIN / "mcp-tasks"), "serve"]),
-                                env=ours_env(server_env), stdout=log, stderr=log)  # fmt: skip
-    wait_http(url.removesuffix("/mcp") + "/healthz", proc, timeout=start_timeout)
-    tokens = []
-    for i in range(principals):  # 8 tenants x 4 subjects: many principals, as in production
-        tokens.append(subprocess.run(
-            [str(BIN / "mcp-tasks"), "token", "--issuer", issuer, "--tenant", f"tenant-{i % 8}",
-             "--subject", f"user-{i}", "--resource", url],
-            env=env, check=True, capture_output=True, text=True,
-        ).stdout.strip())  # fmt: skip
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        wait_http(f"{issuer}/jwks", dev)
+        server_env = {
+            **os.environ,
+            "MCP_TASKS_DATABASE_URL": db_url,
+            "MCP_TASKS_PORT": str(port),
+            "MCP_TASKS_OAUTH_ISSUER": issuer,
+            # Operators size these to their load; the defaults are for protection, not for a load test.
+            "MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR": "1000000",
+            "MCP_TASKS_MAX_ACTIVE_TASKS_PER_TENANT": "10000000",
+            # The runner's tenant share is such a protection too (a hard cap per tenant, 50 % of the
+            # slots by default in hosted mode): left at its default it is what one principal's 32
+            # clients meet first, and their tasks wait in the queue for a claim (docs/performance.md).
+            "MCP_TASKS_RUNNER_TENANT_SHARE": "100%",
+            "MCP_TASKS_RATE_LIMIT": "10000000/minute",
+            "MCP_TASKS_MAX_TTL_MS": "86400000",
+            "MCP_TASKS_LOG_LEVEL": "WARNING",
+            "MCP_TASKS_SHUTDOWN_GRACE_S": "1",  # stopped between runs with tasks held: no drain to wait out
+            **(extra_env or {}),
+        }
+        with (logs / "ours.log").open("ab") as log:
+            proc = subprocess.Popen(pinned(SERVER_CORE, [*(wrap or []), str(BIN / "mcp-tasks"), "serve"]),
+                                    env=ours_env(server_env), stdout=log, stderr=log)  # fmt: skip
+        wait_http(url.removesuffix("/mcp") + "/healthz", proc, timeout=start_timeout)
+        tokens = []
+        for i in range(principals):  # 8 tenants x 4 subjects: many principals, as in production
+            tokens.append(subprocess.run(
+                [str(BIN / "mcp-tasks"), "token", "--issuer", issuer, "--tenant", f"tenant-{i % 8}",
+                 "--subject", f"user-{i}", "--resource", url],
+                env=env, check=True, capture_output=True, text=True,
+            ).stdout.strip())  # fmt: skip
+    except BaseException:  # a start that failed half-way leaves nothing running
+        Server("ours", url, dev, [], [proc] if proc is not None else []).stop()
+        raise
     return Server("ours", url, proc, tokens, [dev])
 
 
