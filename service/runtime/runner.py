@@ -90,6 +90,9 @@ class Runner:
         self._reserved_by_tenant: Counter[str] = Counter()  # the creates' part of it, per tenant
         # While a claim is in flight: what each tenant held when it was sent, and how many it asked for.
         self._claiming: tuple[dict[str, int], int] | None = None
+        # The tenants whose tasks were created while that claim was in flight: whether to claim
+        # again for them is decided once its answer is counted (see _on_event).
+        self._created_in_flight: set[str] = set()
         # When each reservation of a create was made (its lease's start is later), and when our row
         # was last extended at that moment (what covers the create): see _reserved_since.
         self._reserved_at: deque[tuple[float, float]] = deque()
@@ -394,18 +397,16 @@ class Runner:
         await self.store.publish(self.owner, self.liveness.key, tools, self.lease_ms)
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
-            if self._claiming is not None and self._held_by(event.tenant_id) < self.tenant_share:
-                # Only what the claim in flight may bring takes the tenant to its share, and that
-                # claim may have read the queue before this task's create committed: the next
-                # pass decides, once the claim's answer is counted. (Marked as backlog instead,
-                # it waited for the next poll: the claim sets the backlog afresh from its answer.)
-                self._wake.set()
-            else:
-                # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
-                # walking past every one of them (one busy tenant's creates each woke a claim that
-                # scanned its whole queue). One of its slots freed here claims again (the backlog).
-                self._backlog = True
+        if isinstance(event, TaskCreated) and self._claiming is not None:
+            # The claim in flight may have read the queue before this task's create committed, and
+            # what it brings the tenant is not known yet: decided once its answer is counted (a
+            # backlog marked now was set afresh from that answer, and the task waited for the poll).
+            self._created_in_flight.add(event.tenant_id)
+        elif isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
+            # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
+            # walking past every one of them (one busy tenant's creates each woke a claim that
+            # scanned its whole queue). One of its slots freed here claims again (the backlog).
+            self._backlog = True
         elif isinstance(event, TaskCreated | Resync):
             if isinstance(event, Resync):
                 # Cancels or deletes may have been missed: the next beat reads every run's row.
@@ -464,6 +465,7 @@ class Runner:
         self._reserved += want  # creates meanwhile must not promise these slots too
         self._claiming = (held, want)  # nor take a tenant past its share with what this claim brings
         sent, row_sent = time.monotonic(), self._row_sent
+        answered = False
         try:
             # Bounded: a claim answered late would start runs whose leases are already old.
             tasks = await asyncio.wait_for(
@@ -475,11 +477,15 @@ class Runner:
                 ),
                 timeout=self.times.claim_timeout,
             )  # fmt: skip
+            answered = True
         except TimeoutError as exc:
             raise Unavailable(f"the claim got no answer within {self.times.claim_timeout:.1f} s") from exc
         finally:
             self._reserved -= want
             self._claiming = None
+            late, self._created_in_flight = self._created_in_flight, set()
+            if not answered:  # nothing to count: decided as if the claim had brought nothing
+                self._created_late(late)
         self._database_back()  # only an answered claim says so (a held-back one asked nothing)
         # A full claim, or a tenant at its share whose queued tasks the claim skipped: there may be
         # more, so a freed slot claims again.
@@ -499,7 +505,17 @@ class Runner:
                 # Its own lease is the short claim lease: the first beat half a lease after the
                 # claim extends it (fencing.py, CLAIM_RENEW_AFTER), as if it had been set earlier.
                 run.task_lease_set_at = sent + self.times.claim_renew_after - self.times.task_renew_after
+        self._created_late(late)
         return started
+
+    def _created_late(self, tenants: set[str]) -> None:
+        """Tasks of ``tenants`` were created while a claim was in flight, its answer now counted: a
+        tenant below its share claims again at once, one at it marks the backlog (as _on_event)."""
+        for tenant_id in tenants:
+            if self._at_share(tenant_id):
+                self._backlog = True
+            else:
+                self._wake.set()
 
     async def _heartbeat_loop(self) -> None:
         ok = True

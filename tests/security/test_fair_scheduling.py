@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from service.runtime.fencing import ROW_LEASE
 from service.store.db import RUNNER_ROLE, Database
+from service.store.events import TaskCreated
 from service.store.queries import Q
 from service.store.repository import RunnerStore
 from tests.conftest import make_settings, run_issuer, serve
@@ -299,30 +300,44 @@ async def test_a_task_created_while_a_claim_is_in_flight_starts_without_waiting_
     task is queued, and its created event arrives while the claim still counts what it may bring.
     That estimate put the tenant at its share, the event was kept as backlog, and the claim's
     answer (read before the create committed, without the task) set the backlog afresh: the task
-    waited for the next poll (10 s here) with every slot free. Seen as the flaky start of the test
-    above on a loaded machine. The next pass must claim it at once."""
-    settings = make_settings(database_url, runner_concurrency=4, runner_tenant_share="2", poll_interval_ms=10_000)
+    waited for the next poll (10 s here) with free slots. Seen as the flaky start of the test above
+    on a loaded machine. The event is now decided once the claim's answer is counted: the tenant
+    is below its share, so the next pass claims the task at once."""
+    # A long lease: the held claim must not time out (claim_timeout is a third of the fence time).
+    settings = make_settings(
+        database_url, runner_concurrency=4, runner_tenant_share="2", poll_interval_ms=10_000, lease_ms=60_000
+    )
     async with serve(settings) as server:
         s = RpcSession(http, server.url)
         await s.initialize()
         runner = server.app.state.core.runner
         claim = runner.store.claim
         answered, release = asyncio.Event(), asyncio.Event()
+        created: list[str] = []  # may arrive before the create's answer does
 
         async def held_back(*args: object, **kwargs: object) -> object:
             got = await claim(*args, **kwargs)  # type: ignore[arg-type]
-            if not release.is_set():  # the first claim: answered, but held in flight
+            if not answered.is_set():  # the first claim only: answered, but held in flight
                 answered.set()
                 await release.wait()
             return got
 
+        def seen(event: object) -> None:  # after the runner's own listener
+            if isinstance(event, TaskCreated):
+                created.append(event.task_id)
+
         runner.store.claim = held_back
+        runner.hub.listeners.append(seen)
         runner._wake.set()  # a claim pass now (the loop sleeps until the 10 s poll otherwise)
         async with asyncio.timeout(5):
             await answered.wait()
-        assert runner.held()["local"] == 0
+        assert runner._claiming is not None  # in flight
         task_id = (await s.call_tool_as_task("echo", {"text": "queued"}))["task"]["taskId"]
-        await asyncio.sleep(0.3)  # its created event has arrived while the claim is in flight
+        async with asyncio.timeout(5):
+            while task_id not in created:  # its created event reached the runner while the claim is in flight
+                await asyncio.sleep(0.01)
+        assert runner._claiming is not None
+        assert runner.held()["local"] == 0
         release.set()
         async with asyncio.timeout(START_BOUND_S):  # claimed by the next pass, not at the next poll
             result = await s.result("tasks/result", {"taskId": task_id})
