@@ -397,21 +397,18 @@ class Runner:
         await self.store.publish(self.owner, self.liveness.key, tools, self.lease_ms)
 
     def _on_event(self, event: Event) -> None:
-        if isinstance(event, TaskCreated) and self._claiming is not None:
-            # The claim in flight may have read the queue before this task's create committed, and
-            # what it brings the tenant is not known yet: decided once its answer is counted (a
-            # backlog marked now was set afresh from that answer, and the task waited for the poll).
-            self._created_in_flight.add(event.tenant_id)
-        elif isinstance(event, TaskCreated) and self._at_share(event.tenant_id):
-            # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
-            # walking past every one of them (one busy tenant's creates each woke a claim that
-            # scanned its whole queue). One of its slots freed here claims again (the backlog).
-            self._backlog = True
-        elif isinstance(event, TaskCreated | Resync):
-            if isinstance(event, Resync):
-                # Cancels or deletes may have been missed: the next beat reads every run's row.
-                for run in self._running.values():
-                    run.task_lease_set_at = -math.inf
+        if isinstance(event, TaskCreated):
+            if self._claiming is not None:
+                # The claim in flight may have read the queue before this task's create committed,
+                # and what it brings the tenant is not known yet: decided once its answer is counted
+                # (a backlog marked now was set afresh from that answer; the task waited for the poll).
+                self._created_in_flight.add(event.tenant_id)
+            else:
+                self._created(event.tenant_id)
+        elif isinstance(event, Resync):
+            # Cancels or deletes may have been missed: the next beat reads every run's row.
+            for run in self._running.values():
+                run.task_lease_set_at = -math.inf
             self._wake.set()
         elif isinstance(event, TaskCancelRequested | TaskDeleted):
             key = (event.tenant_id, event.task_id)
@@ -485,7 +482,8 @@ class Runner:
             self._claiming = None
             late, self._created_in_flight = self._created_in_flight, set()
             if not answered:  # nothing to count: decided as if the claim had brought nothing
-                self._created_late(late)
+                for tenant_id in late:
+                    self._created(tenant_id)
         self._database_back()  # only an answered claim says so (a held-back one asked nothing)
         # A full claim, or a tenant at its share whose queued tasks the claim skipped: there may be
         # more, so a freed slot claims again.
@@ -505,17 +503,19 @@ class Runner:
                 # Its own lease is the short claim lease: the first beat half a lease after the
                 # claim extends it (fencing.py, CLAIM_RENEW_AFTER), as if it had been set earlier.
                 run.task_lease_set_at = sent + self.times.claim_renew_after - self.times.task_renew_after
-        self._created_late(late)
+        for tenant_id in late:
+            self._created(tenant_id)
         return started
 
-    def _created_late(self, tenants: set[str]) -> None:
-        """Tasks of ``tenants`` were created while a claim was in flight, its answer now counted: a
-        tenant below its share claims again at once, one at it marks the backlog (as _on_event)."""
-        for tenant_id in tenants:
-            if self._at_share(tenant_id):
-                self._backlog = True
-            else:
-                self._wake.set()
+    def _created(self, tenant_id: str) -> None:
+        """A task of ``tenant_id`` was queued (no claim in flight, or its answer counted)."""
+        if self._at_share(tenant_id):
+            # Its task cannot be claimed here now: a claim would skip the tenant's rows, after
+            # walking past every one of them (one busy tenant's creates each woke a claim that
+            # scanned its whole queue). One of its slots freed here claims again (the backlog).
+            self._backlog = True
+        else:
+            self._wake.set()
 
     async def _heartbeat_loop(self) -> None:
         ok = True
