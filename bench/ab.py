@@ -61,7 +61,8 @@ def main() -> int:
         run.pin_postgres(run.SERVER_CORE)  # a fresh server's backends inherit the postmaster's pinning
         for r in range(args.rounds):
             for key in keys if r % 2 == 0 else keys[::-1]:
-                got = load(args, dbs, servers, keys.index(key))
+                i = keys.index(key)
+                got = load(args, dbs[i], servers, key, args.trees[i])
                 if "error" in got:
                     print(f"{key}: {got['error']}", file=sys.stderr)
                     failed = True
@@ -80,21 +81,22 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def load(args: argparse.Namespace, dbs: list[run.Databases], servers: dict[str, run.Server], i: int) -> dict[str, Any]:
-    """One load on tree ``i``: on its server, or (``--fresh``) on one started for it and dropped after."""
+def load(
+    args: argparse.Namespace, db: run.Databases, servers: dict[str, run.Server], key: str, tree: str
+) -> dict[str, Any]:
+    """One load on ``tree``: on its server, or (``--fresh``) on one started for it and dropped after."""
     out = Path(tempfile.mkdtemp(prefix="mcp-ab-")) / "load.json"
-    key = f"{i}:{args.trees[i]}"
     if not args.fresh:
         return run.run_load(servers[key], args.workload, args.seconds, out)
-    run.SERVER_TREE = args.trees[i]
-    url = dbs[i].fresh()
+    run.SERVER_TREE = tree
+    url = db.fresh()
     try:
         servers[key] = run.start_ours(url, out.parent)
         return run.run_load(servers[key], args.workload, args.seconds, out)
     finally:
         if key in servers:
             servers.pop(key).stop()
-        dbs[i].drop(url)
+        db.drop(url)
 
 
 def summarise(keys: list[str], results: dict[str, list[tuple[float, float, float]]]) -> None:
