@@ -36,10 +36,11 @@ security: $(STAMP) ## the attack tests of SECURITY.md (tests/security: loopback 
 schema-check: $(STAMP) ## alembic/schema.sql against the migrations, and the migration tests (CONTRIBUTING.md)
 	$(BIN)/pytest tests/test_schema_truth.py tests/test_migrations.py
 
-lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
+lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict, the import contracts (lint-imports), hadolint
 	$(BIN)/ruff check service tests bench alembic grafana
 	$(BIN)/ruff format --check service tests bench alembic grafana
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/hadolint Dockerfile
 
 format: $(STAMP) ## apply ruff's fixes and formatting
