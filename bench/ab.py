@@ -6,8 +6,8 @@ each tree in turn (each tree's code on a database made by its own migrations, pi
 PostgreSQL to core 0 as in `make bench`), the order swapped every round. Each tree's throughput,
 server CPU and PostgreSQL CPU per operation are reported as medians, and server + PostgreSQL CPU
 against the first tree both as the median of the rounds' ratios and as the ratio of the medians.
-An A/A run (one tree twice) measures what is left of the noise (about 5 % on the AMD EPYC machine
-of the tenth pass).
+An A/A run (one tree twice) measures what is left of the noise (about 5 % on an AMD EPYC machine,
+1bd624b).
 
     .venv/bin/python bench/ab.py --workload plain --rounds 8 --seconds 4 /tmp/before /tmp/after
 
@@ -18,8 +18,9 @@ By default each tree's server and database stay up for the whole run, so a load 
 rounds before left in its tables. That suits a small change between two trees of one schema. With
 ``--fresh`` every load gets a server and a database started for it and dropped after it, as `make
 bench` runs them: use it against an older tree whose plans may degrade as its tables fill (issue
-15's baseline `2b534eb`, docs/performance.md, twenty-third pass). It costs some 20 s more per load.
-If a load fails, the rounds every tree completed are still summarised.
+15's baseline `2b534eb`, whose PostgreSQL CPU per lifecycle read 31-39 % higher without it:
+6211ccd). It costs some 20 s more per load. If a load fails, the rounds every tree completed are
+still summarised.
 """
 
 from __future__ import annotations

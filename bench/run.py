@@ -7,7 +7,7 @@ scale run of tasks/get latency with 1 thousand to 1 million tasks stored. The 20
 run against the official SDK and FastMCP 3 peers, the 2026-07-28 Tasks extension ones (``ext-*``)
 against the fastmcp-tasks 4.1.4 peer, in the same run and pinning.
 
-    python bench/run.py [--rounds 3] [--duration 10] [--out docs/performance.md] [--smoke]
+    python bench/run.py [--rounds 3] [--duration 10] [--doc docs/performance.md] [--smoke]
 """
 
 from __future__ import annotations
