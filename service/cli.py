@@ -239,7 +239,7 @@ def _main(argv: list[str]) -> None:
     tok.add_argument("--scope", default="tasks")
     tok.add_argument("--issuer", default="http://127.0.0.1:9000")
     tok.add_argument("--resource", default=None, help="audience (default: the service's public URL)")
-    audit = sub.add_parser("audit", help="verify the audit hash chains, or export audit events")
+    audit = sub.add_parser("audit", help="verify the audit hash chains, export audit events, or show a trail")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)
     verify = audit_sub.add_parser("verify", help="check every tenant's chain (exit 1 if any is broken)")
     verify.add_argument("--tenant", default=None)
@@ -251,6 +251,10 @@ def _main(argv: list[str]) -> None:
         default=None,
         help="after writing, delete the written events dated before this time (the chain keeps a checkpoint)",
     )
+    from service import cli_audit, cli_usage
+
+    cli_audit.add_parser(audit_sub)
+    cli_usage.add_parser(sub)
     sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
     from service import cli_call, cli_tasks, cli_tools
 
@@ -281,8 +285,16 @@ def _main(argv: list[str]) -> None:
         _dev_issuer(args)
     elif args.command == "token":
         _token(args)
+    elif args.command == "audit" and args.audit_command == "trail":
+        from service.cli_records import run_record_command
+
+        sys.exit(run_record_command(cli_audit.trail_main(args)))
     elif args.command == "audit":
         sys.exit(asyncio.run(_audit_main(args)))
+    elif args.command == "usage":
+        from service.cli_records import run_record_command
+
+        sys.exit(run_record_command(cli_usage.usage_main(args)))
     elif args.command == "config":
         from service.cli_config import config_main
 
