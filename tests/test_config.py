@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,3 +112,54 @@ def test_config_prints_the_effective_settings_with_secrets_masked() -> None:
 def test_version() -> None:
     done = run_cli("--version")
     assert done.stdout.startswith("mcp-tasks ")
+
+
+def test_near_misses_of_our_names_are_warnings_naming_the_intended_setting() -> None:
+    """Issue 45, item 3: a wrong prefix, a misspelt name, or a bare DATABASE_URL while ours is unset."""
+    found = dict(
+        unknown_variables(
+            {"MCP_TASK_DATABASE_URL": "x", "MCPTASKS_PORT": "1", "DATABASE_URL": "y", "MCP_SERVER": "z", "PATH": "/"}
+        )
+    )
+    assert found == {
+        "MCP_TASK_DATABASE_URL": "MCP_TASKS_DATABASE_URL",
+        "MCPTASKS_PORT": "MCP_TASKS_PORT",
+        "DATABASE_URL": "MCP_TASKS_DATABASE_URL",
+    }
+    assert unknown_variables({"DATABASE_URL": "y", "MCP_TASKS_DATABASE_URL": "z"}) == []  # ours is set: no doubt
+    done = run_cli("config", MCP_TASK_DATABASE_URL="postgresql://u@db/x", DATABASE_URL="postgresql://u@db/y")
+    warnings = [line for line in done.stderr.splitlines() if "MCP_TASKS_DATABASE_URL" in line]
+    assert len(warnings) == 2, done.stderr
+    assert done.returncode == 0
+
+
+def test_config_shows_every_settings_value_in_force_and_where_it_came_from(tmp_path: Path) -> None:
+    """Issue 45, item 3: default, environment or file, for every setting; a default left unset
+    shows what it follows instead of a bare null."""
+    env_file = tmp_path / "mcp-tasks.env"
+    env_file.write_text("MCP_TASKS_POLL_INTERVAL_MS=250\nMCP_TASKS_PORT=1\nMCP_TASKS_OAUTH_CLIENT_SECRET=s3cret\n")
+    done = run_cli("config", "--json", MCP_TASKS_ENV_FILE=str(env_file), MCP_TASKS_PORT="9001")
+    assert done.returncode == 0, done.stderr
+    rows = {row["variable"]: row for row in map(json.loads, done.stdout.splitlines())}
+    assert set(rows) == {f"MCP_TASKS_{name.upper()}" for name in Settings.model_fields}
+    assert (rows["MCP_TASKS_PORT"]["value"], rows["MCP_TASKS_PORT"]["source"]) == (9001, "environment")
+    assert (rows["MCP_TASKS_POLL_INTERVAL_MS"]["value"], rows["MCP_TASKS_POLL_INTERVAL_MS"]["source"]) == (250, "file")
+    assert rows["MCP_TASKS_OAUTH_CLIENT_SECRET"]["value"] == "********"
+    assert rows["MCP_TASKS_HOST"]["source"] == "default"
+    for name in ("MCP_TASKS_AUTH", "MCP_TASKS_PUBLIC_URL", "MCP_TASKS_DEFAULT_TTL_MS", "MCP_TASKS_MAX_TTL_MS",
+                 "MCP_TASKS_OAUTH_AUDIENCE", "MCP_TASKS_RUNNER_TENANT_SHARE"):  # fmt: skip
+        assert rows[name]["value"] is not None, name
+    unset = [row for row in rows.values() if row["value"] is None]
+    assert all(row["note"] for row in unset), unset  # what an unset one means, e.g. the embedded database
+
+
+def test_the_embedded_database_of_a_checkout_lives_in_its_own_git_ignored_directory() -> None:
+    """Issue 45, item 3: `make run` in two clones never shares a database or a dev issuer key."""
+    from service.config import default_data_dir, source_checkout
+
+    checkout = source_checkout()
+    assert checkout == Path(__file__).resolve().parents[1]
+    data_dir = default_data_dir()
+    assert data_dir == checkout / ".data" or checkout.name not in str(data_dir)  # as root under /root: per checkout
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(checkout / ".data" / "pgdata")], cwd=checkout)
+    assert ignored.returncode == 0

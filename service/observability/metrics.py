@@ -164,9 +164,9 @@ _tenants_seen: set[str] = set()
 
 # The counters that carry a tenant label when the operator opts in, and none otherwise (no series
 # with an always-empty label): defined here, and again by ``configure`` if the choice changes.
-def _tenant_counters(with_tenant: bool) -> tuple[Counter, Counter, Counter]:
+def _tenant_counters(with_tenant: bool) -> tuple[Counter, Counter, Counter, Counter]:
     extra = ["tenant"] if with_tenant else []
-    for name in ("mcp_tasks_tasks_created", "mcp_tasks_tasks_finished", "mcp_tasks_denials"):
+    for name in ("mcp_tasks_tasks_created", "mcp_tasks_tasks_finished", "mcp_tasks_denials", "mcp_tasks_task_seconds"):
         collector = REGISTRY._names_to_collectors.get(name)
         if collector is not None:
             REGISTRY.unregister(collector)
@@ -180,19 +180,27 @@ def _tenant_counters(with_tenant: bool) -> tuple[Counter, Counter, Counter]:
         "mcp_tasks_denials_total", "Requests refused for a principal, by reason (rate_limited, cap, not_found)",
         ["reason", *extra],
     )  # fmt: skip
-    return created, finished, refused
+    # Create to terminal, counted when the task ends (`mcp-tasks usage` reports the same from the
+    # audit record): per tenant, with the tenant label on, for budgets and billing dashboards.
+    seconds = Counter("mcp_tasks_task_seconds_total", "Seconds from create to terminal of finished tasks",
+                      ["tool", *extra])  # fmt: skip
+    return created, finished, refused, seconds
 
 
-tasks_created, tasks_finished, denials = _tenant_counters(False)
+tasks_created, tasks_finished, denials, task_seconds = _tenant_counters(False)
 
 
 def task_created(tool: str, tenant_id: str) -> None:
     (labelled(tasks_created, tool, tenant(tenant_id)) if _tenant_label else labelled(tasks_created, tool)).inc()
 
 
-def task_finished(tool: str, status: str, outcome: str, tenant_id: str) -> None:
+def task_finished(tool: str, status: str, outcome: str, tenant_id: str, seconds: float | None = None) -> None:
     labels = (tool, status, outcome, tenant(tenant_id)) if _tenant_label else (tool, status, outcome)
     labelled(tasks_finished, *labels).inc()
+    if seconds is not None:
+        (labelled(task_seconds, tool, tenant(tenant_id)) if _tenant_label else labelled(task_seconds, tool)).inc(
+            max(0.0, seconds)
+        )
 
 
 def denied(reason: str, tenant_id: str) -> None:
@@ -201,9 +209,9 @@ def denied(reason: str, tenant_id: str) -> None:
 
 def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "", component: str = "serve") -> None:
     """Set once at start-up from the settings."""
-    global _tenant_label, _tenant_limit, tasks_created, tasks_finished, denials
+    global _tenant_label, _tenant_limit, tasks_created, tasks_finished, denials, task_seconds
     if tenant_label != _tenant_label:
-        tasks_created, tasks_finished, denials = _tenant_counters(tenant_label)
+        tasks_created, tasks_finished, denials, task_seconds = _tenant_counters(tenant_label)
     _tenant_label, _tenant_limit = tenant_label, tenant_limit
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they double every counter and histogram
     if version:

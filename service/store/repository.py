@@ -93,7 +93,8 @@ def _matched(
 
 def _finished(task: Task) -> None:
     kind = task.outcome.kind.value if task.outcome is not None else "cancelled"
-    metrics.task_finished(task.tool, task.status.value, kind, task.tenant_id)
+    seconds = (task.last_updated_at - task.created_at).total_seconds()
+    metrics.task_finished(task.tool, task.status.value, kind, task.tenant_id, seconds)
 
 
 async def _audit(
