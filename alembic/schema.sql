@@ -1,10 +1,11 @@
 -- The current schema of mcp-task-service: the one truth, read top to bottom.
 --
--- Migrations (alembic/versions/) are the history and never change once committed; this file is
--- what they add up to. tests/test_schema_truth.py builds one database from the migrations and one
--- from this file alone and compares their `pg_dump --schema-only`: change the schema by editing
--- this file AND adding a migration (CONTRIBUTING.md). Grants on alembic_version are the
--- migrations' business and are not repeated here.
+-- Migrations (alembic/versions/) are the history, from the baseline of release 0.1.0 on, and
+-- never change once committed; this file is what they add up to. tests/test_schema_truth.py
+-- builds one database from the migrations and one from this file alone and compares their
+-- `pg_dump --schema-only`: change the schema by editing this file AND adding a migration
+-- (CONTRIBUTING.md). Grants on alembic_version are the migrations' business and are not repeated
+-- here.
 --
 -- Grouped by aggregate: roles, tasks (with their counters and messages), sessions, service keys,
 -- audit, then the hot-path functions that touch several of them.
@@ -21,7 +22,7 @@
 -- also requires current_user to be the runner role: a login user that merely inherits it sees
 -- nothing. FORCE ROW LEVEL SECURITY makes the policies apply to the tables' owner too.
 -- The runner role's read `(CASE WHEN current_user = 'mcp_tasks_runner' THEN true END) IS NOT
--- NULL`, which is that comparison as the planner should see it (migration 0018): a comparison
+-- NULL`, which is that comparison as the planner should see it: a comparison
 -- without a column is estimated to hold for 0.5 % of rows, so every scan of the role was planned
 -- for 1/200 of its rows (a backlog's claim sorted a scan of the queue on disk instead of reading
 -- the queue's index in order); a null test of an expression is estimated to hold for 99.5 %. The
@@ -43,7 +44,7 @@ BEGIN
 END
 $$;
 GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_record;
--- Nobody but the owner creates in public (migration 0016): an object the service's login created
+-- Nobody but the owner creates in public: an object the service's login created
 -- there could stand in for a built-in that a SECURITY DEFINER function calls. Where the migrating
 -- role may not revoke it (PostgreSQL 14's public is the bootstrap superuser's), the service warns.
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
@@ -101,14 +102,12 @@ CREATE TABLE tasks (
     started_at          timestamptz,
     finished_at         timestamptz,
     lease_owner         text,
-    lease_key           bigint,
     lease_expires_at    timestamptz,
     attempts            integer     NOT NULL DEFAULT 0,
     -- Whether the tool may run again after a lost run, and the version of the tool the task was
-    -- accepted for, both as the accepting process's registry said at create: the reaper decides
-    -- from the row, not from its own (perhaps different) tool packs. NULL: created by a release
-    -- that did not record them (the deciding process's registry decides, as it did then).
-    rerunnable          boolean,
+    -- accepted for (NULL: unversioned), both as the accepting process's registry said at create:
+    -- the reaper decides from the row, not from its own (perhaps different) tool packs.
+    rerunnable          boolean     NOT NULL DEFAULT false,
     tool_version        text,
     -- The fencing token is (lease_owner, lease_epoch): the epoch grows whenever the lease changes
     -- hands (a claim, a hand-back), and a runner's finish, release, renewal and questions act only
@@ -117,9 +116,7 @@ CREATE TABLE tasks (
     CONSTRAINT tasks_pkey PRIMARY KEY (tenant_id, task_id),
     CONSTRAINT tasks_surface_known CHECK (surface IN ('2025-11-25', '2026-07-28')),
     CONSTRAINT tasks_ttl_positive CHECK (ttl_ms > 0),
-    CONSTRAINT tasks_lease_complete CHECK (
-        (lease_owner IS NULL) = (lease_expires_at IS NULL) AND (lease_owner IS NULL) = (lease_key IS NULL)
-    ),
+    CONSTRAINT tasks_lease_complete CHECK ((lease_owner IS NULL) = (lease_expires_at IS NULL)),
     -- One stored outcome, rendered per wire: a tool error is a completed call (its result says
     -- so), and only a call that failed is failed.
     CONSTRAINT tasks_outcome_matches_status CHECK (
@@ -133,22 +130,18 @@ CREATE TABLE tasks (
 );
 -- Runners claim from here: the queue, unclaimed and unfinished rows, oldest first. They are the
 -- working ones: a task asks for input only while a runner holds it, and every hand-back makes it
--- working again (task_release_batch). Null tests only, because they call no operator: row-level
+-- working again (task_hand_back). Null tests only, because they call no operator: row-level
 -- security applies to the service's roles, and under it the planner may not use a column's
 -- statistics with an operator that is not leakproof, as the enum's `=` is not: `status =
 -- 'working'` was estimated from the column's count of distinct values alone, so in a table of
--- finished tasks the queue looked like half of it, or all, and a large table was scanned instead
--- (migration 0017).
+-- finished tasks the queue looked like half of it, or all, and a large table was scanned instead.
 CREATE INDEX tasks_queued ON tasks (created_at) WHERE lease_owner IS NULL AND finished_at IS NULL;
--- The same rows as the release before named them, kept while it may still run beside this one (its
--- claims read it; CONTRIBUTING.md, "expand, then contract"). A later release drops it.
-CREATE INDEX tasks_claimable ON tasks (created_at) WHERE status = 'working' AND lease_owner IS NULL;
 -- The reaper scans leases that may have lapsed.
 CREATE INDEX tasks_leased ON tasks (lease_expires_at) WHERE lease_owner IS NOT NULL;
 -- tasks/list keyset pagination, newest first.
 CREATE INDEX tasks_owner_recent ON tasks (tenant_id, subject, created_at DESC, task_id DESC);
 -- (No index of active tasks per requestor: the caps read the active_tasks counters, the queue
--- gauges the two partial indexes above; migration 0015.)
+-- gauges the two partial indexes above.)
 -- The sweeper deletes by expiry.
 CREATE INDEX tasks_expiry ON tasks (expires_at);
 -- The tasks_active gauge counts input_required tasks here (the active total comes from the
@@ -156,12 +149,12 @@ CREATE INDEX tasks_expiry ON tasks (expires_at);
 CREATE INDEX tasks_input_required ON tasks (tenant_id) WHERE status = 'input_required';
 
 GRANT SELECT, INSERT, DELETE ON tasks TO mcp_tasks_app, mcp_tasks_runner;
--- Task outcomes: written only through task_finish_batch and task_release_batch (which check the
--- lease and run as mcp_tasks_record). The service's roles update only the columns their
--- statements set; a task is inserted working, and deleted only once expired.
-GRANT UPDATE (status, status_message, last_updated_at, finished_at, lease_owner, lease_key, lease_expires_at)
+-- Task outcomes: written only through task_finish and task_hand_back (which check the lease and
+-- run as mcp_tasks_record). The service's roles update only the columns their statements set; a
+-- task is inserted working, and deleted only once expired.
+GRANT UPDATE (status, status_message, last_updated_at, finished_at, lease_owner, lease_expires_at)
     ON tasks TO mcp_tasks_app;
-GRANT UPDATE (status, status_message, last_updated_at, lease_owner, lease_key, lease_expires_at, attempts,
+GRANT UPDATE (status, status_message, last_updated_at, lease_owner, lease_expires_at, attempts,
               started_at, lease_epoch)
     ON tasks TO mcp_tasks_runner;
 CREATE POLICY tasks_inserted_working ON tasks AS RESTRICTIVE FOR INSERT TO mcp_tasks_app, mcp_tasks_runner
@@ -352,13 +345,11 @@ CREATE POLICY event_payloads_runner_all_tenants ON event_payloads TO mcp_tasks_r
 -- maintenance pass sets its status message) and counted (mcp_tasks_tasks_without_runner). A runner
 -- upserts its row at start (and afresh after it lapsed), saying how long its word holds
 -- (live_until); every heartbeat extends live_until while the row still holds (a lapsed row is not
--- revived by a beat, see lease_lapsed), and it deletes the row when it stops. "Live" also needs its
--- liveness lock (lease_key) held, so a runner that died is not counted for a moment longer. Not
--- tenant data: only the runner role sees it.
+-- revived by a beat, see lease_lapsed), and it deletes the row when it stops. The row is also the
+-- lease on all of the runner's tasks. Not tenant data: only the runner role sees it.
 -- tools: {"<name>": {"version": <text or null>, "rerunnable": <bool>}, ...}
 CREATE TABLE runners (
     owner       text        NOT NULL,
-    lease_key   bigint      NOT NULL,
     tools       jsonb       NOT NULL,
     started_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     seen_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -383,14 +374,12 @@ CREATE POLICY runners_record_reads ON runners FOR SELECT TO mcp_tasks_record
 -- then, and its owner's row in runners, which the runner's heartbeat renews for all its tasks at
 -- once. So a dead or cut-off runner's tasks lapse with its row (a lease's time after its last
 -- heartbeat), and a task a live runner no longer runs (a claim whose answer was lost) with its own
--- lease. Only for owners named so ('+row', service/runtime/fencing.py ROW_LEASE): a runner of an
--- earlier release renews each task's own lease and is judged by that alone. The rule of
--- task_release_batch's re-check under the row lock; find_lost_leases searches with the same rule.
+-- lease. The one rule: the reaper's search (find_lost_leases) and task_hand_back's re-check under
+-- the row lock both call it. SQL, so a query that calls it has it inlined.
 CREATE FUNCTION lease_lapsed(p_owner text, p_expires_at timestamptz) RETURNS boolean
 LANGUAGE sql VOLATILE
 RETURN p_expires_at < clock_timestamp()
-    OR (p_owner LIKE '%+row'
-        AND NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp()));
+    OR NOT EXISTS (SELECT 1 FROM runners r WHERE r.owner = p_owner AND r.live_until > clock_timestamp());
 
 
 -- ============================================================================== service keys ==
@@ -412,11 +401,10 @@ GRANT SELECT, INSERT ON service_keys TO mcp_tasks_app, mcp_tasks_runner;
 -- (jsonb text output is deterministic: sorted keys, fixed formatting; times are rendered in UTC).
 -- audit_heads holds each tenant's last seq and hash; appending locks that row, so a tenant's
 -- events are numbered without gaps even with many replicas. The service's roles may only SELECT
--- events and heads and call the functions below, which run as mcp_tasks_record: audit_append (one
--- event) and audit_append_many (a batch's events of one tenant) take the time themselves (never
--- earlier than the chain's last event) and compute the hash; so does audit_append_all (a batch's
--- events of many tenants), which only the record's own functions call. A trigger
--- refuses UPDATE and TRUNCATE for everyone, and DELETE to all but audit_purge (retention).
+-- events and heads and call audit_append_events (the one implementation of the chain step, run as
+-- mcp_tasks_record: it takes the time itself, never earlier than the chain's last event, and
+-- computes the hash) or audit_append (one event, through it). A trigger refuses UPDATE and
+-- TRUNCATE for everyone, and DELETE to all but audit_purge (retention).
 CREATE TABLE audit_events (
     tenant_id      text        NOT NULL,
     seq            bigint      NOT NULL,
@@ -439,7 +427,7 @@ CREATE TABLE audit_events (
     CONSTRAINT audit_events_hash_size CHECK (octet_length(hash) = 32 AND octet_length(prev_hash) = 32)
 );
 -- An export from a time on (`mcp-tasks audit export --since`): times grow with the chain, so a
--- block range index is enough and costs an insert next to nothing (migration 0015).
+-- block range index is enough and costs an insert next to nothing.
 CREATE INDEX audit_events_at ON audit_events USING brin (at);
 
 -- Besides the last seq and hash: the time of the last event (no event is dated before it), how
@@ -459,7 +447,7 @@ CREATE TABLE audit_heads (
 
 -- When each requestor was last audited retrieving a finished task, and how often since: repeated
 -- retrievals are recorded once per interval (docs/decisions.md). Gone with the task: no foreign
--- key (its lock and check cost a first retrieval more than the rest of it, migration 0013), but the
+-- key (its lock and check cost a first retrieval more than the rest of it), but the
 -- statement trigger below deletes the rows of the tasks a statement deleted.
 CREATE TABLE audit_retrievals (
     tenant_id  text        NOT NULL,
@@ -490,7 +478,7 @@ CREATE TRIGGER tasks_forget_retrievals AFTER DELETE ON tasks REFERENCING OLD TAB
 
 -- The canonical text of an event, hashed into the chain; also used by `mcp-tasks audit verify`.
 -- Existing chains depend on its output: it must never change. It is the text of the jsonb object
--- of the event's fields (migration 0001), written directly (migration 0020): keys in jsonb's order
+-- of the event's fields, written directly: keys in jsonb's order
 -- (by length, then bytes), jsonb's spacing, strings escaped by to_json as jsonb escapes them, null
 -- for a missing value. PL/pgSQL, not SQL: a SQL function called from PL/pgSQL is parsed and planned
 -- again in every transaction.
@@ -513,9 +501,9 @@ END
 $$;
 
 -- A finished task's result handed out again is recorded once per requestor per interval, the
--- repeats counted into the next event (migration 0003, docs/decisions.md). Returns NULL when this
+-- repeats counted into the next event (docs/decisions.md). Returns NULL when this
 -- hand-out is only counted, else how many were counted since the last recorded one. A first
--- hand-out inserts the requestor's row; else that row, locked, decides (migration 0013). Called
+-- hand-out inserts the requestor's row; else that row, locked, decides. Called
 -- only by the record's own functions.
 CREATE FUNCTION audit_retrieval_due(p_tenant text, p_task_id text, p_subject text) RETURNS bigint
 LANGUAGE plpgsql AS $$
@@ -552,164 +540,71 @@ END
 $$;
 ALTER FUNCTION audit_retrieval_due(text, text, text) OWNER TO mcp_tasks_record;
 
--- Append one event to its tenant's chain (one round trip, in the caller's transaction). The head
--- is read first and created only for a tenant's first event.
-CREATE FUNCTION audit_append(
-    p_tenant text, p_action text, p_outcome text, p_subject text, p_client_id text, p_issuer text,
-    p_task_id text, p_request_id text, p_client_address text, p_detail jsonb
-) RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
-DECLARE
-    head audit_heads;
-    e audit_events;
-    repeats bigint;
-BEGIN
-    -- Row-level security held the request role to its tenant; this function runs as its owner.
-    IF current_setting('role') = 'mcp_tasks_app' AND p_tenant IS DISTINCT FROM current_setting('app.tenant_id', true) THEN
-        RAISE EXCEPTION 'audit_append: % is not the transaction''s tenant', p_tenant
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    IF p_action = 'retrieve' AND p_task_id IS NOT NULL THEN
-        repeats := audit_retrieval_due(p_tenant, p_task_id, coalesce(p_subject, ''));
-        IF repeats IS NULL THEN
-            RETURN NULL;
-        END IF;
-        IF repeats > 0 THEN
-            p_detail := coalesce(p_detail, '{}') || jsonb_build_object('repeats_before', repeats);
-        END IF;
-    END IF;
-    SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
-    IF NOT FOUND THEN  -- the tenant's first event
-        INSERT INTO audit_heads (tenant_id, seq, hash) VALUES (p_tenant, 0, decode(repeat('00', 32), 'hex'))
-            ON CONFLICT (tenant_id) DO NOTHING;
-        SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
-    END IF;
-    e.tenant_id := p_tenant; e.seq := head.seq + 1; e.at := greatest(clock_timestamp(), head.at);
-    e.action := p_action; e.outcome := p_outcome;
-    e.subject := coalesce(p_subject, ''); e.client_id := coalesce(p_client_id, '');
-    e.issuer := coalesce(p_issuer, ''); e.task_id := p_task_id; e.request_id := p_request_id;
-    e.client_address := p_client_address; e.detail := p_detail; e.prev_hash := head.hash;
-    e.hash := sha256(head.hash || convert_to(audit_canonical(e), 'UTF8'));
-    INSERT INTO audit_events VALUES (e.*);
-    UPDATE audit_heads SET seq = e.seq, hash = e.hash, at = e.at WHERE tenant_id = p_tenant;
-    RETURN e.seq;
-END
-$$;
-ALTER FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb) OWNER TO mcp_tasks_record;
-
--- One event for audit_append_many: audit_append's arguments but the tenant.
+-- One event to append to a chain: everything but its tenant, its place and its hash.
 CREATE TYPE audit_event_item AS (
     action text, outcome text, subject text, client_id text, issuer text, task_id text,
     request_id text, client_address text, detail jsonb
 );
 
--- Append a batch's events of one tenant, in order, as audit_append would one by one (the same
--- checks, retrieve interval, seq, time and hash), with the head locked, read and written once and
--- the rows inserted by one statement: a batch of one busy tenant updated its head row once per
--- event, and each lookup walked the versions the batch had left (issue 15, point 2).
-CREATE FUNCTION audit_append_many(p_tenant text, p_events audit_event_item[]) RETURNS bigint
+-- Append events to their tenants' chains, p_tenants[i] being the tenant of p_events[i]: the one
+-- implementation of the chain step. Each tenant's events go onto its chain in their order, each
+-- with the next seq, a time never earlier than the chain's last event, and
+-- sha256(prev_hash || canonical(row)). A finished task's result handed out again is recorded once
+-- per requestor per interval (audit_retrieval_due), decided before any head is locked. Locks: a
+-- tenant's missing head is made before any head is locked, then the heads are locked in tenant
+-- order (COLLATE "C"), as every writer takes them. The request role appends only to its
+-- transaction's tenant's chain (row-level security held it there; this runs as the record's
+-- owner); the runner role appends for any tenant (expiries, finishes, hand-backs). Returns the last
+-- event's seq, NULL when every event was a retrieval only counted.
+CREATE FUNCTION audit_append_events(p_tenants text[], p_events audit_event_item[]) RETURNS bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
 DECLARE
-    head audit_heads;
-    ev audit_event_item;
-    kept audit_event_item[] := '{}';
-    e audit_events;
-    chain audit_events[] := '{}';
-    repeats bigint;
-    n integer := 0;
-BEGIN
-    IF current_setting('role') = 'mcp_tasks_app' AND p_tenant IS DISTINCT FROM current_setting('app.tenant_id', true) THEN
-        RAISE EXCEPTION 'audit_append_many: % is not the transaction''s tenant', p_tenant
-            USING ERRCODE = 'insufficient_privilege';
-    END IF;
-    -- The retrieve intervals first, as audit_append decides them before it locks the head.
-    FOREACH ev IN ARRAY coalesce(p_events, '{}') LOOP
-        ev.subject := coalesce(ev.subject, '');
-        IF ev.action = 'retrieve' AND ev.task_id IS NOT NULL THEN
-            repeats := audit_retrieval_due(p_tenant, ev.task_id, ev.subject);
-            CONTINUE WHEN repeats IS NULL;
-            IF repeats > 0 THEN
-                ev.detail := coalesce(ev.detail, '{}') || jsonb_build_object('repeats_before', repeats);
-            END IF;
-        END IF;
-        n := n + 1;
-        kept[n] := ev;
-    END LOOP;
-    IF n = 0 THEN
-        RETURN NULL;
-    END IF;
-    SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
-    IF NOT FOUND THEN  -- the tenant's first event
-        INSERT INTO audit_heads (tenant_id, seq, hash) VALUES (p_tenant, 0, decode(repeat('00', 32), 'hex'))
-            ON CONFLICT (tenant_id) DO NOTHING;
-        SELECT * INTO head FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
-    END IF;
-    e.tenant_id := p_tenant; e.seq := head.seq; e.hash := head.hash; e.at := head.at;
-    FOR i IN 1 .. n LOOP
-        ev := kept[i];
-        e.seq := e.seq + 1; e.at := greatest(clock_timestamp(), e.at);
-        e.action := ev.action; e.outcome := ev.outcome;
-        e.subject := ev.subject; e.client_id := coalesce(ev.client_id, '');
-        e.issuer := coalesce(ev.issuer, ''); e.task_id := ev.task_id; e.request_id := ev.request_id;
-        e.client_address := ev.client_address; e.detail := ev.detail; e.prev_hash := e.hash;
-        e.hash := sha256(e.prev_hash || convert_to(audit_canonical(e), 'UTF8'));
-        chain[i] := e;
-    END LOOP;
-    IF n = 1 THEN  -- a batch's only event of this tenant: inserted as audit_append does (cheaper)
-        INSERT INTO audit_events VALUES (e.*);
-    ELSE
-        INSERT INTO audit_events SELECT * FROM unnest(chain);
-    END IF;
-    UPDATE audit_heads SET seq = e.seq, hash = e.hash, at = e.at WHERE tenant_id = p_tenant;
-    RETURN e.seq;
-END
-$$;
-ALTER FUNCTION audit_append_many(text, audit_event_item[]) OWNER TO mcp_tasks_record;
-
--- Append a batch's events of many tenants: p_tenants[i] is the tenant of p_events[i]. Each tenant's
--- events go onto its chain in their order, as audit_append_many would append them (the same seq,
--- time and hash), with the events inserted by one statement and the heads written by one, where
--- per-tenant calls took a function call and three statements each. Locks: a tenant's missing head
--- is inserted before any head is locked, then the heads are locked in tenant order (COLLATE "C"),
--- as the per-tenant calls took them. Not for retrievals (their interval rows would be locked
--- before the heads, where audit_append_many locks a tenant's after the tenants' before it). Not
--- callable by the service's roles: only the record's own functions call it (task_finish_batch),
--- so it has no tenant check of its own (audit_append_many's applies to the app role only). A batch
--- of one tenant goes to audit_append_many, which costs less for one (migration 0019).
-CREATE FUNCTION audit_append_all(p_tenants text[], p_events audit_event_item[]) RETURNS void
-LANGUAGE plpgsql AS $$
-DECLARE
     n integer := coalesce(cardinality(p_events), 0);
+    kept_tenants text[] := '{}';
+    kept audit_event_item[] := '{}';
+    m integer := 0;
+    ev audit_event_item;
+    repeats bigint;
     tenants text[];
     at_order integer[];
     head_tenant text[];
     head_seq bigint[];
     head_hash bytea[];
     head_at timestamptz[];
-    ev audit_event_item;
     e audit_events;
     chain audit_events[] := '{}';
     h integer := 0;
     k integer;
-    retrievals boolean;
 BEGIN
-    IF n = 0 THEN
-        RETURN;
-    ELSIF cardinality(p_tenants) IS DISTINCT FROM n OR array_lower(p_tenants, 1) <> 1 OR array_lower(p_events, 1) <> 1
-          OR array_position(p_tenants, NULL) IS NOT NULL THEN
-        RAISE EXCEPTION 'audit_append_all: one tenant for every event' USING ERRCODE = 'invalid_parameter_value';
+    IF cardinality(p_tenants) IS DISTINCT FROM n OR array_position(p_tenants, NULL) IS NOT NULL
+       OR (n > 0 AND (array_lower(p_tenants, 1) <> 1 OR array_lower(p_events, 1) <> 1)) THEN
+        RAISE EXCEPTION 'audit_append_events: one tenant for every event' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF current_setting('role') = 'mcp_tasks_app'
+       AND EXISTS (SELECT 1 FROM unnest(p_tenants) AS t WHERE t IS DISTINCT FROM current_setting('app.tenant_id', true)) THEN
+        RAISE EXCEPTION 'audit_append_events: not the transaction''s tenant' USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    FOR i IN 1 .. n LOOP
+        ev := p_events[i];
+        ev.subject := coalesce(ev.subject, '');
+        IF ev.action = 'retrieve' AND ev.task_id IS NOT NULL THEN
+            repeats := audit_retrieval_due(p_tenants[i], ev.task_id, ev.subject);
+            CONTINUE WHEN repeats IS NULL;
+            IF repeats > 0 THEN
+                ev.detail := coalesce(ev.detail, '{}') || jsonb_build_object('repeats_before', repeats);
+            END IF;
+        END IF;
+        m := m + 1;
+        kept_tenants[m] := p_tenants[i];
+        kept[m] := ev;
+    END LOOP;
+    IF m = 0 THEN
+        RETURN NULL;
     END IF;
     -- The events by tenant (in tenant order), each tenant's in their order; the tenants in order.
-    SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C"),
-           bool_or((p_events[x.o]).action = 'retrieve')
-        INTO at_order, tenants, retrievals
-    FROM unnest(p_tenants) WITH ORDINALITY AS x(t, o);
-    IF retrievals THEN
-        RAISE EXCEPTION 'audit_append_all: retrievals go through audit_append_many' USING ERRCODE = 'invalid_parameter_value';
-    ELSIF cardinality(tenants) = 1 THEN
-        PERFORM audit_append_many(tenants[1], p_events);
-        RETURN;
-    END IF;
+    SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C")
+        INTO at_order, tenants
+    FROM unnest(kept_tenants) WITH ORDINALITY AS x(t, o);
     -- A tenant's first event: its head is made before any head is locked, in tenant order.
     IF (SELECT count(*) FROM audit_heads WHERE tenant_id = ANY (tenants)) < cardinality(tenants) THEN
         INSERT INTO audit_heads (tenant_id, seq, hash)
@@ -723,36 +618,53 @@ BEGIN
         INTO head_tenant, head_seq, head_hash, head_at
     FROM (SELECT tenant_id, seq, hash, at FROM audit_heads WHERE tenant_id = ANY (tenants)
           ORDER BY tenant_id COLLATE "C" FOR UPDATE) l;
+    -- The chain step, for every event.
     FOREACH k IN ARRAY at_order LOOP
-        IF h = 0 OR e.tenant_id <> p_tenants[k] THEN  -- the next tenant's chain
+        IF h = 0 OR e.tenant_id <> kept_tenants[k] THEN  -- the next tenant's chain
             IF h > 0 THEN
                 head_seq[h] := e.seq; head_hash[h] := e.hash; head_at[h] := e.at;
             END IF;
             h := h + 1;
-            IF head_tenant[h] IS DISTINCT FROM p_tenants[k] THEN  -- never append to another chain
-                RAISE EXCEPTION 'audit_append_all: no head for tenant %', p_tenants[k];
+            IF head_tenant[h] IS DISTINCT FROM kept_tenants[k] THEN  -- never append to another chain
+                RAISE EXCEPTION 'audit_append_events: no head for tenant %', kept_tenants[k];
             END IF;
             e.tenant_id := head_tenant[h]; e.seq := head_seq[h]; e.hash := head_hash[h]; e.at := head_at[h];
         END IF;
-        ev := p_events[k];
+        ev := kept[k];
         e.seq := e.seq + 1; e.at := greatest(clock_timestamp(), e.at);
         e.action := ev.action; e.outcome := ev.outcome;
-        e.subject := coalesce(ev.subject, ''); e.client_id := coalesce(ev.client_id, '');
+        e.subject := ev.subject; e.client_id := coalesce(ev.client_id, '');
         e.issuer := coalesce(ev.issuer, ''); e.task_id := ev.task_id; e.request_id := ev.request_id;
         e.client_address := ev.client_address; e.detail := ev.detail; e.prev_hash := e.hash;
         e.hash := sha256(e.prev_hash || convert_to(audit_canonical(e), 'UTF8'));
         chain[cardinality(chain) + 1] := e;
     END LOOP;
     head_seq[h] := e.seq; head_hash[h] := e.hash; head_at[h] := e.at;
-    INSERT INTO audit_events SELECT * FROM unnest(chain);
+    IF m = 1 THEN  -- one event: inserted as a row (cheaper than unnest of one)
+        INSERT INTO audit_events VALUES (e.*);
+    ELSE
+        INSERT INTO audit_events SELECT * FROM unnest(chain);
+    END IF;
     -- Each head by key (ANY), whatever plan a join of the heads with an array would get.
     UPDATE audit_heads
     SET seq = head_seq[array_position(head_tenant, tenant_id)], hash = head_hash[array_position(head_tenant, tenant_id)],
         at = head_at[array_position(head_tenant, tenant_id)]
     WHERE tenant_id = ANY (head_tenant);
+    RETURN e.seq;
 END
 $$;
-ALTER FUNCTION audit_append_all(text[], audit_event_item[]) OWNER TO mcp_tasks_record;
+ALTER FUNCTION audit_append_events(text[], audit_event_item[]) OWNER TO mcp_tasks_record;
+
+-- One event (the shape every single writer uses): audit_append_events of one.
+CREATE FUNCTION audit_append(
+    p_tenant text, p_action text, p_outcome text, p_subject text, p_client_id text, p_issuer text,
+    p_task_id text, p_request_id text, p_client_address text, p_detail jsonb
+) RETURNS bigint
+LANGUAGE sql
+RETURN audit_append_events(ARRAY[p_tenant], ARRAY[ROW(p_action, p_outcome, p_subject, p_client_id, p_issuer,
+                                                      p_task_id, p_request_id, p_client_address,
+                                                      p_detail)::audit_event_item]);
+ALTER FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb) OWNER TO mcp_tasks_record;
 
 -- `mcp-tasks audit export` read a tenant's chain from its start up to p_seq: those rows may be purged.
 CREATE FUNCTION audit_mark_exported(p_tenant text, p_seq bigint) RETURNS bigint
@@ -815,10 +727,10 @@ GRANT SELECT ON audit_events, audit_heads TO mcp_tasks_app, mcp_tasks_runner;
 GRANT SELECT, INSERT, DELETE ON audit_events TO mcp_tasks_record;
 GRANT SELECT, INSERT, UPDATE ON audit_heads TO mcp_tasks_record;
 REVOKE ALL ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
-    audit_append_many(text, audit_event_item[]), audit_append_all(text[], audit_event_item[]),
-    audit_retrieval_due(text, text, text), audit_mark_exported(text, bigint), audit_purge(text, timestamptz) FROM PUBLIC;
+    audit_append_events(text[], audit_event_item[]), audit_retrieval_due(text, text, text),
+    audit_mark_exported(text, bigint), audit_purge(text, timestamptz) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
-    audit_append_many(text, audit_event_item[]), audit_canonical(audit_events) TO mcp_tasks_app, mcp_tasks_runner;
+    audit_append_events(text[], audit_event_item[]), audit_canonical(audit_events) TO mcp_tasks_app, mcp_tasks_runner;
 GRANT USAGE ON TYPE audit_event_item TO mcp_tasks_app, mcp_tasks_runner;
 GRANT EXECUTE ON FUNCTION audit_mark_exported(text, bigint), audit_purge(text, timestamptz) TO mcp_tasks_runner;
 
@@ -842,40 +754,45 @@ CREATE POLICY audit_heads_record ON audit_heads TO mcp_tasks_record
     USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 
 
--- ================================================================= hot paths: group commit ==
--- task_batch creates, gets and retrieves (auditing a terminal task's hand-out) for a whole batch
--- of requests from many tenants and requestors, and task_finish_batch records many runner
--- outcomes (see service/store/batch.py): under load, a round trip, a statement and a durable
--- commit are shared by many requests, and the listening replicas are woken once per commit. A
--- single request is a batch of one: there is one implementation per operation.
+-- ============================================================================ hot paths ==
+-- One function per operation, each taking a batch (service/store/batch.py: the requests that
+-- arrive while one statement is in flight go together in the next), so under load a round trip, a
+-- statement and a durable commit serve many requests, and the listening replicas are woken once
+-- per commit. A single request is a batch of one: one implementation per operation. The
+-- operation's name is the same from the wire to here: create, get, retrieve (app role), finish and
+-- hand back (runner role).
 --
 -- Locks are taken in the order every other writer takes them, so batches deadlock neither with
 -- each other nor with single statements: the tenants' create locks (sorted), then the tasks' rows,
 -- then their requestors' counters in (tenant, subject, task) order (the caller sorts the batch; a
--- finish batch locks all its rows before it changes any), then the tenants' audit heads, in tenant
--- order. Every such order compares code points (COLLATE "C", as Python sorts), whatever the
--- database's collation. Each item sets its own tenant before it touches a table, so row-level
--- security applies per item exactly as it would to a statement of its own.
+-- finish or hand-back locks all its rows before it changes any), then the tenants' audit heads, in
+-- tenant order. Every such order compares code points (COLLATE "C", as Python sorts), whatever
+-- the database's collation. Each item of the request role sets its own tenant before it touches a
+-- table, so row-level security applies per item exactly as it would to a statement of its own.
 --
 -- The results come back one row per item, in the order of the items; a row of NULLs means "no
--- task": a cap refused the create, or the task is unknown, expired or someone else's.
+-- task": a cap refused the create, the task is unknown, expired or someone else's, or its lease is
+-- no longer the caller's.
 
--- One request of a batch: k is 'create', 'retrieve' or 'get'; a create uses every field.
-CREATE TYPE task_batch_item AS (
-    k text, tenant_id text, task_id text, subject text, issuer text, client_id text, session_id text,
+-- One create: the task, its requestor and the caps it is checked against, and (lease_owner) the
+-- runner of the creating process when the task goes straight to a free slot of it.
+CREATE TYPE task_create_item AS (
+    tenant_id text, task_id text, subject text, issuer text, client_id text, session_id text,
     surface text, tool text, arguments jsonb, client_capabilities jsonb, progress_token jsonb,
     ttl_ms bigint, poll_interval_ms integer, max_per_requestor bigint, max_per_tenant bigint,
     request_id text, client_address text, detail jsonb,
-    lease_owner text, lease_key bigint, lease_ms bigint, rerunnable boolean, tool_version text
+    lease_owner text, lease_ms bigint, rerunnable boolean, tool_version text
 );
 
-CREATE FUNCTION task_batch(p_items jsonb) RETURNS SETOF tasks
+-- Creates, each under its tenant's create lock with the caps counted (the counters, plus the
+-- tenant's creates ahead of it in the batch), a tenant's creates inserted by one statement, each
+-- audited, the unleased ones announced to the runners ('created').
+CREATE FUNCTION task_create(p_items jsonb) RETURNS SETOF tasks
 LANGUAGE plpgsql AS $$
 DECLARE
-    items task_batch_item[];
-    it task_batch_item;
+    items task_create_item[];
+    it task_create_item;
     found_tasks tasks[];
-    t tasks;
     lock_tenant text;
     mine bigint;
     total bigint;
@@ -883,23 +800,18 @@ DECLARE
     counted_subject text;
     n integer;
     -- The current tenant's creates that passed the caps, not inserted yet, and their places.
-    pending task_batch_item[] := '{}';
+    pending task_create_item[] := '{}';
     pending_at integer[] := '{}';
     pending_ids text[] := '{}';
     pending_tenant text;
+    t tasks;
     inserted tasks[];
-    -- The audit events in item order, and the tenant of each.
-    events audit_event_item[] := '{}';
-    event_tenants text[] := '{}';
-    n_events integer := 0;
 BEGIN
-    SELECT array_agg(jsonb_populate_record(NULL::task_batch_item, e) ORDER BY o) INTO items
+    SELECT array_agg(jsonb_populate_record(NULL::task_create_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
-    -- The create locks of every tenant that creates, in tenant order, held until commit.
-    FOR lock_tenant IN
-        SELECT DISTINCT u.tenant_id COLLATE "C" FROM unnest(items) u WHERE u.k = 'create' ORDER BY 1
-    LOOP
+    -- The create locks of every tenant of the batch, in tenant order, held until commit.
+    FOR lock_tenant IN SELECT DISTINCT u.tenant_id COLLATE "C" FROM unnest(items) u ORDER BY 1 LOOP
         PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || lock_tenant, 0));
     END LOOP;
     -- The rows, in the caller's (tenant, subject, task) order. A tenant's creates go in as one
@@ -907,18 +819,18 @@ BEGIN
     -- counter trigger (a statement trigger) changes each requestor's counter once, not once per
     -- task. Row-level security checks every row against the tenant set for the INSERT: its own.
     FOR i IN 1 .. n + 1 LOOP
-        IF cardinality(pending) > 0 AND (i > n OR (items[i].k = 'create' AND items[i].tenant_id IS DISTINCT FROM pending_tenant)) THEN
+        IF cardinality(pending) > 0 AND (i > n OR items[i].tenant_id IS DISTINCT FROM pending_tenant) THEN
             PERFORM set_config('app.tenant_id', pending_tenant, true);
             IF cardinality(pending) = 1 THEN  -- one create of this tenant: a plain INSERT costs less
                 it := pending[1];
                 INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
-                                   expires_at, lease_owner, lease_key, lease_expires_at, attempts, started_at,
+                                   expires_at, lease_owner, lease_expires_at, attempts, started_at,
                                    rerunnable, tool_version)
                 VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.surface,
                         it.tool, it.arguments, it.client_capabilities, it.progress_token, it.ttl_ms,
                         it.poll_interval_ms, clock_timestamp() + it.ttl_ms * interval '1 millisecond',
-                        it.lease_owner, it.lease_key, clock_timestamp() + it.lease_ms * interval '1 millisecond',
+                        it.lease_owner, clock_timestamp() + it.lease_ms * interval '1 millisecond',
                         CASE WHEN it.lease_owner IS NULL THEN 0 ELSE 1 END,
                         CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
                         it.rerunnable, it.tool_version)
@@ -928,12 +840,12 @@ BEGIN
             WITH ins AS (
                 INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
-                                   expires_at, lease_owner, lease_key, lease_expires_at, attempts, started_at,
+                                   expires_at, lease_owner, lease_expires_at, attempts, started_at,
                                    rerunnable, tool_version)
                 SELECT p.tenant_id, p.task_id, p.subject, p.issuer, p.client_id, p.session_id, p.surface,
                        p.tool, p.arguments, p.client_capabilities, p.progress_token, p.ttl_ms,
                        p.poll_interval_ms, clock_timestamp() + p.ttl_ms * interval '1 millisecond',
-                       p.lease_owner, p.lease_key, clock_timestamp() + p.lease_ms * interval '1 millisecond',
+                       p.lease_owner, clock_timestamp() + p.lease_ms * interval '1 millisecond',
                        CASE WHEN p.lease_owner IS NULL THEN 0 ELSE 1 END,
                        CASE WHEN p.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
                        p.rerunnable, p.tool_version
@@ -952,174 +864,52 @@ BEGIN
         END IF;
         EXIT WHEN i > n;
         it := items[i];
-        t := NULL;
         PERFORM set_config('app.tenant_id', it.tenant_id, true);
-        IF it.k = 'create' THEN
-            -- The counters are read once per run of one requestor's creates (the batch is sorted),
-            -- plus this tenant's creates not inserted yet, and counted on here: the tenant's create
-            -- lock keeps other creates out, a finish committed meanwhile only lowers them.
-            IF counted_tenant IS DISTINCT FROM it.tenant_id OR counted_subject IS DISTINCT FROM it.subject THEN
-                SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
-                    INTO mine, total
-                FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
-                total := total + cardinality(pending);
-                FOR j IN 1 .. cardinality(pending) LOOP
-                    IF pending[j].subject = it.subject THEN
-                        mine := mine + 1;
-                    END IF;
-                END LOOP;
-                counted_tenant := it.tenant_id;
-                counted_subject := it.subject;
-            END IF;
-            IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
-                pending_tenant := it.tenant_id;
-                pending[cardinality(pending) + 1] := it;
-                pending_at[cardinality(pending_at) + 1] := i;
-                pending_ids[cardinality(pending_ids) + 1] := it.task_id;
-                mine := mine + 1;  -- as the counter trigger will
-                total := total + 1;
-            END IF;
-        ELSIF it.k IN ('retrieve', 'get') THEN
-            -- Only what a lookup answers with: not the arguments nor the client's capabilities,
-            -- which every poll of a running task would otherwise read and send (issue 14 #4). By
-            -- primary key alone, then the owner and the expiry checked here: with the subject in
-            -- the WHERE the planner may take tasks_owner_recent (tenant, subject, ..., task_id) and
-            -- walk every task of the subject (6,400 index entries for one busy principal).
-            SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token,
-                   status, status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at,
-                   last_updated_at, attempts, expires_at
-            INTO t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface, t.tool,
-                 t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
-                 t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
-            FROM tasks
-            WHERE tenant_id = it.tenant_id AND task_id = it.task_id;
-            IF t.task_id IS NOT NULL AND (t.subject <> it.subject OR NOT t.expires_at > clock_timestamp()) THEN
-                t := NULL;
-            END IF;
-        ELSE
-            RAISE EXCEPTION 'unknown batch item kind %', it.k USING ERRCODE = 'invalid_parameter_value';
+        -- The counters are read once per run of one requestor's creates (the batch is sorted), plus
+        -- this tenant's creates not inserted yet, and counted on here: the tenant's create lock
+        -- keeps other creates out, a finish committed meanwhile only lowers them.
+        IF counted_tenant IS DISTINCT FROM it.tenant_id OR counted_subject IS DISTINCT FROM it.subject THEN
+            SELECT coalesce(sum(active) FILTER (WHERE subject = it.subject), 0), coalesce(sum(active), 0)
+                INTO mine, total
+            FROM active_tasks WHERE tenant_id = it.tenant_id AND active > 0;
+            total := total + cardinality(pending);
+            mine := mine + (SELECT count(*) FROM unnest(pending) p WHERE p.subject = it.subject);
+            counted_tenant := it.tenant_id;
+            counted_subject := it.subject;
         END IF;
-        found_tasks[i] := t;
-    END LOOP;
-    -- Then the audit events: collected in item order, appended once per tenant in tenant order
-    -- (audit heads after counters, as every writer).
-    FOR i IN 1 .. n LOOP
-        it := items[i];
-        t := found_tasks[i];
-        CONTINUE WHEN t.task_id IS NULL;
-        IF it.k = 'create' THEN
-            n_events := n_events + 1;
-            event_tenants[n_events] := it.tenant_id;
-            events[n_events] := ROW('create', 'working', it.subject, it.client_id, it.issuer, it.task_id,
-                                    it.request_id, it.client_address, it.detail)::audit_event_item;
-            IF it.lease_owner IS NULL THEN
-                PERFORM pg_notify('mcp_tasks', json_build_object(
-                    'v', 1, 'k', 'created', 'tenant_id', it.tenant_id, 'task_id', it.task_id)::text);
-            END IF;
-        ELSIF it.k = 'retrieve' AND NOT task_status_active(t.status) THEN
-            n_events := n_events + 1;
-            event_tenants[n_events] := it.tenant_id;
-            events[n_events] := ROW('retrieve', t.status::text, it.subject, it.client_id, it.issuer, it.task_id,
-                                    it.request_id, it.client_address, NULL)::audit_event_item;
+        IF mine < it.max_per_requestor AND total < it.max_per_tenant THEN
+            pending_tenant := it.tenant_id;
+            pending[cardinality(pending) + 1] := it;
+            pending_at[cardinality(pending_at) + 1] := i;
+            pending_ids[cardinality(pending_ids) + 1] := it.task_id;
+            mine := mine + 1;  -- as the counter trigger will
+            total := total + 1;
         END IF;
     END LOOP;
-    FOR lock_tenant IN SELECT DISTINCT x.tenant COLLATE "C" FROM unnest(event_tenants) AS x(tenant) ORDER BY 1 LOOP
+    -- Then the audit events, appended per tenant in tenant order (audit heads after counters, as
+    -- every writer), under that tenant; the unleased tasks announced.
+    FOR lock_tenant IN SELECT DISTINCT u.tenant_id COLLATE "C" FROM unnest(items) u ORDER BY 1 LOOP
         PERFORM set_config('app.tenant_id', lock_tenant, true);
-        PERFORM audit_append_many(lock_tenant, ARRAY(
-            SELECT events[x.o] FROM unnest(event_tenants) WITH ORDINALITY AS x(tenant, o)
-            WHERE x.tenant = lock_tenant ORDER BY x.o));
+        PERFORM audit_append_events(array_agg(lock_tenant), array_agg(
+                    ROW('create', 'working', x.subject, x.client_id, x.issuer, x.task_id, x.request_id,
+                        x.client_address, x.detail)::audit_event_item ORDER BY x.ordinality))
+        FROM unnest(items) WITH ORDINALITY AS x
+        WHERE x.tenant_id = lock_tenant AND (found_tasks[x.ordinality]).task_id IS NOT NULL
+        HAVING count(*) > 0;
     END LOOP;
     FOR i IN 1 .. n LOOP
+        IF (found_tasks[i]).task_id IS NOT NULL AND items[i].lease_owner IS NULL THEN
+            PERFORM pg_notify('mcp_tasks', json_build_object(
+                'v', 1, 'k', 'created', 'tenant_id', items[i].tenant_id, 'task_id', items[i].task_id)::text);
+        END IF;
         RETURN NEXT found_tasks[i];
     END LOOP;
 END
 $$;
 
--- One runner outcome of a batch.
--- epoch: the lease_epoch the runner was given; NULL (a release before fencing) checks the owner only.
-CREATE TYPE task_finish_item AS (
-    tenant_id text, task_id text, owner text, status task_status, outcome text, payload jsonb,
-    status_message text, detail jsonb, epoch bigint
-);
-
-CREATE FUNCTION task_finish_batch(p_items jsonb) RETURNS SETOF tasks
-LANGUAGE plpgsql AS $$
-DECLARE
-    items task_finish_item[];
-    done_tasks tasks[] := '{}';
-    done tasks;
-    done_list tasks[];
-    done_at bigint[];
-    n integer;
-    events audit_event_item[] := '{}';
-    event_tenants text[] := '{}';
-    n_events integer := 0;
-BEGIN
-    SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
-    FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
-    n := coalesce(array_length(items, 1), 0);
-    -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
-    -- cancel locks its row before that requestor's counter. One statement for them all (migration
-    -- 0014): each item's row by primary key, locked in the items' order (a lateral lookup per item,
-    -- in the order unnest gives them; a join could be planned, and cached, as a scan of the table).
-    PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
-    CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
-                        FOR NO KEY UPDATE) l;
-    -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
-    -- changes each requestor's counter once for the batch. The rows are locked already: the join
-    -- order does not matter. A task named twice is finished once (the first the join meets).
-    WITH finished AS (
-        UPDATE tasks t
-        SET status = u.status, outcome = u.outcome, payload = u.payload, status_message = u.status_message,
-            last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-            lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
-        FROM unnest(items) WITH ORDINALITY AS u
-        WHERE t.tenant_id = u.tenant_id AND t.task_id = u.task_id AND t.lease_owner = u.owner
-          AND (u.epoch IS NULL OR t.lease_epoch = u.epoch) AND task_status_active(t.status)
-        RETURNING t AS done_row, u.ordinality AS pos
-    )
-    SELECT array_agg(f.done_row ORDER BY f.pos), array_agg(f.pos ORDER BY f.pos) INTO done_list, done_at FROM finished f;
-    FOR j IN 1 .. coalesce(cardinality(done_at), 0) LOOP
-        done_tasks[done_at[j]] := done_list[j];
-    END LOOP;
-    -- The audit events in item order, appended by one call for all their tenants.
-    FOR i IN 1 .. n LOOP
-        done := done_tasks[i];
-        CONTINUE WHEN done.task_id IS NULL;
-        n_events := n_events + 1;
-        event_tenants[n_events] := done.tenant_id;
-        events[n_events] := ROW('complete', done.status::text, done.subject, done.client_id, done.issuer,
-                                done.task_id, NULL, NULL, items[i].detail)::audit_event_item;
-        PERFORM pg_notify('mcp_tasks', json_build_object('v', 1, 'k', 'status', 'tenant_id', done.tenant_id,
-                                                         'task_id', done.task_id, 'session_id', done.session_id)::text);
-    END LOOP;
-    IF n_events > 0 THEN
-        PERFORM audit_append_all(event_tenants, events);
-    END IF;
-    FOR i IN 1 .. n LOOP
-        RETURN NEXT done_tasks[i];
-    END LOOP;
-END
-$$;
-
-REVOKE ALL ON FUNCTION task_batch(jsonb), task_finish_batch(jsonb) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION task_batch(jsonb) TO mcp_tasks_app;
-GRANT EXECUTE ON FUNCTION task_finish_batch(jsonb) TO mcp_tasks_runner;
-GRANT USAGE ON TYPE task_batch_item TO mcp_tasks_app;
-GRANT USAGE ON TYPE task_finish_item TO mcp_tasks_runner;
--- Outcomes are the record: the function runs as mcp_tasks_record, the only role that may write a
--- task's outcome columns; the lease check in its body decides which rows it may finish.
-ALTER FUNCTION task_finish_batch(jsonb) OWNER TO mcp_tasks_record;
--- Its statements find the items' rows in tasks: planned on a young table (and cached for the
--- connection), a hash join or a scan read every task for every batch after. Without hash and merge
--- joins and sequential scans each item's row is found by key however the table has grown (0014).
-ALTER FUNCTION task_finish_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public
-    SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off;
-
--- task_get_batch reads a batch of gets (migrations 0010, 0011): one set-based read per tenant, under
--- that tenant's row-level security, each row by primary key; a row per item found (its place in
--- ``o``), nothing for the others.
-CREATE FUNCTION task_get_batch(p_tenants text[], p_task_ids text[], p_subjects text[])
+-- Gets: one set-based read per tenant of the batch, under that tenant's row-level security, each
+-- row by primary key; a row per item found (its place in ``o``), nothing for the others.
+CREATE FUNCTION task_get(p_tenants text[], p_task_ids text[], p_subjects text[])
 RETURNS TABLE (o integer, tenant_id text, task_id text, subject text, issuer text, client_id text,
                session_id text, surface text, tool text, progress_token jsonb, status task_status,
                status_message text, outcome text, payload jsonb, ttl_ms bigint, poll_interval_ms integer,
@@ -1129,10 +919,9 @@ LANGUAGE plpgsql AS $$
 DECLARE
     tenant text;
 BEGIN
-    -- One set-based read per tenant of the batch, under that tenant's row-level security; each
-    -- item's row by primary key alone (a subquery kept whole by OFFSET 0: with the subject among
-    -- its conditions the planner may walk tasks_owner_recent, every task of the subject), then
-    -- kept when it is the item's subject's and unexpired, with the item's place.
+    -- Each item's row by primary key alone (a subquery kept whole by OFFSET 0: with the subject
+    -- among its conditions the planner may walk tasks_owner_recent, every task of the subject),
+    -- then kept when it is the item's subject's and unexpired, with the item's place.
     FOR tenant IN SELECT DISTINCT u FROM unnest(p_tenants) AS u LOOP
         PERFORM set_config('app.tenant_id', tenant, true);
         RETURN QUERY
@@ -1153,34 +942,156 @@ BEGIN
 END
 $$;
 
-REVOKE ALL ON FUNCTION task_get_batch(text[], text[], text[]) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION task_get_batch(text[], text[], text[]) TO mcp_tasks_app;
+-- One retrieve (2025-11-25 tasks/result): the requestor and where the request came from.
+CREATE TYPE task_retrieve_item AS (
+    tenant_id text, task_id text, subject text, issuer text, client_id text, request_id text, client_address text
+);
 
--- ================================================================ hot paths: hand-back ==
--- A runner gave a task back (it stopped, or its lease was lost and the reaper found it): run it
--- again if its tool may re-run and attempts remain, else fail it. The one hand-back path, for
--- the reaper and a stopping runner alike; rows locked first in the caller's order, as finishes.
--- epoch: the lease_epoch the releaser saw (NULL: the owner only, as before fencing);
--- only_if_lapsed: the reaper's release, which acts only on a lease whose time has run out.
-CREATE TYPE task_release_item AS (
+-- Retrieves: gets whose hand-out of a finished task's result is audited (once per requestor per
+-- interval, audit_append_events), in the same statement and commit.
+CREATE FUNCTION task_retrieve(p_items jsonb) RETURNS SETOF tasks
+LANGUAGE plpgsql AS $$
+DECLARE
+    items task_retrieve_item[];
+    it task_retrieve_item;
+    found_tasks tasks[];
+    t tasks;
+    tenant text;
+    n integer;
+BEGIN
+    SELECT array_agg(jsonb_populate_record(NULL::task_retrieve_item, e) ORDER BY o) INTO items
+    FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
+    n := coalesce(array_length(items, 1), 0);
+    FOR i IN 1 .. n LOOP
+        it := items[i];
+        t := NULL;
+        PERFORM set_config('app.tenant_id', it.tenant_id, true);
+        -- Only what a lookup answers with (not the arguments nor the client's capabilities), by
+        -- primary key alone, then the owner and the expiry checked here (as task_get).
+        SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token,
+               status, status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at,
+               last_updated_at, attempts, expires_at
+        INTO t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface, t.tool,
+             t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
+             t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
+        FROM tasks
+        WHERE tenant_id = it.tenant_id AND task_id = it.task_id;
+        IF t.task_id IS NOT NULL AND (t.subject <> it.subject OR NOT t.expires_at > clock_timestamp()) THEN
+            t := NULL;
+        END IF;
+        found_tasks[i] := t;
+    END LOOP;
+    -- The hand-outs of finished tasks, appended per tenant in tenant order, under that tenant.
+    FOR tenant IN SELECT DISTINCT u.tenant_id COLLATE "C" FROM unnest(items) u ORDER BY 1 LOOP
+        PERFORM set_config('app.tenant_id', tenant, true);
+        PERFORM audit_append_events(array_agg(tenant), array_agg(
+                    ROW('retrieve', (found_tasks[x.ordinality]).status::text, x.subject, x.client_id, x.issuer,
+                        x.task_id, x.request_id, x.client_address, NULL)::audit_event_item ORDER BY x.ordinality))
+        FROM unnest(items) WITH ORDINALITY AS x
+        WHERE x.tenant_id = tenant AND (found_tasks[x.ordinality]).task_id IS NOT NULL
+          AND NOT task_status_active((found_tasks[x.ordinality]).status)
+        HAVING count(*) > 0;
+    END LOOP;
+    FOR i IN 1 .. n LOOP
+        RETURN NEXT found_tasks[i];
+    END LOOP;
+END
+$$;
+
+-- One runner outcome, under the fencing token (owner, epoch) the run was given.
+CREATE TYPE task_finish_item AS (
+    tenant_id text, task_id text, owner text, status task_status, outcome text, payload jsonb,
+    status_message text, detail jsonb, epoch bigint
+);
+
+-- Finishes: each task whose lease (owner and epoch) the item still holds gets its outcome, an
+-- audit event ('complete') and a wake-up ('status'); the others are left alone (a row of NULLs).
+CREATE FUNCTION task_finish(p_items jsonb) RETURNS SETOF tasks
+LANGUAGE plpgsql AS $$
+DECLARE
+    items task_finish_item[];
+    done_tasks tasks[] := '{}';
+    done tasks;
+    done_list tasks[];
+    done_at bigint[];
+    n integer;
+    events audit_event_item[] := '{}';
+    event_tenants text[] := '{}';
+    n_events integer := 0;
+BEGIN
+    SELECT array_agg(jsonb_populate_record(NULL::task_finish_item, e) ORDER BY o) INTO items
+    FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
+    n := coalesce(array_length(items, 1), 0);
+    -- Every row first, in the caller's (tenant, subject, task) order, before any counter: a
+    -- cancel locks its row before that requestor's counter. One statement for them all: each
+    -- item's row by primary key, locked in the items' order (a lateral lookup per item, in the
+    -- order unnest gives them; a join could be planned, and cached, as a scan of the table).
+    PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
+    CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
+                        FOR NO KEY UPDATE) l;
+    -- Then one UPDATE for them all, each row under its own lease check, so the counter trigger
+    -- changes each requestor's counter once for the batch. The rows are locked already: the join
+    -- order does not matter. A task named twice is finished once (the first the join meets).
+    WITH finished AS (
+        UPDATE tasks t
+        SET status = u.status, outcome = u.outcome, payload = u.payload, status_message = u.status_message,
+            last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
+            lease_owner = NULL, lease_expires_at = NULL
+        FROM unnest(items) WITH ORDINALITY AS u
+        WHERE t.tenant_id = u.tenant_id AND t.task_id = u.task_id AND t.lease_owner = u.owner
+          AND t.lease_epoch = u.epoch AND task_status_active(t.status)
+        RETURNING t AS done_row, u.ordinality AS pos
+    )
+    SELECT array_agg(f.done_row ORDER BY f.pos), array_agg(f.pos ORDER BY f.pos) INTO done_list, done_at FROM finished f;
+    FOR j IN 1 .. coalesce(cardinality(done_at), 0) LOOP
+        done_tasks[done_at[j]] := done_list[j];
+    END LOOP;
+    -- The audit events in item order, appended by one call for all their tenants.
+    FOR i IN 1 .. n LOOP
+        done := done_tasks[i];
+        CONTINUE WHEN done.task_id IS NULL;
+        n_events := n_events + 1;
+        event_tenants[n_events] := done.tenant_id;
+        events[n_events] := ROW('complete', done.status::text, done.subject, done.client_id, done.issuer,
+                                done.task_id, NULL, NULL, items[i].detail)::audit_event_item;
+        PERFORM pg_notify('mcp_tasks', json_build_object('v', 1, 'k', 'status', 'tenant_id', done.tenant_id,
+                                                         'task_id', done.task_id, 'session_id', done.session_id)::text);
+    END LOOP;
+    IF n_events > 0 THEN
+        PERFORM audit_append_events(event_tenants, events);
+    END IF;
+    FOR i IN 1 .. n LOOP
+        RETURN NEXT done_tasks[i];
+    END LOOP;
+END
+$$;
+
+-- One task a runner gives back (it stopped, or the reaper found its lease lapsed): run it again
+-- if its tool may re-run and attempts remain, else fail it. epoch: the lease_epoch the caller saw;
+-- only_if_lapsed: the reaper's, which acts only on a lease that lapsed (lease_lapsed).
+CREATE TYPE task_hand_back_item AS (
     tenant_id text, task_id text, owner text, rerunnable boolean, max_attempts integer,
     requeue_message text, failure jsonb, epoch bigint, only_if_lapsed boolean
 );
 
-CREATE FUNCTION task_release_batch(p_items jsonb) RETURNS SETOF tasks
+-- Hand-backs: the one path for the reaper and a stopping runner alike; rows locked first in the
+-- caller's order, as finishes lock them. Each re-queue ('requeue') and failure ('complete') is
+-- audited, re-queued tasks are announced ('created') and every change wakes its waiters ('status').
+CREATE FUNCTION task_hand_back(p_items jsonb) RETURNS SETOF tasks
 LANGUAGE plpgsql AS $$
 DECLARE
-    items task_release_item[];
-    it task_release_item;
+    items task_hand_back_item[];
+    it task_hand_back_item;
     moved tasks[];
     requeued boolean[];
     t tasks;
     n integer;
+    events audit_event_item[] := '{}';
+    event_tenants text[] := '{}';
 BEGIN
-    SELECT array_agg(jsonb_populate_record(NULL::task_release_item, e) ORDER BY o) INTO items
+    SELECT array_agg(jsonb_populate_record(NULL::task_hand_back_item, e) ORDER BY o) INTO items
     FROM jsonb_array_elements(p_items) WITH ORDINALITY AS a(e, o);
     n := coalesce(array_length(items, 1), 0);
-    -- Every row first, in the caller's order, by one statement (as task_finish_batch).
     PERFORM 1 FROM unnest(items) WITH ORDINALITY AS u
     CROSS JOIN LATERAL (SELECT 1 FROM tasks k WHERE k.tenant_id = u.tenant_id AND k.task_id = u.task_id
                         FOR NO KEY UPDATE) l;
@@ -1190,10 +1101,10 @@ BEGIN
         requeued[i] := false;
         UPDATE tasks
         SET status = 'working', status_message = format('%s (attempt %s)', it.requeue_message, attempts + 1),
-            last_updated_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL,
+            last_updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL,
             lease_epoch = lease_epoch + 1
         WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
-          AND (it.epoch IS NULL OR lease_epoch = it.epoch)
+          AND lease_epoch = it.epoch
           AND (it.only_if_lapsed IS NOT TRUE OR lease_lapsed(lease_owner, lease_expires_at))
           AND task_status_active(status) AND it.rerunnable AND attempts < it.max_attempts
         RETURNING * INTO t;
@@ -1207,9 +1118,9 @@ BEGIN
             SET status = 'failed', outcome = 'failure', payload = it.failure,
                 status_message = it.failure ->> 'message',
                 last_updated_at = clock_timestamp(), finished_at = clock_timestamp(),
-                lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1
+                lease_owner = NULL, lease_expires_at = NULL, lease_epoch = lease_epoch + 1
             WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
-              AND (it.epoch IS NULL OR lease_epoch = it.epoch)
+              AND lease_epoch = it.epoch
               AND (it.only_if_lapsed IS NOT TRUE OR lease_lapsed(lease_owner, lease_expires_at))
               AND task_status_active(status)
             RETURNING * INTO t;
@@ -1219,30 +1130,45 @@ BEGIN
     FOR i IN 1 .. n LOOP
         t := moved[i];
         CONTINUE WHEN t.task_id IS NULL;
+        event_tenants := event_tenants || t.tenant_id;
         IF requeued[i] THEN
-            PERFORM audit_append(t.tenant_id, 'requeue', 'working', t.subject, t.client_id, t.issuer, t.task_id,
-                                 NULL, NULL, jsonb_build_object('attempt', t.attempts + 1, 'owner', items[i].owner));
+            events := events || ROW('requeue', 'working', t.subject, t.client_id, t.issuer, t.task_id, NULL, NULL,
+                                    jsonb_build_object('attempt', t.attempts + 1, 'owner', items[i].owner))::audit_event_item;
             PERFORM pg_notify('mcp_tasks', json_build_object(
                 'v', 1, 'k', 'created', 'tenant_id', t.tenant_id, 'task_id', t.task_id)::text);
         ELSE
-            PERFORM audit_append(t.tenant_id, 'complete', 'failed', t.subject, t.client_id, t.issuer, t.task_id,
-                                 NULL, NULL, jsonb_build_object('kind', 'failure',
-                                                                'reason', items[i].failure ->> 'reason'));
+            events := events || ROW('complete', 'failed', t.subject, t.client_id, t.issuer, t.task_id, NULL, NULL,
+                                    jsonb_build_object('kind', 'failure',
+                                                       'reason', items[i].failure ->> 'reason'))::audit_event_item;
         END IF;
         PERFORM pg_notify('mcp_tasks', json_build_object('v', 1, 'k', 'status', 'tenant_id', t.tenant_id,
                                                          'task_id', t.task_id, 'session_id', t.session_id)::text);
     END LOOP;
+    IF cardinality(events) > 0 THEN
+        PERFORM audit_append_events(event_tenants, events);
+    END IF;
     FOR i IN 1 .. n LOOP
         RETURN NEXT moved[i];
     END LOOP;
 END
 $$;
 
-REVOKE ALL ON FUNCTION task_release_batch(jsonb) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION task_release_batch(jsonb) TO mcp_tasks_runner;
-GRANT USAGE ON TYPE task_release_item TO mcp_tasks_runner;
-ALTER FUNCTION task_release_batch(jsonb) OWNER TO mcp_tasks_record;
-ALTER FUNCTION task_release_batch(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
+REVOKE ALL ON FUNCTION task_create(jsonb), task_get(text[], text[], text[]), task_retrieve(jsonb), task_finish(jsonb),
+    task_hand_back(jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION task_create(jsonb), task_get(text[], text[], text[]), task_retrieve(jsonb) TO mcp_tasks_app;
+GRANT USAGE ON TYPE task_create_item, task_retrieve_item TO mcp_tasks_app;
+GRANT EXECUTE ON FUNCTION task_finish(jsonb), task_hand_back(jsonb) TO mcp_tasks_runner;
+GRANT USAGE ON TYPE task_finish_item, task_hand_back_item TO mcp_tasks_runner;
+-- Outcomes are the record: finish and hand back run as mcp_tasks_record, the only role that may
+-- write a task's outcome columns; the lease check in their bodies decides which rows they change.
+-- Their statements find the items' rows in tasks: planned on a young table (and cached for the
+-- connection), a hash join or a scan read every task for every batch after. Without hash and merge
+-- joins and sequential scans each item's row is found by key however the table has grown.
+ALTER FUNCTION task_finish(jsonb) OWNER TO mcp_tasks_record;
+ALTER FUNCTION task_finish(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public
+    SET enable_hashjoin = off SET enable_mergejoin = off SET enable_seqscan = off;
+ALTER FUNCTION task_hand_back(jsonb) OWNER TO mcp_tasks_record;
+ALTER FUNCTION task_hand_back(jsonb) SECURITY DEFINER SET search_path = pg_catalog, public;
 
 
 -- =============================================================================== maintenance ==
@@ -1251,7 +1177,7 @@ ALTER FUNCTION task_release_batch(jsonb) SECURITY DEFINER SET search_path = pg_c
 -- changed since its last analysis by more than autovacuum's default threshold (50 rows and 10 %),
 -- at most once per p_every per table (a minute: autovacuum's naptime).
 -- Without statistics a lookup of one task by (tenant_id, task_id) may walk every task of the
--- tenant in tasks_owner_recent (or, until migration 0015, tasks_active_owner; migration 0012). Owned by the schema's owner
+-- tenant in tasks_owner_recent. Owned by the schema's owner
 -- (ANALYZE needs the table's owner); it does nothing else.
 CREATE FUNCTION analyze_stale_tables(p_every interval) RETURNS text[]
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
@@ -1260,7 +1186,7 @@ DECLARE
     analysed text[] := '{}';
 BEGIN
     -- One process at a time; another that finds it taken has nothing to add. Every call qualified
-    -- and typed exactly, so nothing created in public can stand in for it (migration 0016).
+    -- and typed exactly, so nothing created in public can stand in for it.
     IF NOT pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended('mcp_tasks:analyze'::text, 0::bigint)) THEN
         RETURN analysed;
     END IF;
@@ -1289,7 +1215,7 @@ $$;
 REVOKE ALL ON FUNCTION analyze_stale_tables(interval) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION analyze_stale_tables(interval) TO mcp_tasks_runner;
 
--- The first statistics of a new deployment's tables, whatever autovacuum does (migration 0016): each
+-- The first statistics of a new deployment's tables, whatever autovacuum does: each
 -- of the service's tables never analysed in which more than 50 rows changed is analysed, one
 -- process at a time; one row per table never analysed when called, with whether this call analysed
 -- it and how many of its rows changed. The maintenance pass calls it every fraction of a second

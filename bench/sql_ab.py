@@ -92,10 +92,10 @@ class Variant:
         items = sorted((create(t, s) for t, s in owners), key=lambda i: (i["tenant_id"], i["subject"], i["task_id"]))
         ids = [[i[k] for i in items] for k in ("tenant_id", "task_id", "subject")]
         rows, c = await self._timed(
-            self.app, self.app_pid, "SELECT task_id FROM task_batch($1::jsonb)", json.dumps(items)
+            self.app, self.app_pid, "SELECT task_id FROM task_create($1::jsonb)", json.dumps(items)
         )
         assert all(row["task_id"] for row in rows), "a create was refused"
-        rows, g = await self._timed(self.app, self.app_pid, Q["task_get_batch"], *ids)
+        rows, g = await self._timed(self.app, self.app_pid, Q["task_get"], *ids)
         assert len(rows) == len(items), "a get found nothing"
         finishes = sorted(
             ({"tenant_id": i["tenant_id"], "task_id": i["task_id"], "owner": "runner-1", "status": "completed",
@@ -104,12 +104,12 @@ class Variant:
             key=lambda f: (f["tenant_id"], f["task_id"]),
         )  # fmt: skip
         rows, f = await self._timed(
-            self.runner, self.runner_pid, "SELECT task_id FROM task_finish_batch($1::jsonb)", json.dumps(finishes)
+            self.runner, self.runner_pid, "SELECT task_id FROM task_finish($1::jsonb)", json.dumps(finishes)
         )
         assert all(row["task_id"] for row in rows), "a finish was refused"
-        lookups = [{**i, "k": "retrieve", "detail": None} for i in items]
+        lookups = [{**i, "detail": None} for i in items]
         rows, r = await self._timed(
-            self.app, self.app_pid, "SELECT task_id FROM task_batch($1::jsonb)", json.dumps(lookups)
+            self.app, self.app_pid, "SELECT task_id FROM task_retrieve($1::jsonb)", json.dumps(lookups)
         )
         assert all(row["task_id"] for row in rows), "a retrieve found nothing"
         if counted:

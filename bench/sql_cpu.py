@@ -1,7 +1,7 @@
 """PostgreSQL backend CPU per item of the group-commit functions (issue 15, point 2).
 
-Calls task_batch (creates, then retrieves), a lease renewal (a heartbeat with every task due) and
-task_finish_batch directly, a batch of 32 per statement and one commit each, on a scratch database migrated with ``mcp-tasks migrate``; the
+Calls task_create, a lease renewal (a heartbeat with every task due), task_finish and
+task_retrieve directly, a batch of 32 per statement and one commit each, on a scratch database migrated with ``mcp-tasks migrate``; the
 backends' CPU (utime + stime of /proc/<pid>/stat) is read before and after, so the number is
 PostgreSQL's own work, not the client's. One requestor (32 items of one tenant and subject) and
 spread (8 tenants x 4 subjects). PostgreSQL must run on this machine.
@@ -39,12 +39,12 @@ def owners(spread: bool) -> list[tuple[str, str]]:
 
 def create(tenant: str, subject: str) -> dict[str, Any]:
     return {
-        "k": "create", "tenant_id": tenant, "task_id": secrets.token_urlsafe(16), "subject": subject,
+        "tenant_id": tenant, "task_id": secrets.token_urlsafe(16), "subject": subject,
         "issuer": "https://issuer.test", "client_id": "c", "session_id": None, "surface": "2025-11-25",
         "tool": "echo", "arguments": {"text": "x"}, "client_capabilities": {}, "progress_token": None,
         "ttl_ms": 3_600_000, "poll_interval_ms": 100, "max_per_requestor": 10**9, "max_per_tenant": 10**9,
         "request_id": "r", "client_address": "127.0.0.1", "detail": {"tool": "echo"},
-        "lease_owner": "runner-1", "lease_key": 1, "lease_ms": 60_000, "rerunnable": True, "tool_version": None,
+        "lease_owner": "runner-1", "lease_ms": 60_000, "rerunnable": True, "tool_version": None,
     }  # fmt: skip
 
 
@@ -57,14 +57,14 @@ async def run(dsn: str, rounds: int, spread: bool, analyze: bool = True) -> dict
     runner_pid = await runner.fetchval("SELECT pg_backend_pid()")
     spent = {"create": 0.0, "renew": 0.0, "finish": 0.0, "retrieve": 0.0}
     renew = Q["renew_leases"]
-    await runner.execute(Q["publish_runner"], "runner-1", 1, "{}", 3_600_000)  # its row: the lease on its tasks
+    await runner.execute(Q["publish_runner"], "runner-1", "{}", 3_600_000)  # its row: the lease on its tasks
     try:
         for r in range(rounds + 10):  # the first 10 warm up (plans, caches)
             items = sorted(
                 (create(t, s) for t, s in owners(spread)), key=lambda i: (i["tenant_id"], i["subject"], i["task_id"])
             )
             before = cpu_s(app_pid)
-            rows = await app.fetch("SELECT task_id FROM task_batch($1::jsonb)", json.dumps(items))
+            rows = await app.fetch("SELECT task_id FROM task_create($1::jsonb)", json.dumps(items))
             assert all(row["task_id"] for row in rows)
             created = cpu_s(app_pid) - before
             before = cpu_s(runner_pid)
@@ -79,12 +79,12 @@ async def run(dsn: str, rounds: int, spread: bool, analyze: bool = True) -> dict
                 for i in items
             ]  # fmt: skip
             before = cpu_s(runner_pid)
-            rows = await runner.fetch("SELECT task_id FROM task_finish_batch($1::jsonb)", json.dumps(finishes))
+            rows = await runner.fetch("SELECT task_id FROM task_finish($1::jsonb)", json.dumps(finishes))
             assert all(row["task_id"] for row in rows)
             finished = cpu_s(runner_pid) - before
-            lookups = [{**i, "k": "retrieve", "detail": None} for i in items]
+            lookups = [{**i, "detail": None} for i in items]
             before = cpu_s(app_pid)
-            rows = await app.fetch("SELECT task_id FROM task_batch($1::jsonb)", json.dumps(lookups))
+            rows = await app.fetch("SELECT task_id FROM task_retrieve($1::jsonb)", json.dumps(lookups))
             assert all(row["task_id"] for row in rows)
             retrieved = cpu_s(app_pid) - before
             if r == 9 and analyze:  # fresh statistics, as a live database has (the plans are made again)

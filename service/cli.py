@@ -122,7 +122,7 @@ def _migrate(args: argparse.Namespace) -> None:
 
     try:
         done = migrate.upgrade_to_head(settings.database_url)
-    except CommandError as exc:  # e.g. the database is at a revision this version does not know
+    except (CommandError, RuntimeError) as exc:  # a revision this version does not know, or before its baseline
         sys.exit(f"mcp-tasks migrate: {exc}")
     if done.changed:
         print(f"database upgraded from {done.before or 'an empty schema'} to {done.head} (head)")

@@ -11,13 +11,15 @@ from typing import Final
 
 from service.config import Settings
 from service.observability import metrics
+from service.runtime.engine import Engine
+from service.runtime.executor import Executor
 from service.runtime.maintenance import Maintenance
 from service.runtime.runner import Runner
 from service.store import migrate
-from service.store import repository as repo
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import open_embedded
 from service.store.events import EventHub
+from service.store.tasks import service_key
 from service.tasks.cursor import CursorCodec
 from service.tasks.request_state import RequestStateCodec
 from service.tasks.service import TaskPolicy, TaskService
@@ -104,6 +106,11 @@ async def check_schema(dsn: str) -> None:
         current = await migrate.current_revision(dsn)
     except Exception as exc:
         raise RuntimeError(f"cannot connect to MCP_TASKS_DATABASE_URL ({type(exc).__name__}: {exc})") from exc
+    if current is not None and migrate.before_baseline(current):
+        raise RuntimeError(
+            f"the database schema is at {current}, made by a development build before release 0.1.0: recreate the "
+            "database (its migrations were squashed into one baseline)"
+        )
     if not migrate.schema_fits(current):
         raise RuntimeError(
             f"the database schema is at {current or 'nothing'}, this version needs {head}: run `mcp-tasks migrate`"
@@ -138,7 +145,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     await runner_db.open()
     hub = EventHub(db)
     await hub.start()
-    cursor_key = await repo.service_key(db, "tasks-list-cursor")
+    cursor_key = await service_key(db, "tasks-list-cursor")
     policy = TaskPolicy(
         default_ttl_ms=settings.effective_default_ttl_ms,
         min_ttl_ms=settings.min_ttl_ms,
@@ -148,21 +155,22 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         max_active_per_tenant=settings.max_active_tasks_per_tenant,
     )
     poll_s = settings.poll_interval_ms / 1000
-    state_key = await repo.service_key(db, "mrtr-request-state")
-    tasks = TaskService(db, hub, registry, policy, CursorCodec(cursor_key), RequestStateCodec(state_key))
+    state_key = await service_key(db, "mrtr-request-state")
+    executor = Executor(registry)
     runner = None
     if run_tasks and settings.runner_concurrency > 0:
         runner = Runner(
             runner_db,
             hub,
-            registry,
+            executor,
             concurrency=settings.runner_concurrency,
             lease_ms=settings.lease_ms,
             poll_s=poll_s,
             tenant_share=settings.effective_tenant_share,
         )
         await runner.start()
-        tasks.runner = runner
+    engine = Engine(executor, runner)
+    tasks = TaskService(db, hub, engine, policy, CursorCodec(cursor_key), RequestStateCodec(state_key))
     maintenance = Maintenance(
         runner_db,
         registry,

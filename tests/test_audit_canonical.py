@@ -1,14 +1,13 @@
 """An audit event's canonical text (T-SEC-10): the chain hashes it, so it must never change.
 
-Migration 0020 writes it directly instead of rendering a jsonb object of the event's fields; these
-tests hold the new body to the old one (the jsonb object's text, as migration 0001 defined it)
-over every field's edge cases and over generated events, under unusual session settings, and
-check that a chain written before the revision verifies after it and the other way round.
+audit_canonical writes it directly instead of rendering a jsonb object of the event's fields (the
+first definition, which every chain was hashed with); these tests hold the body to that
+reference over every field's edge cases and over generated events, under unusual session
+settings.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -16,11 +15,7 @@ import asyncpg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.store import migrate
-from service.store.queries import Q
-from tests.test_audit import mcp_tasks_audit
-
-# The definition every chain was written with until migration 0020 (0001's body).
+# The first definition: the jsonb object's text, which audit_canonical's output must equal.
 REFERENCE = """jsonb_build_object(
     'tenant_id', e.tenant_id, 'seq', e.seq,
     'at', to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
@@ -188,55 +183,3 @@ async def test_the_canonical_text_is_the_jsonb_objects_for_generated_events_T_SE
         await conn.close()
     assert len(texts) == 1500
     assert differing(generated, texts) == []
-
-
-APPEND = """SELECT audit_append_many($1, ARRAY[
-    ROW('create', $2, $3, $4, $5, $6, $7, $8, $9::jsonb),
-    ROW('complete', $2, $3, $4, $5, NULL, NULL, NULL, NULL)]::audit_event_item[])"""
-BODY = "SELECT prosrc FROM pg_proc WHERE oid = 'audit_canonical(audit_events)'::regprocedure"
-
-
-async def append_awkward(conn: asyncpg.Connection, tenant: str, text: str, detail: Any) -> None:
-    """Two events whose every free field needs escaping (the action is one of a fixed set)."""
-    fields = [f"{name} {text}" for name in ("outcome", "subject", "client", "issuer", "task", "request", "address")]
-    await conn.execute(APPEND, tenant, *fields, json.dumps(detail))
-
-
-async def test_chains_written_before_migration_0020_verify_after_it_and_back_T_SEC_10(database_url: str) -> None:
-    """Events appended by 0019's audit_canonical and by 0020's lie in one chain that verifies
-    under either, and every row's hash is the hash of its canonical text."""
-    awkward = {"why": '"quoted" \\ \n\t\u0001 é 😀', "n": [1, 1.5, -0.0, 10**30], "": None}
-    tenants = ('acme "one"\n', "bob's \\ tenant")
-    await asyncio.to_thread(migrate.downgrade, database_url, "0019")
-    conn = await asyncpg.connect(database_url)
-    try:
-        assert "jsonb_build_object" in await conn.fetchval(BODY)  # 0019's body, as 0001 wrote it
-        await append_awkward(conn, tenants[0], 'al"ice\n\u0002', awkward)
-        await append_awkward(conn, tenants[1], "日本 \\ /", None)
-        await asyncio.to_thread(migrate.upgrade, database_url)
-        assert await migrate.current_revision(database_url) == migrate.head_revision()
-        assert "jsonb_build_object" not in await conn.fetchval(BODY)
-        await append_awkward(conn, tenants[0], 'al"ice\n\u0002', awkward)
-        await append_awkward(conn, tenants[1], "\b\f\r", "scalar")
-        done = await mcp_tasks_audit(database_url, "verify")
-        assert done.returncode == 0, done.stdout + done.stderr
-        await asyncio.to_thread(migrate.downgrade, database_url, "0019")
-        assert "jsonb_build_object" in await conn.fetchval(BODY)
-        # This version's `audit verify` refuses the older schema, saying what to do (no traceback) ...
-        done = await mcp_tasks_audit(database_url, "verify")
-        assert done.returncode == 1, done.stderr
-        assert "Traceback" not in done.stderr, done.stderr
-        assert "mcp-tasks audit: the database schema is at 0019" in done.stderr
-        assert "mcp-tasks migrate" in done.stderr
-        # ... so 0019's own audit_canonical checks the chain through the query `audit verify` runs.
-        assert await conn.fetch(Q["audit_chain_problems"], None) == []
-        await asyncio.to_thread(migrate.upgrade, database_url)
-        rows = await conn.fetch(
-            """SELECT tenant_id, seq, hash = sha256(prev_hash || convert_to(audit_canonical(e), 'UTF8')) AS ok
-               FROM audit_events e ORDER BY tenant_id, seq"""
-        )
-    finally:
-        await conn.close()
-    assert sorted((r["tenant_id"], r["seq"], r["ok"]) for r in rows) == sorted(
-        (tenant, seq, True) for tenant in tenants for seq in range(1, 5)
-    )

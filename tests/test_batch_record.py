@@ -1,4 +1,4 @@
-"""Issue 15, point 2 (migration 0008): a batch appends each tenant's audit events once and changes
+"""Issue 15, point 2: a batch appends each tenant's audit events once and changes
 each requestor's active-task counter once, with the record and the counters exactly as one item at
 a time would leave them: chains that verify, seqs in item order without gaps, counters equal to a
 real count after every kind of writer, the retrieve interval unchanged."""
@@ -29,7 +29,7 @@ def create(tenant: str, subject: str, **fields: Any) -> dict[str, Any]:
         "tool": "echo", "arguments": {"text": "x"}, "client_capabilities": {}, "progress_token": None,
         "ttl_ms": 600_000, "poll_interval_ms": 100, "max_per_requestor": 1_000, "max_per_tenant": 10_000,
         "request_id": "r", "client_address": "127.0.0.1", "detail": {"tool": "echo"},
-        "lease_owner": LEASE, "lease_key": 1, "lease_ms": 600_000, "rerunnable": True, "tool_version": None,
+        "lease_owner": LEASE, "lease_ms": 600_000, "rerunnable": True, "tool_version": None,
     } | fields  # fmt: skip
 
 
@@ -71,11 +71,13 @@ async def as_role(
 
 
 async def batch(conn: asyncpg.Connection, items: list[dict[str, Any]]) -> list[asyncpg.Record]:
-    return await as_role(conn, APP, "SELECT * FROM task_batch($1::jsonb)", json.dumps(items))
+    """Creates (task_create) or retrieves (task_retrieve), as the app role sends them."""
+    function = "task_retrieve" if items and items[0].get("k") == "retrieve" else "task_create"
+    return await as_role(conn, APP, f"SELECT * FROM {function}($1::jsonb)", json.dumps(items))
 
 
 async def finish_batch(conn: asyncpg.Connection, items: list[dict[str, Any]]) -> list[asyncpg.Record]:
-    return await as_role(conn, RUNNER, "SELECT * FROM task_finish_batch($1::jsonb)", json.dumps(items))
+    return await as_role(conn, RUNNER, "SELECT * FROM task_finish($1::jsonb)", json.dumps(items))
 
 
 async def chain(conn: asyncpg.Connection, tenant: str) -> list[asyncpg.Record]:
@@ -172,9 +174,9 @@ async def test_a_batch_writes_each_tenants_head_and_each_requestors_counter_once
             after = await written()
         return {name: n - before.get(name, 0) for name, n in after.items()}
 
-    assert await writes("SELECT * FROM task_batch($1::jsonb)", items, APP) == {"audit_heads": 2, "active_tasks": 3}
+    assert await writes("SELECT * FROM task_create($1::jsonb)", items, APP) == {"audit_heads": 2, "active_tasks": 3}
     finishes = [finish(i) for i in items]
-    assert await writes("SELECT * FROM task_finish_batch($1::jsonb)", finishes, RUNNER) == {
+    assert await writes("SELECT * FROM task_finish($1::jsonb)", finishes, RUNNER) == {
         "audit_heads": 2,
         "active_tasks": 3,
     }
@@ -187,14 +189,12 @@ async def test_counters_equal_a_real_count_after_every_kind_of_writer_T_SEC_7(ad
     claims, renewals and expiry deletes, of one requestor and of many, in batches and alone."""
     many = [create(f"t{t}", f"s{s}") for t in range(3) for s in range(3) for _ in range(2)]
     solo = [create("solo", "alice") for _ in range(16)]
-    unleased = [create("solo", "alice", lease_owner=None, lease_key=None, lease_ms=None) for _ in range(4)]
+    unleased = [create("solo", "alice", lease_owner=None, lease_ms=None) for _ in range(4)]
     await batch(admin, ordered(many + solo + unleased))
     await counters_match(admin)
     # A claim and a renewal change leases, not activity.
-    await as_role(admin, RUNNER, Q["publish_runner"], LEASE, 1, "{}", 600_000)  # its row: the lease on its tasks
-    claimed = await as_role(
-        admin, RUNNER, Q["claim_tasks"], LEASE, 1, 600_000, 2, ["echo"], 100, [], [], "{}", [], [], []
-    )
+    await as_role(admin, RUNNER, Q["publish_runner"], LEASE, "{}", 600_000)  # its row: the lease on its tasks
+    claimed = await as_role(admin, RUNNER, Q["claim_tasks"], LEASE, 600_000, 2, ["echo"], 100, [], [], "{}", [], [], [])
     assert len(claimed) == 2
     renewed = await as_role(
         admin, RUNNER, Q["renew_leases"], LEASE, 600_000,
@@ -224,7 +224,7 @@ async def test_counters_equal_a_real_count_after_every_kind_of_writer_T_SEC_7(ad
          "failure": {"reason": "lost", "message": "the run was lost"}}
         for i, attempts in ((solo[9], 3), (solo[10], 1))
     ]  # fmt: skip
-    moved = await as_role(admin, RUNNER, "SELECT * FROM task_release_batch($1::jsonb)", json.dumps(released))
+    moved = await as_role(admin, RUNNER, "SELECT * FROM task_hand_back($1::jsonb)", json.dumps(released))
     assert [r["status"] for r in moved] == ["working", "failed"]
     await counters_match(admin)
     # Expiry: active and finished tasks deleted by the sweeper.
@@ -265,7 +265,7 @@ async def test_the_retrieve_interval_records_once_and_counts_the_repeats_before_
     admin: asyncpg.Connection,
 ) -> None:
     """Once per requestor per interval, in one batch and across batches; the next recorded
-    retrieve carries the repeats since the last one (repeats_before), as in migration 0003."""
+    retrieve carries the repeats since the last one (repeats_before)."""
     item = create("acme", "alice")
     await batch(admin, [item])
     await finish_batch(admin, [finish(item)])
@@ -289,16 +289,26 @@ async def test_the_retrieve_interval_records_once_and_counts_the_repeats_before_
     assert await chain_problems(admin) == []
 
 
-async def test_audit_append_many_appends_only_for_the_transactions_tenant_T_SEC_10(admin: asyncpg.Connection) -> None:
-    """The same check as audit_append: the app role appends only to the tenant its transaction names."""
-    event = "ARRAY[ROW('deny', 'forged', '', '', '', NULL, NULL, NULL, NULL)::audit_event_item]"
+async def test_the_app_role_appends_only_to_its_transactions_tenant_T_SEC_10(admin: asyncpg.Connection) -> None:
+    """audit_append_events (and audit_append through it): the app role appends only to the tenant
+    its transaction names, every event of a call included; the runner role to any tenant's."""
+    event = "ROW('deny', 'forged', '', '', '', NULL, NULL, NULL, NULL)::audit_event_item"
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
-        await as_role(admin, APP, f"SELECT audit_append_many('acme', {event})", tenant="globex")
+        await as_role(admin, APP, f"SELECT audit_append_events(ARRAY['acme'], ARRAY[{event}])", tenant="globex")
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_role(admin, APP, f"SELECT audit_append_events(ARRAY['acme', 'globex'], ARRAY[{event}, {event}])",
+                      tenant="acme")  # fmt: skip
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_role(admin, APP, "SELECT audit_append('acme', 'deny', 'x', '', '', '', NULL, NULL, NULL, NULL)",
+                      tenant="globex")  # fmt: skip
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
         await as_role(admin, APP, "SELECT audit_retrieval_due('acme', 'x', 'alice')", tenant="acme")
-    assert (await as_role(admin, APP, f"SELECT audit_append_many('acme', {event}) AS seq", tenant="acme"))[0][
-        "seq"
-    ] == 1
+    appended = await as_role(
+        admin, APP, f"SELECT audit_append_events(ARRAY['acme'], ARRAY[{event}]) AS seq", tenant="acme"
+    )
+    assert appended[0]["seq"] == 1
+    both = f"SELECT audit_append_events(ARRAY['acme', 'globex'], ARRAY[{event}, {event}]) AS seq"
+    assert (await as_role(admin, RUNNER, both))[0]["seq"] == 1  # the last event's: globex's first
     assert await chain_problems(admin) == []
 
 
@@ -309,7 +319,7 @@ async def called(conn: asyncpg.Connection, sql: str, *args: Any, role: str = "mc
     async def counts() -> dict[str, int]:
         rows = await conn.fetch(
             """SELECT funcname, calls FROM pg_stat_xact_user_functions
-               WHERE funcname IN ('audit_append_all', 'audit_append_many')"""
+               WHERE funcname IN ('audit_append_events', 'audit_append')"""
         )
         return {r["funcname"]: r["calls"] for r in rows}
 
@@ -326,18 +336,18 @@ async def called(conn: asyncpg.Connection, sql: str, *args: Any, role: str = "mc
 async def test_a_finish_batch_of_many_tenants_appends_every_chain_with_one_call_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
-    """Migration 0019: a finish batch spanning tenants appends all their events by one call of
-    audit_append_all (no audit_append_many per tenant), each event on its own tenant's chain, in
-    item order after what the chain held, and every chain verifies."""
+    """A finish batch spanning tenants appends all their events by one call of audit_append_events,
+    each event on its own tenant's chain, in item order after what the chain held, and every
+    chain verifies."""
     await as_role(
         admin, APP, "SELECT audit_append('acme', 'deny', 'x', '', '', '', NULL, NULL, NULL, NULL)", tenant="acme"
     )
     items = ordered([create(t, s) for t in ("acme", "globex", "initech") for s in ("alice", "bob") for _ in range(3)])
     await batch(admin, items)
     calls = await called(
-        admin, "SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(i) for i in items]), role=RUNNER
+        admin, "SELECT * FROM task_finish($1::jsonb)", json.dumps([finish(i) for i in items]), role=RUNNER
     )
-    assert calls == {"audit_append_all": 1}
+    assert calls == {"audit_append_events": 1}
     finished = await admin.fetch("SELECT task_id FROM tasks WHERE status = 'completed'")
     assert {r["task_id"] for r in finished} == {i["task_id"] for i in items}
     for tenant, before in (("acme", 1), ("globex", 0), ("initech", 0)):
@@ -367,39 +377,28 @@ def events_sql(actions: list[tuple[str, str]], first: int = 0, numbers: list[int
     return f"ARRAY[{', '.join(rows)}]::audit_event_item[]"
 
 
-async def test_audit_append_all_is_the_records_own_and_appends_as_per_tenant_calls_would_T_SEC_10(
+async def test_one_call_for_many_tenants_appends_as_one_call_per_tenant_would_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
-    """Migration 0019: neither service role may call audit_append_all (it has no tenant check: only
-    the record's functions call it). Called by the record, it leaves each chain exactly as one
-    audit_append_many call per tenant, in "C" order, leaves the same events on another set of
-    tenants (new heads and old, names whose "C" order differs from a locale's); one tenant goes
-    through audit_append_many itself; retrievals and an event without its tenant are refused whole."""
-    for role in (APP, RUNNER):
-        assert not await admin.fetchval(
-            "SELECT has_function_privilege($1, 'audit_append_all(text[], audit_event_item[])', 'EXECUTE')", role
-        )
-        with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await as_role(admin, role, f"SELECT audit_append_all(ARRAY['acme'], {events_sql([('deny', 'a')])})")
+    """audit_append_events is the one chain step: a call for many tenants leaves each chain exactly
+    as one call per tenant, in "C" order, leaves the same events on another set of tenants (new
+    heads and old, names whose "C" order differs from a locale's); an event without its tenant,
+    and tenants and events that do not pair up, are refused whole."""
     pairs = [("Zeta", "X-Zeta"), ("alpha", "X-alpha"), ("a-b", "X-a-b"), ("ab", "X-ab")]
     for ours, theirs in pairs[:2]:  # two of each set have a chain already
         for tenant in (ours, theirs):
-            await as_role(
-                admin, "mcp_tasks_record", f"SELECT audit_append_many($1, {events_sql([('deny', 'old')])})", tenant
-            )
+            await as_role(admin, RUNNER, f"SELECT audit_append_events(ARRAY[$1], {events_sql([('deny', 'old')])})",
+                          tenant)  # fmt: skip
     actions = [("complete", f"s{n % 3}") for n in range(12)]
     tenants = [pairs[n % 4][0] for n in range(12)]
-    assert await called(admin, f"SELECT audit_append_all($1::text[], {events_sql(actions)})", tenants) == {
-        "audit_append_all": 1
-    }
+    assert await called(
+        admin, f"SELECT audit_append_events($1::text[], {events_sql(actions)})", tenants, role=RUNNER
+    ) == {"audit_append_events": 1}
     for ours, theirs in sorted(pairs, key=lambda p: p[1].encode()):  # the per-tenant calls, in "C" order
         mine = [n for n, t in enumerate(tenants) if t == ours]
-        await as_role(
-            admin,
-            "mcp_tasks_record",
-            f"SELECT audit_append_many($1, {events_sql([actions[n] for n in mine], numbers=mine)})",
-            theirs,
-        )
+        mine_sql = events_sql([actions[n] for n in mine], numbers=mine)
+        await as_role(admin, RUNNER, f"SELECT audit_append_events(array_fill($1::text, ARRAY[{len(mine)}]), {mine_sql})",
+                      theirs)  # fmt: skip
     fields = "seq, action, outcome, subject, client_id, issuer, request_id, detail::text AS detail"
     for ours, theirs in pairs:
         got = await admin.fetch(f"SELECT {fields} FROM audit_events WHERE tenant_id = $1 ORDER BY seq", ours)
@@ -411,28 +410,20 @@ async def test_audit_append_all_is_the_records_own_and_appends_as_per_tenant_cal
             "SELECT seq, hash, at FROM audit_events WHERE tenant_id = $1 ORDER BY seq DESC LIMIT 1", ours
         )
         assert tuple(head) == tuple(last)
-    # One tenant: audit_append_many's own path.
-    assert await called(admin, f"SELECT audit_append_all(ARRAY['ab', 'ab'], {events_sql([('deny', 'a')] * 2)})") == {
-        "audit_append_all": 1,
-        "audit_append_many": 1,
-    }
-    # Refused whole: a retrieval (its interval rows would be locked before the heads), an event
-    # without its tenant, tenants and events that do not pair up.
     for tenants_sql, events in (
-        ("ARRAY['ab', 'Zeta']", events_sql([("deny", "a"), ("retrieve", "a")])),
         ("ARRAY['ab', NULL]", events_sql([("deny", "a")] * 2)),
         ("ARRAY['ab']", events_sql([("deny", "a")] * 2)),
     ):
         with pytest.raises(asyncpg.InvalidParameterValueError):
-            await as_role(admin, "mcp_tasks_record", f"SELECT audit_append_all({tenants_sql}, {events})")
-    assert await admin.fetchval("SELECT seq FROM audit_heads WHERE tenant_id = 'ab'") == 5
+            await as_role(admin, RUNNER, f"SELECT audit_append_events({tenants_sql}, {events})")
+    assert await admin.fetchval("SELECT seq FROM audit_heads WHERE tenant_id = 'ab'") == 3
     assert await chain_problems(admin) == []
 
 
 async def test_a_finish_batch_dates_its_events_the_same_under_any_date_style_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
-    """Migration 0019, found in review: the heads' times are read as timestamps, not through a
+    """the heads' times are read as timestamps, not through a
     row's text, which the session's DateStyle writes with a zone abbreviation that reads back at
     another offset (CST: China, read as US Central). Every event is dated now, never ahead."""
     items = ordered([create(t, "alice") for t in ("acme", "globex") for _ in range(2)])
@@ -446,7 +437,7 @@ async def test_a_finish_batch_dates_its_events_the_same_under_any_date_style_T_S
             await admin.execute("SET LOCAL DateStyle = 'Postgres'")
             await admin.execute("SET LOCAL TimeZone = 'Asia/Shanghai'")
             await admin.execute(f"SET LOCAL ROLE {RUNNER}")
-            await admin.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(i) for i in items]))
+            await admin.fetch("SELECT * FROM task_finish($1::jsonb)", json.dumps([finish(i) for i in items]))
     ahead = await admin.fetchval("SELECT count(*) FROM audit_events WHERE at > clock_timestamp()")
     assert ahead == 0
     for tenant in ("acme", "globex"):
@@ -461,7 +452,7 @@ async def test_a_finish_batch_dates_its_events_the_same_under_any_date_style_T_S
 async def test_a_tasks_retrieval_rows_go_with_it_when_the_sweeper_deletes_it_T_SEC_10(
     admin: asyncpg.Connection,
 ) -> None:
-    """Migration 0013: no foreign key ties audit_retrievals to tasks any more; the statement
+    """no foreign key ties audit_retrievals to tasks any more; the statement
     trigger on tasks deletes, as mcp_tasks_record, the rows of every task a statement deleted
     (here the sweeper's own batch, as the runner role), and only theirs."""
     doomed = [create("acme", "alice"), create("acme", "bob"), create("globex", "alice")]
@@ -495,7 +486,7 @@ async def test_a_tasks_retrieval_rows_go_with_it_when_the_sweeper_deletes_it_T_S
 async def test_a_finish_batch_locks_its_rows_in_item_order_with_one_statement(
     database_url: str, admin: asyncpg.Connection, held_at: int
 ) -> None:
-    """Migration 0014: task_finish_batch locks every row of the batch by one statement, still in the
+    """task_finish locks every row of the batch by one statement, still in the
     items' order (the order every writer locks rows in, so batches and cancels never wait on each
     other in a cycle), whatever the rows' key or physical order: the items are named in reverse key
     order. Another transaction holds one item's row: while the batch waits on it, the rows of the
@@ -544,17 +535,17 @@ async def test_a_finish_batch_locks_its_rows_in_item_order_with_one_statement(
 
 
 async def test_the_queue_gauges_count_from_the_queued_and_leased_rows_alone(admin: asyncpg.Connection) -> None:
-    """Migration 0015 dropped the index of every active task per requestor: queue_by_tool (the
+    """There is no index of of every active task per requestor: queue_by_tool (the
     queue gauges, once per maintenance pass) counts the queued and the running tasks per tool from
     the two partial indexes of exactly those rows, not by a scan of every stored task.
 
-    Migration 0017: planned as the runner role that runs it, under row-level security, where the
+    planned as the runner role that runs it, under row-level security, where the
     planner may not use the most common values of ``status`` (the enum's ``=`` is not leakproof).
     Before, it took the queued tasks for half of a table of finished ones (1 over the status's
     count of distinct values), and with a million stored chose a scan of the table; the null test
     in ``tasks_queued`` tells it how few they are. The pass's other reader of the queue,
     mark_tasks_without_runner, is planned the same way."""
-    queued = [create("acme", "alice", tool="slow", lease_owner=None, lease_key=None, lease_ms=None) for _ in range(3)]
+    queued = [create("acme", "alice", tool="slow", lease_owner=None, lease_ms=None) for _ in range(3)]
     running = [create("acme", "bob", tool="slow") for _ in range(2)] + [create("globex", "carol")]
     done = [create("acme", "alice") for _ in range(3)]
     await batch(admin, ordered(queued + running + done))
@@ -587,7 +578,7 @@ async def test_the_queue_gauges_count_from_the_queued_and_leased_rows_alone(admi
 async def test_a_finish_batch_finds_its_rows_by_key_with_a_plan_made_on_a_young_table(
     database_url: str, admin: asyncpg.Connection
 ) -> None:
-    """Migration 0014: a connection's plans of task_finish_batch are made once and kept, maybe
+    """a connection's plans of task_finish are made once and kept, maybe
     while the table holds a few rows and has no statistics (a new deployment; a server whose
     autovacuum is off). Joined with the items, the table was then read by a hash join over a scan
     of every row, for every batch after, however many tasks it came to hold. The batch's rows are
@@ -601,7 +592,7 @@ async def test_a_finish_batch_finds_its_rows_by_key_with_a_plan_made_on_a_young_
         await store_finished(admin, 5_000)
         async with runner.transaction():
             await runner.execute(f"SET LOCAL ROLE {RUNNER}")
-            done = await runner.fetch("SELECT * FROM task_finish_batch($1::jsonb)", json.dumps([finish(young[1])]))
+            done = await runner.fetch("SELECT * FROM task_finish($1::jsonb)", json.dumps([finish(young[1])]))
             await runner.execute("RESET ROLE")
             scans = await runner.fetchrow(
                 "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables WHERE relname = 'tasks'"

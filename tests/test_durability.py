@@ -19,6 +19,7 @@ import asyncpg
 import httpx
 import orjson
 import pytest
+from prometheus_client import REGISTRY as METRICS
 
 from service.core import GC_THRESHOLDS
 from tests.conftest import free_port, http_client, make_settings, serve
@@ -323,29 +324,26 @@ async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(da
     the runner looks the task up and runs it rather than leaving it leased and idle."""
     async with serve(make_settings(database_url)) as running:
         runner = running.app.state.core.runner
-        lease = runner.reserve("local")
-        assert lease is not None
-        owner, key = lease.owner, lease.key
+        reservation = runner.reserve("local")
+        assert reservation is not None
+        lease = runner.lease()
         db = await asyncpg.connect(database_url)
         try:
             await db.execute(
                 """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
-                                      poll_interval_ms, expires_at, lease_owner, lease_key, lease_expires_at,
+                                      poll_interval_ms, expires_at, lease_owner, lease_expires_at,
                                       attempts, started_at)
                    VALUES ('local', 'orphan', 'local', '2025-11-25', 'echo', '{"text": "still here"}', 60000, 100,
-                           now() + interval '1 minute', $1, $2, now() + interval '30 seconds', 1, now())""",
-                owner,
-                key,
+                           now() + interval '1 minute', $1, now() + interval '30 seconds', 1, now())""",
+                lease.owner,
             )
-            runner.adopt_unknown("local", "orphan")
-            for _ in range(50):
-                if await db.fetchval("SELECT status FROM tasks WHERE task_id = 'orphan'") == "completed":
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the orphaned task was not run")
-            # The create's slot is given back (a claim in flight reserves slots of its own meanwhile).
-            assert runner._reserved_by_tenant.get("local", 0) == 0
+            runner.answer_lost(reservation, "orphan")
+            async with asyncio.timeout(10):
+                while await db.fetchval("SELECT status FROM tasks WHERE task_id = 'orphan'") != "completed":
+                    await asyncio.sleep(0.1)
+                # The create's slot is given back (a claim in flight reserves slots of its own meanwhile).
+                while runner.ledger.held().get("local", 0):
+                    await asyncio.sleep(0.01)
         finally:
             await db.close()
 
@@ -364,17 +362,17 @@ async def test_a_lost_create_answer_for_a_task_the_runner_already_runs_does_not_
         s = RpcSession(http, running.url)
         await s.initialize()
         task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
-        started = tool_signal(key, "started")
         async with asyncio.timeout(10):
-            await started.wait()
-        started.clear()
-        assert runner.reserve("local") is not None
-        runner.adopt_unknown("local", task_id)
+            await tool_signal(key, "started").wait()
+        first = runner.ledger.runs[("local", task_id)]
+        reservation = runner.reserve("local")
+        assert reservation is not None
+        runner.answer_lost(reservation, task_id)
         async with asyncio.timeout(10):
-            while runner._reserved_by_tenant.get("local", 0):  # the look-up ends by giving the slot back
+            while runner.ledger.held().get("local", 0) > 1:  # the look-up ends by giving the slot back
                 await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # a second run, if one were started, would have begun by now
-        assert not started.is_set(), "the task was started a second time"
+        # The look-up's answer was decided without starting anything: the one run goes on.
+        assert runner.ledger.runs[("local", task_id)] is first
         assert runner.busy == 1
         await s.result("tasks/cancel", {"taskId": task_id})
 
@@ -463,7 +461,8 @@ async def test_killed_database_connections_are_retry_shortly_and_lose_no_outcome
 
 
 async def test_a_forged_cancel_event_does_not_stop_a_running_task(database_url: str, http: httpx.AsyncClient) -> None:
-    """Security review, point 3: an event is a hint; the runner re-reads the row before it stops a task."""
+    """Security review, point 3: an event is a hint; the runner re-reads the row before it stops a
+    task, and counts the hint its row did not confirm."""
     async with serve(make_settings(database_url)) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
@@ -471,56 +470,26 @@ async def test_a_forged_cancel_event_does_not_stop_a_running_task(database_url: 
         runner = running.app.state.core.runner
 
         async def running_here() -> bool:
-            return ("local", task_id) in runner._running
+            return ("local", task_id) in runner.ledger.runs
 
         async def stopped_here() -> bool:
             return not await running_here()
 
         await wait_for(running_here)
+        before = METRICS.get_sample_value("mcp_tasks_runner_unconfirmed_stops_total") or 0.0
         admin = await asyncpg.connect(database_url)
         try:
             forged = orjson.dumps({"v": 1, "k": "cancel", "tenant_id": "local", "task_id": task_id}).decode()
             await admin.execute("SELECT pg_notify('mcp_tasks', $1)", forged)
-            await asyncio.sleep(0.5)  # the re-read has happened by now
-            assert ("local", task_id) in runner._running
+            async with asyncio.timeout(10):  # the runner re-read the row, which says the task is still its own
+                while (METRICS.get_sample_value("mcp_tasks_runner_unconfirmed_stops_total") or 0.0) == before:
+                    await asyncio.sleep(0.01)
+            assert ("local", task_id) in runner.ledger.runs
             assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "working"
             await s.result("tasks/cancel", {"taskId": task_id})  # a real cancel still stops it
             await wait_for(stopped_here)
         finally:
             await admin.close()
-
-
-async def test_a_run_cancelled_before_its_first_step_gives_its_slot_back(
-    database_url: str, http: httpx.AsyncClient
-) -> None:
-    """A run cancelled in the loop turn that started it (a cancel event, a fence or a shutdown
-    meeting a task just claimed) never enters its coroutine, so none of its `finally` runs: the
-    runner must still give its slot back and forget it, or the slot is lost for the process's life."""
-    async with serve(make_settings(database_url, runner_concurrency=2)) as running:
-        runner = running.app.state.core.runner
-        s = RpcSession(http, running.url)
-        await s.initialize()
-        task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
-        key = ("local", task_id)
-
-        async def running_here() -> bool:
-            return key in runner._running
-
-        await wait_for(running_here)
-        first = runner._running[key]
-        first.job.cancel()  # its tool stops; the row stays leased to this runner (nothing written)
-        await asyncio.gather(first.job, return_exceptions=True)
-        assert runner.busy == 0
-        assert key not in runner._running
-        again = runner._start(first.task, time.monotonic())
-        assert again is not None
-        assert runner.busy == 1
-        again.job.cancel()  # before its first step
-        await asyncio.gather(again.job, return_exceptions=True)
-        await asyncio.sleep(0)  # its done callbacks
-        assert runner.busy == 0, "the slot of a run cancelled before it started was never given back"
-        assert key not in runner._running
-        await s.result("tasks/cancel", {"taskId": task_id})
 
 
 async def test_a_database_blip_while_a_claimed_task_reads_its_session_does_not_fail_it(

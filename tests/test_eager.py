@@ -7,7 +7,7 @@ import contextvars
 
 import pytest
 
-from service.domain import eager
+from service.concurrency import eager
 
 where: contextvars.ContextVar[str] = contextvars.ContextVar("where", default="caller")
 

@@ -22,12 +22,12 @@ from service.domain.errors import Unavailable
 from service.domain.inputs import InputKind, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, OutcomeKind, Task
-from service.runtime.fencing import ROW_LEASE
 from service.runtime.handback import hand_back
 from service.runtime.maintenance import Maintenance
 from service.store import requests as rq
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
-from service.store.repository import RunnerStore, TaskStore
+from service.store.runners import RunnerStore
+from service.store.tasks import TaskStore
 from service.tools.registry import Registry
 from tests.conftest import make_settings, serve
 from tests.faults.proxy import tcp_proxy
@@ -35,7 +35,7 @@ from tests.rpc import RpcSession
 from tests.test_audit import audit_rows
 from tests.toolpack import signal
 
-OWNER = "runner-1" + ROW_LEASE
+OWNER = "runner-1"
 RESULT = Outcome(OutcomeKind.RESULT, {"content": [{"type": "text", "text": "late"}], "isError": False})
 REGISTRY = Registry.load(["service.tools.demo"])  # echo may re-run, crash may not
 
@@ -47,7 +47,7 @@ async def stores(database_url: str) -> AsyncIterator[tuple[TaskStore, RunnerStor
     await app_db.open()
     await runner_db.open()
     runner = RunnerStore(runner_db)
-    await runner.publish(OWNER, 1, {}, 60_000)  # the runner's row: the lease on all its tasks
+    await runner.publish(OWNER, {}, 60_000)  # the runner's row: the lease on all its tasks
     try:
         yield TaskStore(app_db), runner
     finally:
@@ -72,25 +72,25 @@ async def queued(tasks: TaskStore, tool: str = "echo") -> str:
         poll_interval_ms=100, max_per_requestor=100, max_per_tenant=1_000, lease=None, rerunnable=True,
         tool_version=None,
     )  # fmt: skip
-    (task,) = await tasks.run([request])
+    (task,) = await tasks.create([request])
     assert task is not None
     return task.task_id
 
 
 async def claim_one(runner: RunnerStore, tool: str = "echo") -> Task:
-    (task,) = await runner.claim(OWNER, 1, 240_000, 1, {tool: None}, tenant_share=32, held={})
+    (task,) = await runner.claim(OWNER, 240_000, 1, {tool: None}, tenant_share=32, held={})
     return task
 
 
-def release(task: Task, *, only_if_lapsed: bool = False, never_started: bool = False) -> rq.ReleaseRequest:
-    return hand_back(REGISTRY, tenant_id=task.tenant_id, task_id=task.task_id, subject=task.subject,
-                     tool=task.tool, owner=OWNER, epoch=task.lease_epoch, why="re-running: test",
-                     rerunnable=None, only_if_lapsed=only_if_lapsed, never_started=never_started)  # fmt: skip
+def release(task: Task, *, only_if_lapsed: bool = False, never_started: bool = False) -> rq.HandBackRequest:
+    return hand_back(tenant_id=task.tenant_id, task_id=task.task_id, subject=task.subject, tool=task.tool,
+                     owner=OWNER, epoch=task.lease_epoch, why="re-running: test", rerunnable=task.rerunnable is True,
+                     only_if_lapsed=only_if_lapsed, never_started=never_started)  # fmt: skip
 
 
 async def taken_over_by_the_same_runner(runner: RunnerStore, first: Task) -> Task:
     """The run ``first`` lost its task (handed back, re-queued) and this runner claimed it again."""
-    assert (await runner.release([release(first, never_started=True)]))[0] is not None
+    assert (await runner.hand_back([release(first, never_started=True)]))[0] is not None
     second = await claim_one(runner, first.tool)
     assert (second.task_id, second.attempts) == (first.task_id, 2)
     return second
@@ -156,7 +156,7 @@ async def test_a_release_with_a_stale_epoch_writes_nothing(
     before = {task_id: await row(db, task_id) for task_id in (rerunnable, not_rerunnable)}
     requeues = len([e for e in await audit_rows(database_url, "acme") if e["action"] == "requeue"])
 
-    assert await runner.release(sorted([release(first), release(old)], key=lambda r: r.order)) == [None, None]
+    assert await runner.hand_back(sorted([release(first), release(old)], key=lambda r: r.order)) == [None, None]
     assert {task_id: await row(db, task_id) for task_id in before} == before
     events = await audit_rows(database_url, "acme")
     assert len([e for e in events if e["action"] == "requeue"]) == requeues
@@ -222,14 +222,14 @@ async def test_a_question_from_a_stale_run_is_not_asked(
     assert await runner.ask(second, OWNER, question) is True
 
 
-async def test_the_reaper_leaves_a_lease_whose_lock_is_gone_until_its_time_runs_out(
+async def test_the_reaper_leaves_a_lease_alone_until_its_time_runs_out(
     stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection, database_url: str
 ) -> None:
-    """Issue 13, point 2: a runner cut off from the database loses its liveness lock but still
-    runs; its tasks are taken only once their leases have run out (they were taken within a second)."""
+    """Issue 13, point 2: a runner cut off from the database still runs; its tasks are taken only
+    once their leases have run out (they were taken within a second when a lost connection counted)."""
     tasks, runner = stores
     task_id = await queued(tasks)
-    await claim_one(runner)  # lease_key 1: an advisory lock nobody holds
+    await claim_one(runner)
     runner_db = Database(database_url, pool_size=1, role=RUNNER_ROLE)
     await runner_db.open()
     reaper = Maintenance(runner_db, REGISTRY, interval_s=60, session_idle_ms=60_000)
@@ -257,7 +257,7 @@ async def test_the_reapers_release_rechecks_under_the_row_lock_that_the_lease_ra
     assert await runner.renew(OWNER, 60_000, [((task.tenant_id, task_id), task.lease_epoch)], 240_000) == (
         True, {(task.tenant_id, task_id)}, set(),
     )  # fmt: skip
-    assert await runner.release([release(task, only_if_lapsed=True)]) == [None]
+    assert await runner.hand_back([release(task, only_if_lapsed=True)]) == [None]
     after = await row(db, task_id)
     assert (after["status"], after["lease_owner"], after["lease_epoch"]) == ("working", OWNER, task.lease_epoch)
 
@@ -281,27 +281,9 @@ async def test_a_lease_lapses_with_its_runners_row_whatever_the_tasks_own_lease_
     assert (lost.task_id, lost.epoch) == (task_id, task.lease_epoch)
     assert await db.fetchval("SELECT lease_expires_at > now() + interval '1 minute' FROM tasks WHERE task_id = $1",
                              task_id)  # fmt: skip
-    (moved,) = await runner.release([release(task, only_if_lapsed=True)])
+    (moved,) = await runner.hand_back([release(task, only_if_lapsed=True)])
     assert moved is not None
     assert ((await row(db, task_id))["lease_owner"], moved.status.value) == (None, "working")  # re-queued
-
-
-async def test_a_runner_of_an_earlier_release_is_judged_by_its_tasks_own_leases_alone(
-    stores: tuple[TaskStore, RunnerStore], db: asyncpg.Connection
-) -> None:
-    """During the rolling upgrade a runner of the previous release renews every task's own lease
-    and fences on those renewals, not on its row (which it republished only now and then): its
-    tasks (an owner name without ROW_LEASE) lapse by their own leases only."""
-    tasks, runner = stores
-    task_id = await queued(tasks)
-    old = "old-runner:1:cafe"
-    await runner.publish(old, 2, {}, 60_000)
-    (task,) = await runner.claim(old, 2, 30_000, 1, {"echo": None}, tenant_share=32, held={})
-    await lapse_row(db, old)
-    assert await runner.lost_leases(10) == []
-    await db.execute("UPDATE tasks SET lease_expires_at = now() - interval '1 second' WHERE task_id = $1", task_id)
-    (lost,) = await runner.lost_leases(10)
-    assert (lost.task_id, lost.owner, lost.epoch) == (task_id, old, task.lease_epoch)
 
 
 async def test_a_beat_extends_the_runners_row_and_only_the_due_task_leases(
@@ -339,9 +321,9 @@ async def test_a_beat_does_not_revive_a_lapsed_row_and_a_lapsed_runner_claims_no
     assert await runner.renew(OWNER, 60_000, [(key, held.lease_epoch)], 240_000) == (False, set(), set())
     assert await db.fetchval("SELECT live_until < now() FROM runners WHERE owner = $1", OWNER)
     assert (await row(db, held_id))["lease_expires_at"] == before
-    assert await runner.claim(OWNER, 1, 240_000, 1, {"echo": None}, tenant_share=32, held={}) == []
+    assert await runner.claim(OWNER, 240_000, 1, {"echo": None}, tenant_share=32, held={}) == []
     assert (await row(db, waiting_id))["lease_owner"] is None
-    await runner.publish(OWNER, 1, {}, 60_000)
+    await runner.publish(OWNER, {}, 60_000)
     assert (await claim_one(runner)).task_id == waiting_id
 
 
@@ -477,75 +459,6 @@ async def test_a_runner_whose_row_lapsed_stops_its_tools_and_publishes_itself_af
         async with asyncio.timeout(10):
             result = await s.result("tasks/result", {"taskId": echoed["task"]["taskId"]})
         assert result["content"][0]["text"] == "after"
-
-
-async def test_a_create_whose_covering_row_extension_is_too_old_when_it_lands_does_not_start(
-    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
-) -> None:
-    """A slot reserved under one extension of the runner's row, adopted after that extension stopped
-    covering it (the row may have lapsed and been revived meanwhile, the reaper may hold the task),
-    must not start here: the task goes back unstarted and runs through a claim, once."""
-    key = secrets.token_hex(4)
-    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
-        runner = running.app.state.core.runner
-        reserve = runner.reserve
-
-        def reserved_under_an_old_extension(tenant_id: str, *, running: bool = False) -> rq.Lease | None:
-            lease = reserve(tenant_id, running=running)
-            if lease is not None:  # as if the create had taken longer than a fence to land
-                at, _row_sent = runner._reserved_at[-1]
-                runner._reserved_at[-1] = (at, at - runner.times.fence_after - 1)
-            return lease
-
-        runner.reserve = reserved_under_an_old_extension  # type: ignore[method-assign]
-        before = fenced_tasks()
-        s = RpcSession(http, running.url)
-        await s.initialize()
-        task_id = (await s.call_tool_as_task("hang", {"key": key}))["task"]["taskId"]
-        async with asyncio.timeout(10):
-            await signal(key, "started").wait()
-        assert fenced_tasks() == before + 1
-        task = await s.result("tasks/get", {"taskId": task_id})
-        assert "lease ran out before the task started" in task.get("statusMessage", "")
-        # Two leases (the create's, never started, and the claim's under which it runs), one run.
-        assert (await row(db, task_id))["attempts"] == 2
-        await s.result("tasks/cancel", {"taskId": task_id})
-
-
-async def test_a_runner_whose_row_looks_stale_claims_nothing_until_a_beat_lands(
-    database_url: str, db: asyncpg.Connection, http: httpx.AsyncClient
-) -> None:
-    """A claim sent while no beat has landed for half the fence time would lease tasks its runs
-    could not start (the runner hands back what its row may no longer cover), and each hand-back
-    costs the task one of its attempts: three such claims failed a task that never ran. The
-    runner claims nothing then, and claims again as soon as a beat lands."""
-    async with serve(make_settings(database_url, lease_ms=2_000)) as running:
-        runner = running.app.state.core.runner
-        renew = runner.store.renew
-        beats, unanswered = asyncio.Event(), asyncio.Event()
-
-        async def no_answer(*args: object, **kwargs: object) -> tuple[bool, set[object]]:
-            unanswered.set()
-            await beats.wait()  # the database does not answer the beat (until told to)
-            return await renew(*args, **kwargs)  # type: ignore[arg-type]
-
-        runner.store.renew = no_answer  # type: ignore[method-assign]
-        async with asyncio.timeout(5):  # a beat sent before the swap has landed (beats run one by one)
-            await unanswered.wait()
-        # As if the last beat that landed were older than the fence: the row itself still holds.
-        runner._row_sent = time.monotonic() - runner.times.fence_after
-        s = RpcSession(http, running.url)
-        await s.initialize()
-        task_id = (await s.call_tool_as_task("echo", {"text": "once"}))["task"]["taskId"]
-        await asyncio.sleep(0.5)  # claims would have been answered (and handed back) by now
-        queued_row = await row(db, task_id)
-        assert (queued_row["lease_owner"], queued_row["attempts"]) == (None, 0)
-        assert queued_row["status"] == "working"
-        beats.set()
-        async with asyncio.timeout(10):
-            result = await s.result("tasks/result", {"taskId": task_id})
-        assert result["content"][0]["text"] == "once"
-        assert (await row(db, task_id))["attempts"] == 1
 
 
 async def test_the_tasks_of_a_claim_whose_answer_was_lost_are_taken_over_after_a_lease_and_a_half(

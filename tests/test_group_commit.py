@@ -23,7 +23,8 @@ from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.queries import Q
-from service.store.repository import RunnerStore, TaskStore
+from service.store.runners import RunnerStore
+from service.store.tasks import TaskStore
 from tests.conftest import make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
@@ -48,7 +49,7 @@ def principal(tenant: str, subject: str) -> Principal:
     return Principal(tenant_id=tenant, subject=subject, client_id="c", issuer="https://issuer.test")
 
 
-def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -> rq.TaskRequest:
+def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -> rq.CreateRequest:
     return rq.create(
         Caller(owner, "r", "127.0.0.1"),
         secrets.token_urlsafe(16),
@@ -68,12 +69,12 @@ def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -
     )
 
 
-def leased_create(owner: Principal) -> rq.TaskRequest:
-    return dataclasses.replace(create(owner), lease_owner="runner-1", lease_key=1, lease_ms=60_000)
+def leased_create(owner: Principal) -> rq.CreateRequest:
+    return dataclasses.replace(create(owner), lease_owner="runner-1", lease_ms=60_000)
 
 
-def lookup(owner: Principal, task_id: str, *, retrieve: bool) -> rq.TaskRequest:
-    return rq.lookup(Caller(owner), task_id, retrieve=retrieve)
+def lookup(owner: Principal, task_id: str, *, retrieve: bool) -> rq.GetRequest | rq.RetrieveRequest:
+    return rq.retrieve(Caller(owner), task_id) if retrieve else rq.get(Caller(owner), task_id)
 
 
 def finish(task: Task, owner: str, outcome: Outcome) -> rq.FinishRequest:
@@ -87,9 +88,14 @@ class Recorded:
         self.store = TaskStore(db)
         self.sizes: list[int] = []
 
-    async def many(self, items: list[rq.TaskRequest]) -> list[Task | None]:
+    async def many(self, items: list[Any]) -> list[Task | None]:
+        """Each batcher carries one operation: creates, retrieves or gets."""
         self.sizes.append(len(items))
-        return await self.store.run(items)
+        if isinstance(items[0], rq.CreateRequest):
+            return await self.store.create(items)
+        if isinstance(items[0], rq.RetrieveRequest):
+            return await self.store.retrieve(items)
+        return await self.store.get(items)
 
 
 async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Database) -> None:
@@ -105,8 +111,8 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
     assert (alice_task.tenant_id, alice_task.subject) == ("acme", "alice")
     task_id = alice_task.task_id
     lookups = [
-        lookup(alice, task_id, retrieve=False),
-        lookup(bob, task_id, retrieve=False),  # same tenant, another subject
+        lookup(alice, task_id, retrieve=True),
+        lookup(bob, task_id, retrieve=True),  # same tenant, another subject
         lookup(mallory, task_id, retrieve=True),  # another tenant, same subject name
         lookup(alice, task_id, retrieve=True),
     ]
@@ -128,16 +134,16 @@ async def test_one_batch_keeps_every_tenant_and_subject_apart_T_SEC_1(app_db: Da
 async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
     app_db: Database, database_url: str
 ) -> None:
-    """task_get_batch (migrations 0010, 0011), as the reads batcher sends it: items of several tenants and
+    """task_get, as the gets batcher sends it: items of several tenants and
     subjects in one statement, each answered in its place with its own task or None: another
     subject's, another tenant's twin id, an expired task and an unknown id find nothing; the same
     item twice is answered twice; RLS holds each tenant's read to its rows."""
     store = TaskStore(app_db)
     alice, bob, mallory = principal("acme", "alice"), principal("acme", "bob"), principal("globex", "alice")
-    mine = await store.run([create(alice), create(alice)])
+    mine = await store.create([create(alice), create(alice)])
     assert mine[0] is not None
     assert mine[1] is not None
-    twin = await store.run([dataclasses.replace(create(mallory), task_id=mine[0].task_id)])
+    twin = await store.create([dataclasses.replace(create(mallory), task_id=mine[0].task_id)])
     assert twin[0] is not None
     admin = await asyncpg.connect(database_url)
     try:
@@ -158,7 +164,7 @@ async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
         lookup(alice, a, retrieve=False),  # the same item again
         lookup(principal("initech", "alice"), a, retrieve=False),  # a tenant with no such task
     ]
-    found = await store.get_many(sorted(items, key=lambda item: item.order))
+    found = await store.get(sorted(items, key=lambda item: item.order))
     by_item = dict(zip((id(i) for i in sorted(items, key=lambda item: item.order)), found, strict=True))
     answers = [by_item[id(i)] for i in items]
     assert [(t.tenant_id, t.subject, t.task_id) if t else None for t in answers] == [
@@ -172,7 +178,7 @@ async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
     ]
     assert all(t is None or t.status.value == "working" for t in answers)
     # In any order the batcher might send (it sorts; the statement must not depend on it).
-    assert [t.tenant_id if t else None for t in await store.get_many(list(reversed(items)))] == [
+    assert [t.tenant_id if t else None for t in await store.get(list(reversed(items)))] == [
         None, "acme", None, None, "globex", None, "acme",
     ]  # fmt: skip
 
@@ -180,17 +186,17 @@ async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
 async def test_a_get_reads_its_row_by_primary_key_among_thousands_of_the_subject(
     app_db: Database, database_url: str
 ) -> None:
-    """task_get_batch reads an item's row by primary key however many tasks its subject holds, on a
-    table the planner knows nothing about (a new deployment; no ANALYZE yet). Migration 0010 joined
-    on the subject too, and the planner walked tasks_owner_recent, every task of the subject, to
-    find one: one principal's gets ran at half the speed of spread ones (migration 0011). Counted
-    in buffers (EXPLAIN BUFFERS counts the function's own statements), not in time."""
+    """task_get reads an item's row by primary key however many tasks its subject holds, on a
+    table the planner knows nothing about (a new deployment; no ANALYZE yet). Joined on the subject
+    too, the planner walked tasks_owner_recent, every task of the subject, to find one: one
+    principal's gets ran at half the speed of spread ones. Counted in buffers (EXPLAIN BUFFERS
+    counts the function's own statements), not in time."""
     store = TaskStore(app_db)
     alice = principal("acme", "alice")
     held: list[Task] = []
     for _ in range(48):
         batch = [dataclasses.replace(create(alice), max_per_requestor=10**6, max_per_tenant=10**6) for _ in range(64)]
-        held += [t for t in await store.run(batch) if t]
+        held += [t for t in await store.create(batch) if t]
     assert len(held) == 48 * 64
     admin = await asyncpg.connect(database_url)
     try:
@@ -198,10 +204,8 @@ async def test_a_get_reads_its_row_by_primary_key_among_thousands_of_the_subject
         await admin.execute(f"SET ROLE {APP_ROLE}")
         wanted = held[len(held) // 2].task_id
         args = (["acme"], [wanted], ["alice"])
-        assert [r["task_id"] for r in await admin.fetch(Q["task_get_batch"], *args)] == [wanted]  # plans made
-        plan = await admin.fetchval(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM task_get_batch($1, $2, $3)", *args
-        )
+        assert [r["task_id"] for r in await admin.fetch(Q["task_get"], *args)] == [wanted]  # plans made
+        plan = await admin.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM task_get($1, $2, $3)", *args)
     finally:
         await admin.close()
     top = json.loads(plan)[0]["Plan"]
@@ -245,7 +249,7 @@ async def test_caps_hold_across_requestors_of_one_tenant_in_one_batch_T_SEC_7(ap
     batcher = Batcher(calls.many, name="test")
     alice, bob = principal("acme", "alice"), principal("acme", "bob")
 
-    def capped(owner: Principal) -> rq.TaskRequest:
+    def capped(owner: Principal) -> rq.CreateRequest:
         return dataclasses.replace(create(owner, max_per_requestor=2), max_per_tenant=3)
 
     made = await asyncio.gather(*(batcher.submit(capped(p)) for p in (alice, bob, alice, bob, alice, bob)))
@@ -261,7 +265,7 @@ async def test_finishes_in_one_batch_record_only_leases_still_held_T_SEC_10(
 ) -> None:
     owner = principal("acme", "alice")
     leased = [leased_create(owner) for _ in range(3)]
-    tasks = [t for t in await TaskStore(app_db).run(leased) if t is not None]
+    tasks = [t for t in await TaskStore(app_db).create(leased) if t is not None]
     assert len(tasks) == 3
     outcome = Outcome(OutcomeKind.RESULT, {"content": [], "isError": False})
     items = [
@@ -340,7 +344,7 @@ async def test_a_request_whose_waiter_went_away_is_not_sent(app_db: Database) ->
     task = await batcher.submit(create(owner))
     assert task is not None
     gone = batcher.enqueue(lookup(owner, task.task_id, retrieve=True))
-    kept = batcher.enqueue(lookup(owner, task.task_id, retrieve=False))
+    kept = batcher.enqueue(lookup(owner, task.task_id, retrieve=True))
     gone.cancel()
     assert (await kept) is not None
     assert calls.sizes == [1, 1]
@@ -352,7 +356,7 @@ async def test_a_batch_cut_off_by_shutdown_answers_every_waiter(app_db: Database
     gate = asyncio.Event()
     calls = Recorded(app_db)
 
-    async def held_after_first(items: list[rq.TaskRequest]) -> list[Task | None]:
+    async def held_after_first(items: list[rq.CreateRequest]) -> list[Task | None]:
         if calls.sizes:  # the item-by-item answers: held until the shutdown comes
             await gate.wait()  # never set
         return await calls.many(items)
@@ -378,7 +382,7 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
     task (locking the counter) and then waited for the cancelled task's row would close a cycle."""
     owner = principal("acme", "alice")
     leased = [leased_create(owner) for _ in range(2)]
-    tasks = sorted((t for t in await TaskStore(app_db).run(leased) if t is not None), key=lambda t: t.task_id)
+    tasks = sorted((t for t in await TaskStore(app_db).create(leased) if t is not None), key=lambda t: t.task_id)
     outcome = Outcome(OutcomeKind.RESULT, {"content": [], "isError": False})
     items = [finish(t, "runner-1", outcome) for t in tasks]
     blocker = await asyncpg.connect(database_url)
@@ -395,7 +399,7 @@ async def test_a_finish_batch_locks_every_row_before_any_counter(app_db: Databas
                 async with asyncio.timeout(10):
                     while not await probe.fetchval(
                         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                        " AND wait_event_type = 'Lock' AND query LIKE '%task_finish_batch%'"
+                        " AND wait_event_type = 'Lock' AND query LIKE '%task_finish%'"
                     ):
                         await asyncio.sleep(0.02)
                 async with probe.transaction():
@@ -421,9 +425,9 @@ async def test_requests_under_way_join_the_next_batch_and_an_idle_one_goes_after
     store = TaskStore(app_db)
     sizes: list[int] = []
 
-    async def recorded(items: list[rq.TaskRequest]) -> list[Task | None]:
+    async def recorded(items: list[rq.CreateRequest]) -> list[Task | None]:
         sizes.append(len(items))
-        return await store.run(items)
+        return await store.create(items)
 
     batcher = Batcher(recorded, name="test-gather")
     owner = principal("gather", "a")
@@ -455,11 +459,11 @@ async def test_tenants_take_turns_and_large_items_go_in_a_lane_of_their_own(app_
     batches: list[list[str]] = []
     store = TaskStore(app_db)
 
-    async def gated(items: list[rq.TaskRequest]) -> list[Task | None]:
+    async def gated(items: list[rq.CreateRequest]) -> list[Task | None]:
         batches.append([f"{i.tenant_id}:{'large' if i.size_bytes > 65_536 else 'small'}" for i in items])
         if len(batches) == 1:
             await gate.wait()  # the statement in flight while the flood queues
-        return await store.run(items)
+        return await store.create(items)
 
     batcher = Batcher(gated, name="test-turns")
     flood, other = principal("flood", "a"), principal("other", "b")
@@ -512,15 +516,15 @@ async def test_a_burst_of_batches_goes_over_one_connection(app_db: Database) -> 
     release for the burst); an idle batcher holds none."""
     pids: list[int] = []
 
-    async def run_many(items: list[rq.TaskRequest]) -> list[int]:
+    async def run_many(items: list[rq.GetRequest]) -> list[int]:
         pid = await backend(app_db)
         pids.append(pid)
         await asyncio.sleep(0.01)  # a statement in flight: the next ones queue up meanwhile
         return [pid] * len(items)
 
-    batcher: Batcher[rq.TaskRequest, int] = Batcher(run_many, name="test-hold", max_items=2, hold=app_db.holding)
+    batcher: Batcher[rq.GetRequest, int] = Batcher(run_many, name="test-hold", max_items=2, hold=app_db.holding)
     owner = principal("acme", "alice")
-    gets = [rq.lookup(Caller(owner, "r", "127.0.0.1"), f"t{i}", retrieve=False) for i in range(8)]
+    gets = [rq.get(Caller(owner, "r", "127.0.0.1"), f"t{i}") for i in range(8)]
     before = acquires()
     assert len(set(await asyncio.gather(*(batcher.submit(g) for g in gets)))) == 1
     assert len(pids) == 4
@@ -543,15 +547,15 @@ async def test_an_item_queued_while_a_drain_gives_its_hold_back_is_still_sent() 
         giving_back.set()
         await asyncio.sleep(0.05)
 
-    async def run_many(items: list[rq.TaskRequest]) -> list[str]:
+    async def run_many(items: list[rq.GetRequest]) -> list[str]:
         return [item.task_id for item in items]
 
-    batcher: Batcher[rq.TaskRequest, str] = Batcher(run_many, name="test-hold-race", hold=slow_hold)
+    batcher: Batcher[rq.GetRequest, str] = Batcher(run_many, name="test-hold-race", hold=slow_hold)
     caller = Caller(principal("acme", "alice"), "r", "127.0.0.1")
-    first = asyncio.create_task(batcher.submit(rq.lookup(caller, "t1", retrieve=False)))
+    first = asyncio.create_task(batcher.submit(rq.get(caller, "t1")))
     async with asyncio.timeout(5):
         await giving_back.wait()
-        assert await batcher.submit(rq.lookup(caller, "t2", retrieve=False)) == "t2"
+        assert await batcher.submit(rq.get(caller, "t2")) == "t2"
         assert await first == "t1"
 
 
@@ -560,7 +564,7 @@ async def test_a_failed_item_reaches_its_waiter_and_an_abandoned_one_is_not_logg
     not reported as "never retrieved" when its future is collected (nobody was left to take it)."""
     import gc
 
-    async def run_many(items: list[rq.TaskRequest]) -> list[str]:
+    async def run_many(items: list[rq.GetRequest]) -> list[str]:
         raise Unavailable("the database went away")
 
     loop = asyncio.get_running_loop()
@@ -568,13 +572,13 @@ async def test_a_failed_item_reaches_its_waiter_and_an_abandoned_one_is_not_logg
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: reported.append(context))
     try:
-        batcher: Batcher[rq.TaskRequest, str] = Batcher(run_many, name="test-unretrieved")
+        batcher: Batcher[rq.GetRequest, str] = Batcher(run_many, name="test-unretrieved")
         caller = Caller(principal("acme", "alice"), "r", "127.0.0.1")
         with pytest.raises(Unavailable):
-            await batcher.submit(rq.lookup(caller, "t1", retrieve=False))
+            await batcher.submit(rq.get(caller, "t1"))
 
         async def wait_shielded() -> None:
-            await asyncio.shield(batcher.enqueue(rq.lookup(caller, "t2", retrieve=False)))
+            await asyncio.shield(batcher.enqueue(rq.get(caller, "t2")))
 
         abandoned = asyncio.create_task(wait_shielded())
         await asyncio.sleep(0)

@@ -448,3 +448,16 @@ def test_nothing_is_reserved_while_draining() -> None:
     led.drain()
     assert led.reserve("a", 1.0) is None
     assert led.begin_claim(1.0) is None
+
+
+def test_a_lost_create_answer_for_a_task_already_running_here_starts_nothing() -> None:
+    """The look-up after a lost answer finds the row leased to us, but the task runs here already
+    (its claim took it): the look-up only gives the reserved slot back."""
+    led = ledger()
+    assert led.begin_claim(1.0) is not None
+    (start,) = led.claim_answered([task("a", "s", "t1", 1)], 1.0)
+    reservation = led.reserve("a", 1.1)
+    assert reservation is not None
+    assert led.adopted(reservation, task("a", "s", "t1", 1), 1.2) == []
+    assert led.runs[("a", "t1")] is start.run
+    assert led.held() == {"a": 1}

@@ -1,5 +1,5 @@
-"""Migrations are raw SQL, reversible, and each runs in one transaction (but for the statements a
-revision runs with ``run_outside_transaction``, each safe to run again: migration 0017)."""
+"""Migrations are raw SQL, reversible, and each runs in one transaction; release 0.1.0's baseline
+is the first, and a database from before it is refused with a message, not migrated."""
 
 from __future__ import annotations
 
@@ -36,40 +36,6 @@ async def test_upgrade_downgrade_upgrade_round_trips(admin_dsn: str, database_ur
         await admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
         await admin.close()
     await asyncio.to_thread(migrate.upgrade, database_url)
-    assert schema_dump(database_url) == at_head
-
-
-async def test_a_concurrent_build_that_failed_is_built_again_by_the_next_run(database_url: str) -> None:
-    """Migration 0017 builds tasks_queued outside a transaction (CREATE INDEX CONCURRENTLY): a build
-    that fails leaves an invalid index of that name and the database at 0016. The next run drops the
-    leftover, builds the index whole and records 0017, and the schema is what it is at head."""
-    at_head = schema_dump(database_url)
-    await asyncio.to_thread(migrate.downgrade, database_url, "0016")
-    conn = await asyncpg.connect(database_url)
-    try:
-        await conn.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
-                                  expires_at)
-               SELECT 'acme', 'task-' || g, 'alice', '2025-11-25', 'echo', '{}', 60000, 100, now() + interval '1 hour'
-               FROM generate_series(1, 3) AS g"""
-        )
-        # A build that fails half-way (a unique index over duplicate values) leaves an invalid index.
-        with pytest.raises(asyncpg.UniqueViolationError):
-            await conn.execute("CREATE UNIQUE INDEX CONCURRENTLY tasks_queued ON tasks (tenant_id)")
-        assert (
-            await conn.fetchval("SELECT indisvalid FROM pg_index WHERE indexrelid = 'tasks_queued'::regclass") is False
-        )
-        assert await migrate.current_revision(database_url) == "0016"
-        await asyncio.to_thread(migrate.upgrade, database_url)
-        assert await migrate.current_revision(database_url) == migrate.head_revision()
-        valid, definition = await conn.fetchrow(
-            "SELECT indisvalid, pg_get_indexdef(indexrelid) FROM pg_index WHERE indexrelid = 'tasks_queued'::regclass"
-        )
-        assert valid
-        assert "WHERE ((lease_owner IS NULL) AND (finished_at IS NULL))" in definition
-        await conn.execute("DELETE FROM tasks")
-    finally:
-        await conn.close()
     assert schema_dump(database_url) == at_head
 
 
@@ -162,4 +128,28 @@ async def test_a_newer_schema_keeps_this_version_ready_an_older_one_does_not(dat
             if migrate.head_revision() != "0001":
                 assert (await http.get(readyz)).status_code == 503
     finally:
+        await conn.close()
+
+
+async def test_a_database_from_before_the_baseline_is_refused_with_what_to_do(database_url: str) -> None:
+    """A development build's database at a squashed revision (0001-0020) is neither run on nor
+    "migrated" into a broken state: start-up and `mcp-tasks migrate` say to recreate it."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute("UPDATE alembic_version SET version_num = '0020'")
+        assert not migrate.schema_fits("0020")
+        with pytest.raises(RuntimeError, match="recreate"):
+            await asyncio.to_thread(migrate.upgrade_to_head, database_url)
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "migrate"],
+            env={**os.environ, "MCP_TASKS_DATABASE_URL": database_url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 1
+        assert "recreate the database" in done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        await conn.execute("UPDATE alembic_version SET version_num = $1", migrate.head_revision())
         await conn.close()

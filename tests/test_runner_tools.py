@@ -91,7 +91,7 @@ async def test_a_task_whose_tool_no_live_runner_has_waits_and_says_so_until_one_
 async def test_a_stopped_runner_withdraws_its_tools_and_the_message_returns(
     database_url: str, http: httpx.AsyncClient
 ) -> None:
-    """Issue 13, point 3: "live" is a runner that renews its word and holds its liveness lock; one
+    """Issue 13, point 3: "live" is a runner that renews its word; one
     that stops takes its tools back at once, so the next queued task of that tool is told."""
     db = await asyncpg.connect(database_url)
     try:
@@ -128,13 +128,13 @@ async def test_the_maintenance_pass_stays_linear_in_the_queue_on_a_table_without
     it quadratic (it once spent 8 s of PostgreSQL per pass with 6,400 tasks queued). Both shapes:
     every message to write (no runner), then nothing to change."""
     items = ordered([
-        create(f"t{n % 4}", f"s{n % 3}", tool="hang" if n % 2 else "echo", lease_owner=None, lease_key=None,
+        create(f"t{n % 4}", f"s{n % 3}", tool="hang" if n % 2 else "echo", lease_owner=None,
                lease_ms=None) for n in range(600)
     ])  # fmt: skip
     db = await asyncpg.connect(database_url)
     try:
         await db.execute("SET ROLE mcp_tasks_app")
-        await db.fetch("SELECT task_id FROM task_batch($1::jsonb)", json.dumps(items))
+        await db.fetch("SELECT task_id FROM task_create($1::jsonb)", json.dumps(items))
         await db.execute(f"RESET ROLE; SET ROLE {RUNNER_ROLE}")
         for _ in ("every message written", "nothing changed"):
             plan = orjson.loads(await db.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + Q["mark_tasks_without_runner"]))
@@ -185,7 +185,7 @@ async def test_a_reaper_without_the_tools_pack_re_runs_a_rerunnable_task_and_fai
             # A runner claimed both and died: its leases ran out (only then does the reaper take them,
             # docs/decisions.md "Fencing").
             await admin.execute(
-                "UPDATE tasks SET lease_owner = 'dead-runner', lease_key = 4242, attempts = 1,"
+                "UPDATE tasks SET lease_owner = 'dead-runner', attempts = 1,"
                 " lease_expires_at = clock_timestamp() - interval '1 second' WHERE task_id = ANY($1)",
                 [again, once],
             )

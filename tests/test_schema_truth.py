@@ -44,11 +44,11 @@ def test_the_comparison_covers_function_bodies_policies_and_grants(admin_dsn: st
     """A guard on the comparison itself: normalising must not drop what it is there to compare."""
     dump = schema_dump(_with_db(admin_dsn, template_db))
     for fragment in (
-        "CREATE FUNCTION public.task_batch(p_items jsonb) RETURNS SETOF public.tasks",
+        "CREATE FUNCTION public.task_create(p_items jsonb) RETURNS SETOF public.tasks",
         "PERFORM pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || lock_tenant, 0));",
         "CREATE POLICY tasks_tenant_isolation ON public.tasks TO mcp_tasks_app",
         "ALTER TABLE ONLY public.tasks FORCE ROW LEVEL SECURITY;",
-        "GRANT ALL ON FUNCTION public.task_finish_batch(p_items jsonb) TO mcp_tasks_runner;",
+        "GRANT ALL ON FUNCTION public.task_finish(p_items jsonb) TO mcp_tasks_runner;",
         "CREATE TRIGGER tasks_count_deleted AFTER DELETE ON public.tasks",
     ):
         assert fragment in dump

@@ -17,7 +17,7 @@ import pytest
 from service.runtime.maintenance import Maintenance
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.queries import Q
-from service.store.repository import RunnerStore
+from service.store.runners import RunnerStore
 from service.tools.registry import Registry
 from tests.security.conftest import owned_by_a_non_superuser
 from tests.test_batch_record import create, ordered
@@ -43,7 +43,7 @@ async def created(database_url: str, n: int) -> None:
     try:
         await conn.execute(f"SET ROLE {APP_ROLE}")
         items = ordered([create("busy", "alice", max_per_requestor=10**6, max_per_tenant=10**6) for _ in range(n)])
-        await conn.fetch("SELECT task_id FROM task_batch($1::jsonb)", json.dumps(items))
+        await conn.fetch("SELECT task_id FROM task_create($1::jsonb)", json.dumps(items))
         await conn.execute("SELECT pg_stat_force_next_flush()")
         await conn.execute("SELECT 1")  # the end of a transaction: the flush
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from service.domain.stopping import cancel_and_wait
+from service.concurrency.stopping import cancel_and_wait
 
 
 async def test_a_loop_that_swallows_a_cancellation_is_cancelled_again_until_it_stops() -> None:

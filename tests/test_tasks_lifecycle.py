@@ -447,7 +447,7 @@ async def test_a_task_goes_straight_to_a_free_local_runner_slot(database_url: st
         # The claim loop's first pass (at start-up) holds the one slot while its query runs; a
         # create that lands meanwhile rightly finds no free slot. Start from an idle runner.
         async with asyncio.timeout(10):
-            while runner._reserved or runner.busy:
+            while runner.ledger.free < runner.concurrency:
                 await asyncio.sleep(0.01)
         first = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]
         second = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]

@@ -38,7 +38,6 @@ from service.mcp.wire import error_object, event_message
 from service.observability import logging as logctx
 from service.observability import metrics
 from service.tasks.audit import AuditLog
-from service.tasks.calls import ask_first
 from service.tasks.service import CallMode, CallResult, TaskService
 
 METHOD_HEADER: Final = "mcp-method"
@@ -391,7 +390,7 @@ class ModernSurface:
             return await self._core(call, receive)
         args = {k: str(v) for k, v in (_object(call.params, "arguments") or {}).items()}
         responses = self._with_state(call, f"prompt:{name}", args, _responses(call.params.get("inputResponses")))
-        round_ = await ask_first(
+        round_ = await self.tasks.ask_first(
             lambda ctx: prompt.render(args, ctx), responses=responses, client_capabilities=call.capabilities
         )
         if round_.questions:

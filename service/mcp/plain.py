@@ -12,8 +12,8 @@ from service.domain.events import InputRequested, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.task import FailureReason
 from service.tasks.signals import Signals
+from service.tools.api import refused
 from service.tools.context import ToolContextBase
-from service.tools.execute import refused
 
 # A plain call that asked the client for input gives up after this long without an answer.
 PLAIN_INPUT_TIMEOUT_S = 600.0

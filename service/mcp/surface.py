@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from service import __version__
-from service.domain import eager
 from service.domain.errors import CapacityExceeded, DomainError, InvalidArguments, TaskNotFound
 from service.domain.events import LOG_LEVELS, Finished, TaskEvent
 from service.domain.principal import Caller, Principal
@@ -23,7 +22,6 @@ from service.observability import metrics
 from service.tasks.audit import AuditLog
 from service.tasks.service import TaskService
 from service.tasks.sessions import Session, SessionService
-from service.tools.execute import run_tool
 from service.tools.registry import Registry
 
 LATEST = "2025-11-25"
@@ -257,19 +255,12 @@ class Surface:
             progress_token=token,
             client_capabilities=caps,
         )
-        # A slot of the requestor's active-task cap (issue 14 §7): from memory as a rule.
-        release = self.tasks.take_plain_slot(call.caller)
-        if release is None:
-            try:
-                release = await self.tasks.hold_plain_slot(call.caller, name)
-            except DomainError as exc:
-                raise to_rpc(exc) from None
-        # Its first step now: most calls end in it, and need no task, no cancel hook, no wait.
-        job = eager.start(run_tool(self.registry, name, arguments, ctx))
-        if job.done():
-            release()
-        else:
-            job.add_done_callback(lambda _j: release())
+        try:
+            job = await self.tasks.start_plain(call.caller, name, arguments, ctx)
+        except DomainError as exc:
+            raise to_rpc(exc) from None
+        # Most calls end in their first step, and need no cancel hook, no wait.
+        if not job.done():
             key = call.cancel_key
             self.inflight.calls[key] = job.cancel
             job.add_done_callback(lambda _j: self.inflight.calls.pop(key, None))

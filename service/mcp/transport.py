@@ -18,8 +18,8 @@ from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
 from service.auth.base import Authenticator, AuthFailure
+from service.concurrency import eager
 from service.config import Settings, is_loopback_host
-from service.domain import eager
 from service.domain.errors import DomainError, InvalidArguments
 from service.domain.inputs import InputResponse
 from service.domain.principal import Caller, Principal

@@ -34,6 +34,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from service.domain.task import Task
+
 LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TASK_BUCKETS: Final = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400)
 KNOWN_METHODS: Final = frozenset(
@@ -118,15 +120,20 @@ lease_losses = Counter(
 )
 fenced_writes = Counter(
     "mcp_tasks_fenced_writes_total",
-    "Runner writes (finish, release) refused because the task had been taken over meanwhile: its lease "
+    "Runner writes (finish, hand_back) refused because the task had been taken over meanwhile: its lease "
     "owner or epoch had changed, so the write changed nothing",
     ["op"],
 )  # fmt: skip
-for _op in ("finish", "release"):  # series at 0 from the start: a first refusal shows as a rise
+for _op in ("finish", "hand_back"):  # series at 0 from the start: a first refusal shows as a rise
     fenced_writes.labels(_op)
 runner_fenced = Counter(
     "mcp_tasks_runner_fenced_tasks_total",
     "Tasks whose tool this runner stopped because it could not renew their lease in time (outcome not written)",
+)  # fmt: skip
+runner_unconfirmed_stops = Counter(
+    "mcp_tasks_runner_unconfirmed_stops_total",
+    "Cancel or delete notifications for a task running here that its row did not confirm (a stale or "
+    "forged notification): the task kept running",
 )  # fmt: skip
 sweeper_deleted = Counter("mcp_tasks_sweeper_deleted_total", "Expired tasks deleted")
 http_refusals = Counter(
@@ -201,6 +208,13 @@ def task_finished(tool: str, status: str, outcome: str, tenant_id: str, seconds:
         (labelled(task_seconds, tool, tenant(tenant_id)) if _tenant_label else labelled(task_seconds, tool)).inc(
             max(0.0, seconds)
         )
+
+
+def finished(task: Task) -> None:
+    """A task reached a terminal status (counted where its change committed)."""
+    kind = task.outcome.kind.value if task.outcome is not None else "cancelled"
+    seconds = (task.last_updated_at - task.created_at).total_seconds()
+    task_finished(task.tool, task.status.value, kind, task.tenant_id, seconds)
 
 
 def denied(reason: str, tenant_id: str) -> None:

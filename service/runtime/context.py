@@ -15,7 +15,7 @@ from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.task import Task
 from service.store.events import EventHub, TaskLog, TaskProgress
-from service.store.repository import RunnerStore
+from service.store.runners import RunnerStore
 from service.tools.context import ToolContextBase
 
 

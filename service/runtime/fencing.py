@@ -1,4 +1,4 @@
-"""A runner's reckoning of its leases: when to renew, when to give up on them (docs/decisions.md, "Fencing").
+"""A runner's lease intervals: when to renew, when to give up on them (docs/decisions.md, "Fencing").
 
 Each run keeps the fencing token it was given (the runner's owner name and the task's lease
 epoch); the database accepts its writes only while that token holds the lease. A lease holds while
@@ -14,11 +14,6 @@ before the reaper could take the task. So a database blip of up to 3/4 - 1/8 - 1
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable
-from dataclasses import dataclass
-
-from service.domain.task import Task
 from service.domain.values import frozen
 
 RENEW_EVERY = 1 / 8
@@ -38,10 +33,6 @@ CLAIM_LEASE = 1.5
 # a run no beat covers after it is fenced by CLAIM_RENEW_AFTER + FENCE_AFTER, before CLAIM_LEASE.
 CLAIM_RENEW_AFTER = 0.5
 assert CLAIM_RENEW_AFTER + FENCE_AFTER < CLAIM_LEASE
-# The end of the name of a runner whose row is the lease on its tasks (lease_lapsed in
-# alembic/schema.sql reads it): a runner of an earlier release renews every task's own lease and
-# is judged by those alone, whatever becomes of its row.
-ROW_LEASE = "+row"
 
 
 @frozen
@@ -68,38 +59,3 @@ class LeaseTimes:
     def claim_timeout(self) -> float:
         """A claim answered within this leaves its runs at least half the lease before the fence."""
         return self.fence_after / 3
-
-
-@dataclass(slots=True, eq=False)
-class Run:
-    """One task a runner executes, with the lease it holds for it."""
-
-    task: Task  # its lease_epoch and the runner's owner name are the run's fencing token
-    job: asyncio.Task[None]
-    # Monotonic time at which the last statement that made the lease hold for at least a lease was
-    # sent (claim, create, a beat): the database set both expiries later than this plus the lease.
-    renewed_at: float
-    # Monotonic time at which the task's own lease was last set (claim, create, its renewal).
-    task_lease_set_at: float
-    tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write to offer
-    fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
-    holds_slot: bool = True  # its tool runs (or is about to): it counts against the runner's slots
-    # Its tool was called (or the call began in its request): a hand-back then re-runs the task
-    # only if the tool says it may. Until then it goes back to the queue whatever its tool.
-    tool_started: bool = False
-
-
-def overdue(runs: Iterable[Run], now: float, times: LeaseTimes) -> tuple[list[Run], float]:
-    """The runs whose tools must stop now, and how long until the next one might (at most an
-    eighth of the fence time, so a run started meanwhile is looked at soon enough)."""
-    due: list[Run] = []
-    wake = times.fence_after / 8
-    for run in runs:
-        if run.tool_done or run.fenced:
-            continue
-        left = run.renewed_at + times.fence_after - now
-        if left <= 0:
-            due.append(run)
-        else:
-            wake = min(wake, left)
-    return due, max(wake, 0.01)

@@ -10,12 +10,13 @@ import logging
 import time
 from datetime import UTC, datetime, timedelta
 
+from service.concurrency.stopping import cancel_and_wait
 from service.domain.errors import Unavailable
-from service.domain.stopping import cancel_and_wait
 from service.observability import metrics
-from service.runtime.handback import hand_back
+from service.runtime.handback import count_handed_back, hand_back
+from service.store.audit import AuditStore
 from service.store.db import Database
-from service.store.repository import AuditStore, RunnerStore
+from service.store.runners import RunnerStore
 from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Maintenance:
         self._tools_seen: set[str] = set()
         self._tenants_seen: set[str] = set()
         self._stranded: set[str] = set()  # tools with tasks no live runner can run, as of the last pass
-        self._young = True  # until tasks has statistics (migration 0016)
+        self._young = True  # until tasks has statistics
         self._young_changed = 0  # its rows changed, as of the last look
         self._young_wait_s = YOUNG_POLL_S
         self._stopping = asyncio.Event()
@@ -129,7 +130,7 @@ class Maintenance:
             await self.analyze_stale()
 
     async def analyze_young(self) -> list[str]:
-        """A new deployment's first statistics, autovacuum or not (migration 0016): until its first
+        """A new deployment's first statistics, autovacuum or not: until its first
         ANALYZE a lookup of one task may walk every task of its tenant, and the plans cached
         meanwhile stay. Called between passes too, until tasks has been analysed: every 0.25 s
         while its rows change, the wait doubling (up to a second) while none do."""
@@ -212,14 +213,14 @@ class Maintenance:
             return 0
         requests = sorted(
             (
-                hand_back(self.registry, tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool,
-                          owner=t.owner, epoch=t.epoch, why="re-running: the previous runner stopped",
-                          rerunnable=t.rerunnable, only_if_lapsed=True)
+                hand_back(tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool, owner=t.owner,
+                          epoch=t.epoch, why="re-running: the previous runner stopped", rerunnable=t.rerunnable,
+                          only_if_lapsed=True)
                 for t in lost
             ),
             key=lambda r: r.order,
         )  # fmt: skip
-        moved = sum(1 for task in await self.store.release(requests) if task is not None)
+        moved = count_handed_back(await self.store.hand_back(requests))
         if moved:
             log.warning("reaped %d task(s) whose runner stopped", moved)
         return moved
@@ -229,6 +230,7 @@ class Maintenance:
         total = 0
         while True:
             deleted = await self.store.delete_expired(BATCH)
+            metrics.sweeper_deleted.inc(deleted)
             total += deleted
             if deleted < BATCH:
                 return total

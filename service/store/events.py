@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import asyncpg
 import orjson
 
-from service.domain.stopping import cancel_and_wait
+from service.concurrency.stopping import cancel_and_wait
 from service.domain.values import frozen
 from service.store.db import Database
 from service.store.queries import Q

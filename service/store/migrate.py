@@ -56,6 +56,11 @@ def upgrade(dsn: str, revision: str = "head") -> None:
 def upgrade_to_head(dsn: str) -> Upgrade:
     before = asyncio.run(current_revision(dsn))
     head = head_revision()
+    if before is not None and before_baseline(before):
+        raise RuntimeError(
+            f"the database is at revision {before}, made by a development build before release 0.1.0, whose "
+            "migrations were squashed into one baseline: recreate the database (nothing was released before 0.1.0)"
+        )
     if before != head:
         upgrade(dsn)
     return Upgrade(before, head)
@@ -75,14 +80,24 @@ def known_revisions() -> frozenset[str]:
     return frozenset(r.revision for r in ScriptDirectory.from_config(_config("postgresql://unused")).walk_revisions())
 
 
+def before_baseline(current: str) -> bool:
+    """A revision this version does not know that sorts before its first (revision ids are
+    zero-padded numbers): a development build's from before the release 0.1.0 baseline."""
+    first = min(known_revisions())
+    return current not in known_revisions() and current < first
+
+
 def schema_fits(current: str | None) -> bool:
     """Can this version run on a database at ``current``? At head, yes; at an older revision, no
-    (run the migrations); at a revision this version does not know, yes: it is a newer release's,
-    and migrations only add while two releases run side by side (CONTRIBUTING.md), so a rolling
-    upgrade keeps the old replicas ready after the new release migrated."""
+    (run the migrations); at a revision this version does not know, yes if it is a newer release's
+    (migrations only add while two releases run side by side, CONTRIBUTING.md, so a rolling upgrade
+    keeps the old replicas ready after the new release migrated), no if it is from before the
+    baseline."""
     if current is None:
         return False
-    return current == head_revision() or current not in known_revisions()
+    if current == head_revision():
+        return True
+    return current not in known_revisions() and not before_baseline(current)
 
 
 async def current_revision(dsn: str) -> str | None:
@@ -99,4 +114,4 @@ async def current_revision(dsn: str) -> str | None:
 
 async def upgrade_async(dsn: str) -> None:
     """Alembic's env.py runs its own event loop, so migrate in a worker thread."""
-    await asyncio.to_thread(upgrade, dsn)
+    await asyncio.to_thread(upgrade_to_head, dsn)

@@ -1,4 +1,4 @@
-"""Typed requests of the batched operations, one dataclass per SQL item type of the schema.
+"""Typed requests of the batched operations, one dataclass per operation (and SQL item type).
 
 Each travels to PostgreSQL as one element of a jsonb array whose keys are the item type's fields
 (``jsonb_populate_record``): a field added here is a field added to the SQL type, nowhere else.
@@ -17,33 +17,31 @@ from service.domain.values import frozen
 
 
 @frozen
-class TaskRequest:
-    """An item of ``task_batch`` (SQL type task_batch_item): a create, a get or a retrieve."""
+class CreateRequest:
+    """An item of ``task_create`` (SQL type task_create_item)."""
 
-    k: str
     tenant_id: str
     task_id: str
     subject: str
-    issuer: str = ""
-    client_id: str = ""
-    request_id: str | None = None
-    client_address: str | None = None
-    session_id: str | None = None
-    surface: str | None = None
-    tool: str | None = None
-    arguments: dict[str, Any] | None = None
-    client_capabilities: dict[str, Any] | None = None
-    progress_token: str | int | None = None
-    ttl_ms: int | None = None
-    poll_interval_ms: int | None = None
-    max_per_requestor: int | None = None
-    max_per_tenant: int | None = None
-    detail: dict[str, Any] | None = None
+    issuer: str
+    client_id: str
+    request_id: str | None
+    client_address: str | None
+    session_id: str | None
+    surface: str
+    tool: str
+    arguments: dict[str, Any]
+    client_capabilities: dict[str, Any]
+    progress_token: str | int | None
+    ttl_ms: int
+    poll_interval_ms: int
+    max_per_requestor: int
+    max_per_tenant: int
+    detail: dict[str, Any]
+    rerunnable: bool
+    tool_version: str | None
     lease_owner: str | None = None
-    lease_key: int | None = None
     lease_ms: int | None = None
-    rerunnable: bool | None = None
-    tool_version: str | None = None
 
     @property
     def order(self) -> tuple[str, str, str]:
@@ -56,27 +54,11 @@ class TaskRequest:
         return json_size(self.arguments) + json_size(self.client_capabilities)
 
 
-def lookup(caller: Caller, task_id: str, *, retrieve: bool) -> TaskRequest:
-    """The caller's unexpired task; ``retrieve`` audits the hand-out when it is terminal (T-SEC-10)."""
-    p = caller.principal
-    return TaskRequest(
-        "retrieve" if retrieve else "get",
-        p.tenant_id,
-        task_id,
-        p.subject,
-        issuer=p.issuer,
-        client_id=p.client_id,
-        request_id=caller.request_id,
-        client_address=caller.address,
-    )
-
-
 @frozen
 class Lease:
-    """A slot of this process's runner: create the task already leased to it."""
+    """A slot of this process's runner: the task is created already leased to it."""
 
     owner: str
-    key: int
     ms: int
 
 
@@ -97,42 +79,71 @@ def create(
     lease: Lease | None,
     rerunnable: bool,
     tool_version: str | None,
-) -> TaskRequest:
+) -> CreateRequest:
     """``rerunnable`` and ``tool_version``: the tool's, from this process's registry, recorded with
     the task so the reaper and the claims of other processes decide by them, not by their own packs."""
     p: Principal = caller.principal
-    return TaskRequest(
-        "create",
-        p.tenant_id,
-        task_id,
-        p.subject,
-        issuer=p.issuer,
-        client_id=p.client_id,
-        request_id=caller.request_id,
-        client_address=caller.address,
-        session_id=session_id,
-        surface=surface,
-        tool=tool,
-        arguments=arguments,
-        client_capabilities=client_capabilities,
-        progress_token=progress_token,
-        ttl_ms=ttl_ms,
-        poll_interval_ms=poll_interval_ms,
-        max_per_requestor=max_per_requestor,
-        max_per_tenant=max_per_tenant,
-        detail={"tool": tool, "ttl_ms": ttl_ms, "surface": surface},
-        lease_owner=lease.owner if lease else None,
-        lease_key=lease.key if lease else None,
-        lease_ms=lease.ms if lease else None,
-        rerunnable=rerunnable,
-        tool_version=tool_version,
-    )
+    return CreateRequest(
+        p.tenant_id, task_id, p.subject, p.issuer, p.client_id, caller.request_id, caller.address, session_id,
+        surface, tool, arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms, max_per_requestor,
+        max_per_tenant, {"tool": tool, "ttl_ms": ttl_ms, "surface": surface}, rerunnable, tool_version,
+        lease.owner if lease else None, lease.ms if lease else None,
+    )  # fmt: skip
+
+
+@frozen
+class GetRequest:
+    """A get of ``task_get``: the requestor's unexpired task, read only."""
+
+    tenant_id: str
+    task_id: str
+    subject: str
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        return (self.tenant_id, self.subject, self.task_id)
+
+    @property
+    def size_bytes(self) -> int:
+        return 0
+
+
+def get(caller: Caller, task_id: str) -> GetRequest:
+    p = caller.principal
+    return GetRequest(p.tenant_id, task_id, p.subject)
+
+
+@frozen
+class RetrieveRequest:
+    """An item of ``task_retrieve`` (task_retrieve_item): a get whose hand-out of a finished
+    task's result is audited (T-SEC-10), with the requestor and where its request came from."""
+
+    tenant_id: str
+    task_id: str
+    subject: str
+    issuer: str
+    client_id: str
+    request_id: str | None
+    client_address: str | None
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        return (self.tenant_id, self.subject, self.task_id)
+
+    @property
+    def size_bytes(self) -> int:
+        return 0
+
+
+def retrieve(caller: Caller, task_id: str) -> RetrieveRequest:
+    p = caller.principal
+    return RetrieveRequest(p.tenant_id, task_id, p.subject, p.issuer, p.client_id, caller.request_id, caller.address)
 
 
 @frozen
 class FinishRequest:
-    """An item of ``task_finish_batch`` (task_finish_item): a runner's outcome, under its lease:
-    it lands only while ``owner`` and ``epoch`` (the fencing token it was given) still hold it."""
+    """An item of ``task_finish`` (task_finish_item): a runner's outcome, under its lease: it
+    lands only while ``owner`` and ``epoch`` (the fencing token it was given) still hold it."""
 
     tenant_id: str
     task_id: str
@@ -142,12 +153,12 @@ class FinishRequest:
     payload: dict[str, Any]
     status_message: str | None
     detail: dict[str, Any]
+    epoch: int
     subject: str = ""  # orders the batch; not a field of the SQL type (ignored there)
-    epoch: int | None = None  # None: the owner alone decides (as a release before fencing did)
 
     @classmethod
     def of(
-        cls, tenant_id: str, task_id: str, subject: str, owner: str, outcome: Outcome, *, epoch: int | None
+        cls, tenant_id: str, task_id: str, subject: str, owner: str, outcome: Outcome, *, epoch: int
     ) -> FinishRequest:
         detail: dict[str, Any] = {"kind": outcome.kind.value}
         if outcome.kind is OutcomeKind.FAILURE:
@@ -161,8 +172,8 @@ class FinishRequest:
             outcome.payload,
             outcome.status_message,
             detail,
-            subject,
             epoch,
+            subject,
         )
 
     @property
@@ -175,10 +186,10 @@ class FinishRequest:
 
 
 @frozen
-class ReleaseRequest:
-    """An item of ``task_release_batch`` (task_release_item): a runner gives a task back; it runs
+class HandBackRequest:
+    """An item of ``task_hand_back`` (task_hand_back_item): a runner gives a task back; it runs
     again if ``rerunnable`` and attempts remain, else it fails with ``failure``. Only while
-    ``owner`` and ``epoch`` hold the lease; ``only_if_lapsed`` (the reaper): only once its time ran out."""
+    ``owner`` and ``epoch`` hold the lease; ``only_if_lapsed`` (the reaper): only once it lapsed."""
 
     tenant_id: str
     task_id: str
@@ -187,8 +198,8 @@ class ReleaseRequest:
     max_attempts: int
     requeue_message: str
     failure: dict[str, Any]
+    epoch: int
     subject: str = ""
-    epoch: int | None = None
     only_if_lapsed: bool = False
 
     @property
@@ -208,6 +219,5 @@ def json_size(value: Any) -> int:
 
 def as_items(requests: list[Any]) -> list[dict[str, Any]]:
     """The jsonb array a batch function takes (slots dataclasses: no deep copy on the hot path).
-    Fields that are None are left out: ``jsonb_populate_record`` over NULL makes a missing key
-    NULL, so a get (4 fields of 22 set) travels and parses as 4 keys, not 22."""
+    Fields that are None are left out: ``jsonb_populate_record`` over NULL makes a missing key NULL."""
     return [{name: value for name in r.__slots__ if (value := getattr(r, name)) is not None} for r in requests]

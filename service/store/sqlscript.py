@@ -30,18 +30,3 @@ def run_script(sql: str) -> None:
         bind.exec_driver_sql("SELECT 1")
     assert driver_conn.is_in_transaction(), "a migration script must run inside the revision's transaction"
     await_only(driver_conn.execute(sql))
-
-
-def run_outside_transaction(*statements: str) -> None:
-    """Statements PostgreSQL runs only outside a transaction block (``CREATE INDEX CONCURRENTLY``),
-    one at a time, in autocommit. Alembic commits the revision's transaction first (with whatever
-    ``upgrade()`` ran before this call) and opens another after, in which the revision is recorded.
-    So such a revision is not applied whole or not at all: each statement must be safe to run
-    again, since one that fails leaves the database at the previous revision and the next run
-    starts over (``DROP INDEX CONCURRENTLY IF EXISTS`` before a build: a failed build leaves an
-    invalid index behind)."""
-    with op.get_context().autocommit_block():
-        driver_conn = _driver()
-        for statement in statements:
-            assert not driver_conn.is_in_transaction(), "this statement must run outside a transaction"
-            await_only(driver_conn.execute(statement))

@@ -8,8 +8,9 @@ from datetime import datetime
 from typing import Any
 
 from service.domain.principal import RESERVED_TENANT, Caller
+from service.store.audit import AuditStore, ChainProblem
 from service.store.db import Database
-from service.store.repository import AuditStore, ChainProblem, TaskStore
+from service.store.tasks import TaskStore
 
 log = logging.getLogger(__name__)
 

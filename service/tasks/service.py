@@ -12,8 +12,8 @@ import enum
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from service.domain.errors import (
     CapacityExceeded,
@@ -36,6 +36,9 @@ from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller, Principal
 from service.domain.task import Outcome, Surface, Task, TaskStatus, clamp_ttl, new_task_id
 from service.domain.values import frozen
+from service.observability import metrics
+from service.runtime.engine import Engine
+from service.runtime.inline import CallEnd, InlineCallContext, RoundResult
 from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import Database
@@ -49,12 +52,11 @@ from service.store.events import (
     TaskLog,
     TaskProgress,
 )
-from service.store.repository import TaskStore
-from service.tasks.calls import CallEnd, InlineCallContext, run_round
+from service.store.tasks import TaskStore
 from service.tasks.cursor import CursorCodec
 from service.tasks.request_state import RequestStateCodec
-from service.tools.execute import run_tool
-from service.tools.registry import Registry, ToolSpec
+from service.tools.api import ToolContext
+from service.tools.registry import ToolSpec
 
 PAGE_SIZE = 50
 # A plain call reads its requestor's active-task count from the database at most this often
@@ -76,16 +78,6 @@ class TaskPolicy:
     # A question handed to a stream that went away without releasing it (replica crash) is
     # offered to the next stream after this.
     stale_delivery_ms: int = 60_000
-
-
-class LocalRunner(Protocol):
-    def reserve(self, tenant_id: str, *, running: bool = False) -> rq.Lease | None: ...
-
-    def adopt(self, task: Task | None, *, tenant_id: str, capabilities: dict[str, Any] | None = None) -> None: ...
-
-    def adopt_unknown(self, tenant_id: str, task_id: str) -> None: ...
-
-    def adopt_running(self, task: Task, job: asyncio.Task[Outcome], attach: Callable[[str, Any], None]) -> None: ...
 
 
 class CallMode(enum.Enum):
@@ -135,7 +127,7 @@ class TaskService:
         self,
         db: Database,
         hub: EventHub,
-        registry: Registry,
+        engine: Engine,
         policy: TaskPolicy,
         cursors: CursorCodec,
         request_states: RequestStateCodec,
@@ -143,21 +135,23 @@ class TaskService:
         self.store = TaskStore(db)
         self.request_states = request_states
         self.hub = hub
-        self.registry = registry
+        # The runtime: it runs every tool, and new tasks go straight to a free slot of this
+        # process's runner when it has one.
+        self.engine = engine
+        self.registry = engine.registry
         self.policy = policy
         self.cursors = cursors
         # Tasks with a result stream open in this process: their notices go there only.
         self.following: Counter[tuple[str, str]] = Counter()
-        # This process's runner, if it runs tasks: new tasks go straight to a free slot of it.
-        self.runner: LocalRunner | None = None
-        # Group commit: creates and retrieves (which audit) share statements and commits; gets
-        # share read-only statements of their own, so they never wait for a commit.
-        # Only the reads hold a connection for a burst (Database.holding): a write batch costs the
+        # Group commit, one batcher per operation: creates and retrieves (which audit) each share
+        # statements and commits; gets share read-only statements, so they never wait for a commit.
+        # Only the gets hold a connection for a burst (Database.holding): a write batch costs the
         # database far more per statement (the commit, locks, the audit append) than the acquire,
         # and the acquire's time lets more of the next batch queue up (measured: holding shrank
         # create batches and cost 20 % of creates/s).
-        self._writes = Batcher(self.store.run, name="writes")
-        self._reads = Batcher(self.store.get_many, name="reads", hold=self.store.db.holding)
+        self._creates = Batcher(self.store.create, name="create")
+        self._retrieves = Batcher(self.store.retrieve, name="retrieve")
+        self._gets = Batcher(self.store.get, name="get", hold=self.store.db.holding)
         # Plain (non-task) calls running in this process, per requestor: each holds one of its
         # requestor's active-task slots while it runs (issue 14 §7).
         self.plain_calls: Counter[tuple[str, str]] = Counter()
@@ -211,6 +205,27 @@ class TaskService:
             raise
         return _PlainSlot(self, key)
 
+    async def start_plain(
+        self, caller: Caller, tool: str, arguments: dict[str, Any], ctx: ToolContext
+    ) -> asyncio.Future[Outcome]:
+        """A plain call (no task): one of the requestor's active-task slots held while it runs
+        (from memory as a rule), its first step taken now. Beyond the cap: CapacityExceeded."""
+        release = self.take_plain_slot(caller) or await self.hold_plain_slot(caller, tool)
+        job = self.engine.start_plain(tool, arguments, ctx)
+        if job.done():
+            release()
+        else:
+            job.add_done_callback(lambda _job: release())
+        return job
+
+    async def ask_first(
+        self, work: Callable[[InlineCallContext], Awaitable[Any]], *, responses: dict[str, InputResponse],
+        client_capabilities: dict[str, Any],
+    ) -> RoundResult[Any]:  # fmt: skip
+        """Run something that is not a tool call (a prompt) that may ask the client first: done, or
+        the questions the retry must answer."""
+        return await self.engine.ask_first(work, responses=responses, client_capabilities=client_capabilities)
+
     def _remembered_tasks(self, key: tuple[str, str]) -> int | None:
         """The requestor's active tasks as read for a plain call within PLAIN_CAP_RECOUNT_S, if any."""
         remembered = self._task_counts.get(key)
@@ -228,12 +243,18 @@ class TaskService:
             del counts[next(iter(counts))]
         return count
 
-    def _enqueue_create(self, request: rq.TaskRequest) -> asyncio.Future[Task | None]:
-        """A create into the next write batch; the requestor's remembered count (for plain calls)
-        is forgotten once it is known to have committed, or may have."""
-        created = self._writes.enqueue(request)
+    def _enqueue_create(self, request: rq.CreateRequest) -> asyncio.Future[Task | None]:
+        """A create into the next batch of creates; once it is known to have committed (or may
+        have), it is counted and the requestor's remembered count (for plain calls) forgotten."""
+        created = self._creates.enqueue(request)
         key = (request.tenant_id, request.subject)
-        created.add_done_callback(lambda _f: self._task_counts.pop(key, None))
+
+        def settled(future: asyncio.Future[Task | None]) -> None:
+            self._task_counts.pop(key, None)
+            if not future.cancelled() and future.exception() is None and (task := future.result()) is not None:
+                metrics.task_created(task.tool, task.tenant_id)
+
+        created.add_done_callback(settled)
         return created
 
     def _release_plain(self, key: tuple[str, str]) -> None:
@@ -263,11 +284,12 @@ class TaskService:
             raise InvalidArguments("the task's ttl must be a non-negative integer (milliseconds)")
         p = self.policy
         granted = clamp_ttl(ttl_ms, default_ms=p.default_ttl_ms, min_ms=p.min_ttl_ms, max_ms=p.max_ttl_ms)
+        task_id = new_task_id()
         # A free local slot: create the task already leased to it (no claim, no wake-up round trip).
-        lease = self.runner.reserve(caller.principal.tenant_id) if self.runner is not None else None
+        slot = self.engine.reserve(caller.principal.tenant_id, task_id)
         request = rq.create(
             caller,
-            new_task_id(),
+            task_id,
             tool=tool,
             arguments=valid,
             surface=surface.value,
@@ -280,20 +302,17 @@ class TaskService:
             poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=self._requestor_cap(caller),
             max_per_tenant=p.max_active_per_tenant,
-            lease=lease,
+            lease=slot.lease if slot is not None else None,
             rerunnable=spec.rerunnable,
             tool_version=spec.version,
         )
         created = self._enqueue_create(request)
-        try:
-            # Shielded: a create whose caller went away still commits with its batch, and a task
-            # leased to our runner must then be started (or its slot given back) all the same.
-            task = await asyncio.shield(created)
-        finally:
-            if lease is not None:
-                # The session's capabilities go with the task to the runner (not read back from the session row).
-                caps = client_capabilities if session_id is not None else None
-                self._settle_lease(request.tenant_id, request.task_id, created, caps)
+        if slot is not None:
+            # The session's capabilities go with the task to the runner (not read back from the session row).
+            self.engine.adopt(slot, created, client_capabilities if session_id is not None else None)
+        # Shielded: a create whose caller went away still commits with its batch, and a task leased
+        # to our runner is then started (or its slot given back) all the same.
+        task = await asyncio.shield(created)
         if task is None:
             raise await self._refuse_capacity(caller, tool)
         return task
@@ -315,56 +334,30 @@ class TaskService:
         retries with the answers), or becomes a task (OPTIONAL after ``grace_s``; REQUIRED always).
         The task row is committed before this returns it (X-CREATE-3)."""
         spec, valid = self.check_call(tool, arguments, as_task=mode is not CallMode.SYNC, negotiate=False)
-        runner = self.runner
-        if mode is not CallMode.SYNC and runner is None:
+        engine = self.engine
+        if mode is not CallMode.SYNC and not engine.runs_tasks:
             # No runner here to adopt a running call: the task is queued for one at once.
             return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
-        ctx = InlineCallContext(
-            responses=responses,
-            progress_token=progress_token,
-            client_capabilities=client_capabilities,
-            on_event=on_event,
-        )
         # A call that stays in its request holds a slot like a plain 2025-11-25 call; one that may
         # become a task is counted as the task it becomes.
         release = await self.hold_plain_slot(caller, spec.name) if mode is CallMode.SYNC else None
-        job = asyncio.create_task(run_tool(self.registry, spec.name, valid, ctx), name=f"call-{spec.name}")
+        call = engine.start_call(spec.name, valid, responses=responses, progress_token=progress_token,
+                                 client_capabilities=client_capabilities, on_event=on_event)  # fmt: skip
         if release is not None:
-            job.add_done_callback(lambda _job: release())
-        try:
-            round_ = await run_round(job, ctx, grace_s=None if mode is CallMode.SYNC else grace_s)
-        except BaseException:
-            job.cancel()  # the request went away (X-HTTP-7: closing the stream cancels it)
-            raise
+            call.job.add_done_callback(lambda _job: release())
+        round_ = await call.round(None if mode is CallMode.SYNC else grace_s)
         if round_.end is CallEnd.NEEDS_INPUT:
             return CallResult(questions=round_.questions, used=round_.used)
         if round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED:
             return CallResult(outcome=round_.outcome)
-        assert runner is not None
-        ctx.begin_conversion()  # a question from here on waits for the task (no round to end)
-        lease = runner.reserve(caller.principal.tenant_id, running=True)
-        if lease is None:  # shutting down or its lease lapsing: nothing is created, the client retries
-            job.cancel()
+        task_id = new_task_id()
+        slot = engine.hand_over(call, caller.principal.tenant_id, task_id)
+        if slot is None:  # shutting down or its lease lapsing: nothing is created, the client retries
+            call.cancel()
             raise Unavailable("this replica cannot run the task now (it is shutting down or lost its database); retry")
-        request = self._extension_request(caller, spec, valid, client_capabilities, lease)
-        created = self._enqueue_create(request)
-
-        def settle(future: asyncio.Future[Task | None]) -> None:
-            """Once the create's outcome is known, whoever waits or not: the running job goes on as
-            the task (never started twice), or stops when nothing was created."""
-            assert runner is not None
-            if future.cancelled() or future.exception() is not None:
-                job.cancel()
-                runner.adopt_unknown(request.tenant_id, request.task_id)  # it may exist: the runner looks
-            elif (task := future.result()) is None:
-                job.cancel()
-                runner.adopt(
-                    None, tenant_id=request.tenant_id
-                )  # a cap refused it: nothing was written, the slot is free
-            else:
-                runner.adopt_running(task, job, ctx.attach)
-
-        created.add_done_callback(settle)
+        created = self._enqueue_create(self._extension_request(caller, task_id, spec, valid, client_capabilities,
+                                                               slot.lease))  # fmt: skip
+        engine.adopt_call(slot, call, created)
         # If the client goes away now, the create still completes (shielded) and the task lives on:
         # closing the request does not cancel a task that exists (X-HTTP-7).
         task = await asyncio.shield(created)
@@ -373,14 +366,14 @@ class TaskService:
         return CallResult(task=task)
 
     def _extension_request(
-        self, caller: Caller, spec: ToolSpec, arguments: dict[str, Any], client_capabilities: dict[str, Any],
-        lease: rq.Lease | None,
-    ) -> rq.TaskRequest:  # fmt: skip
+        self, caller: Caller, task_id: str, spec: ToolSpec, arguments: dict[str, Any],
+        client_capabilities: dict[str, Any], lease: rq.Lease | None,
+    ) -> rq.CreateRequest:  # fmt: skip
         """The create of a 2026-07-28 call becoming a task: the server chooses the TTL (X-TTL-8)
         and there is no progress for tasks (X-NOTIF-8)."""
         p = self.policy
         return rq.create(
-            caller, new_task_id(), tool=spec.name, arguments=arguments, surface=Surface.EXTENSION.value,
+            caller, task_id, tool=spec.name, arguments=arguments, surface=Surface.EXTENSION.value,
             session_id=None, client_capabilities=client_capabilities, progress_token=None,
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=self._requestor_cap(caller), max_per_tenant=p.max_active_per_tenant, lease=lease,
@@ -391,25 +384,11 @@ class TaskService:
         self, caller: Caller, spec: ToolSpec, arguments: dict[str, Any], client_capabilities: dict[str, Any]
     ) -> Task:
         """No runner here to adopt a running call: the task is created unleased, for any runner."""
-        request = self._extension_request(caller, spec, arguments, client_capabilities, None)
+        request = self._extension_request(caller, new_task_id(), spec, arguments, client_capabilities, None)
         task = await asyncio.shield(self._enqueue_create(request))
         if task is None:
             raise await self._refuse_capacity(caller, spec.name)
         return task
-
-    def _settle_lease(
-        self, tenant_id: str, task_id: str, created: asyncio.Future[Task | None], capabilities: dict[str, Any] | None
-    ) -> None:
-        """Hand a create made under a reserved runner slot to the runner once its outcome is known."""
-        runner = self.runner
-        assert runner is not None
-        if not created.done():
-            created.add_done_callback(lambda _f: self._settle_lease(tenant_id, task_id, created, capabilities))
-        elif created.cancelled() or created.exception() is not None:
-            # The statement may have committed before its answer was lost: the runner looks.
-            runner.adopt_unknown(tenant_id, task_id)
-        else:
-            runner.adopt(created.result(), tenant_id=tenant_id, capabilities=capabilities)
 
     async def _refuse_capacity(self, caller: Caller, tool: str, *, plain: int | None = None) -> CapacityExceeded:
         """A cap refused a create (or a plain call): record the denial with the counts as they
@@ -442,14 +421,14 @@ class TaskService:
 
     async def get(self, caller: Caller, task_id: str, *, surface: Surface = Surface.LEGACY) -> Task:
         """The caller's task; a miss (unknown, expired or someone else's) is audited as a denial."""
-        task = self._visible(await self._reads.submit(rq.lookup(caller, task_id, retrieve=False)), surface)
+        task = self._visible(await self._gets.submit(rq.get(caller, task_id)), surface)
         if task is None:
             raise await self._not_found(caller, task_id)
         return task
 
     async def retrieve(self, caller: Caller, task_id: str) -> Task:
         """Like get (2025-11-25 only); a terminal task's hand-out is audited in the same statement."""
-        task = self._visible(await self._writes.submit(rq.lookup(caller, task_id, retrieve=True)), Surface.LEGACY)
+        task = self._visible(await self._retrieves.submit(rq.retrieve(caller, task_id)), Surface.LEGACY)
         if task is None:
             raise await self._not_found(caller, task_id)
         return task
@@ -478,6 +457,7 @@ class TaskService:
             await self.get(caller, task_id, surface=surface)
         result = await self.store.cancel(caller, task_id, "cancelled by the requestor")
         if result.task is not None:
+            metrics.finished(result.task)
             return result.task
         if result.existing is None:
             raise TaskNotFound(NOT_FOUND, task_id=task_id)
@@ -590,7 +570,7 @@ class TaskService:
                 except TimeoutError:
                     changed = set(seen)
                 for task_id in sorted(changed):
-                    task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
+                    task = await self._gets.submit(rq.get(caller, task_id))
                     if task is None:  # expired and deleted: nothing more to say
                         del seen[task_id]
                         continue
@@ -618,7 +598,7 @@ class TaskService:
                     if (notice := notice_of(event)) is not None:
                         yield notice
                     elif isinstance(event, TaskChanged):
-                        task = await self._reads.submit(rq.lookup(caller, task_id, retrieve=False))
+                        task = await self._gets.submit(rq.get(caller, task_id))
                         if task is not None:
                             yield StatusChanged(task)
 

@@ -10,7 +10,7 @@ from service.domain.principal import Principal
 from service.domain.values import frozen
 from service.store.db import Database
 from service.store.events import Event, EventHub, Resync, SessionChanged
-from service.store.repository import SessionStore
+from service.store.sessions import SessionStore
 
 TOUCH_EVERY_S = 60.0
 # Every request names its session, so each replica keeps the sessions it has seen for a few

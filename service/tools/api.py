@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any, Literal, Protocol
 
+from service.domain.task import FailureReason
 from service.domain.values import frozen
 
 ElicitAction = Literal["accept", "decline", "cancel"]
@@ -54,6 +55,19 @@ class RpcError(ToolFailure):
 
     def __init__(self, code: int, message: str, data: Any = None) -> None:
         super().__init__(message, code=code, data=data)
+
+
+class Refusal(ToolFailure):
+    """A failure the service raises inside a tool's call (not the tool's own): the client's answer
+    could not be used, no answer came, ... ``reason`` is what the outcome records."""
+
+    def __init__(self, reason: FailureReason, message: str, *, code: int | None = None) -> None:
+        super().__init__(message, code=code)
+        self.reason = reason
+
+
+def refused(reason: FailureReason, message: str, *, code: int | None = None) -> ToolFailure:
+    return Refusal(reason, message, code=code)
 
 
 class InputNotSupported(ToolError):

@@ -13,8 +13,7 @@ from typing import Any
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputKind, InputResponse, PendingInput, new_input_key
 from service.domain.task import FailureReason
-from service.tools.api import ElicitAnswer, InputNotSupported, ToolFailure
-from service.tools.execute import refused
+from service.tools.api import ElicitAnswer, InputNotSupported, ToolFailure, refused
 
 
 def supports_form_elicitation(capabilities: dict[str, Any]) -> bool:

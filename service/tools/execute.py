@@ -1,4 +1,6 @@
-"""Run one tool call to its wire-neutral outcome; shared by task runners and plain calls."""
+"""One tool call to its wire-neutral outcome: the tool's function called, what it returns or raises
+normalised. Only the runtime's executor (``service.runtime.executor``) calls it: every plain call,
+call inside its request and task run goes through there."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import orjson
 
 from service.domain.task import FailureReason, Outcome, OutcomeKind
-from service.tools.api import ToolContext, ToolError, ToolFailure, text
+from service.tools.api import Refusal, ToolContext, ToolError, ToolFailure, text
 from service.tools.registry import Registry, normalize_result
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ async def run_tool(registry: Registry, tool: str, arguments: dict[str, Any], ctx
         return Outcome(OutcomeKind.TOOL_ERROR, {"content": [text(_without_nul(str(exc)))], "isError": True})
     except ToolFailure as exc:
         return Outcome.failure(
-            exc.reason if isinstance(exc, _Refused) else FailureReason.TOOL,
+            exc.reason if isinstance(exc, Refusal) else FailureReason.TOOL,
             _without_nul(exc.message),
             code=exc.code,
             data=_without_nul(exc.data),
@@ -68,18 +70,6 @@ async def run_tool(registry: Registry, tool: str, arguments: dict[str, Any], ctx
         log.exception("tool %s raised (reference %s)", tool, ref)
         message = f"tool {tool!r} failed unexpectedly (reference {ref}); the operator's logs have the details"
         return Outcome.failure(FailureReason.INTERNAL, message)
-
-
-class _Refused(ToolFailure):
-    """A failure the service raises inside a tool's call (not the tool's own)."""
-
-    def __init__(self, reason: FailureReason, message: str, *, code: int | None = None) -> None:
-        super().__init__(message, code=code)
-        self.reason = reason
-
-
-def refused(reason: FailureReason, message: str, *, code: int | None = None) -> ToolFailure:
-    return _Refused(reason, message, code=code)
 
 
 def runner_stopped(tool: str) -> Outcome:

@@ -137,8 +137,8 @@ async def test_a_sessions_capabilities_are_stored_once_not_in_every_task(databas
 
 async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_url: str) -> None:
     """Issue 14 §4 (eight clients listing large tasks took the server from 229 to 980 MB): a get
-    or retrieve (task_batch) returns no arguments and no capabilities, and the list queries'
-    plans output none of arguments, capabilities or payload."""
+    or retrieve returns no arguments and no capabilities, and the list queries' plans output none
+    of arguments, capabilities or payload."""
     async with serve(make_settings(database_url)) as server, http_client(10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
@@ -152,13 +152,17 @@ async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_
     conn = await asyncpg.connect(database_url)
     try:
         tenant, subject = await conn.fetchrow("SELECT tenant_id, subject FROM tasks WHERE task_id = $1", task_id)
-        for kind in ("get", "retrieve"):
-            item = {"k": kind, "tenant_id": tenant, "task_id": task_id, "subject": subject}
-            row = await conn.fetchrow("SELECT * FROM task_batch($1::jsonb)", json.dumps([item]))
-            assert row["task_id"] == task_id
-            assert row["arguments"] is None
-            assert row["client_capabilities"] is None
-            assert row["payload"] is not None
+        item = {"tenant_id": tenant, "task_id": task_id, "subject": subject}
+        row = await conn.fetchrow("SELECT * FROM task_retrieve($1::jsonb)", json.dumps([item]))
+        assert row["task_id"] == task_id
+        assert row["arguments"] is None
+        assert row["client_capabilities"] is None
+        assert row["payload"] is not None
+        await conn.execute("SELECT set_config('app.tenant_id', $1, false)", tenant)
+        got = await conn.fetchrow("SELECT * FROM task_get($1, $2, $3)", [tenant], [task_id], [subject])
+        assert "arguments" not in got.keys()  # noqa: SIM118 (a Record's `in` looks at its values)
+        assert "client_capabilities" not in got.keys()  # noqa: SIM118
+        assert got["payload"] is not None
         created_at = await conn.fetchval("SELECT created_at FROM tasks WHERE task_id = $1", task_id)
         pages = (
             ("list_tasks_first", (tenant, subject, 11)),

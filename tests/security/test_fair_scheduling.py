@@ -15,11 +15,9 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from service.runtime.fencing import ROW_LEASE
 from service.store.db import RUNNER_ROLE, Database
-from service.store.events import TaskCreated
 from service.store.queries import Q
-from service.store.repository import RunnerStore
+from service.store.runners import RunnerStore
 from tests.conftest import make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
@@ -79,10 +77,10 @@ async def test_a_flooding_tenant_holds_at_most_its_share_of_a_runners_slots(
             await _flood(flood)
             runner = server.app.state.core.runner
             async with asyncio.timeout(10):  # creates that met a claim in flight are claimed next
-                while runner.held()["tenant-a"] < 16:
+                while runner.ledger.held().get("tenant-a", 0) < 16:
                     await asyncio.sleep(0.02)
             await _echo_done_within(victim, START_BOUND_S)
-            assert runner.held()["tenant-a"] == 16
+            assert runner.ledger.held().get("tenant-a", 0) == 16
             assert sum((await _running_by_subject(database_url, "tenant-a")).values()) == 16
 
 
@@ -125,10 +123,10 @@ async def test_a_subjects_turns_in_a_claim_come_after_the_runs_it_has_here_alrea
                FROM generate_series(1, 32) AS g"""
         )  # s1's 16 the oldest
         store = RunnerStore(app)
-        owner = f"turns:{secrets.token_hex(4)}{ROW_LEASE}"
-        await store.publish(owner, 1, {}, 60_000)
+        owner = f"turns:{secrets.token_hex(4)}"
+        await store.publish(owner, {}, 60_000)
         tasks = await store.claim(
-            owner, 1, 60_000, 15, {"echo": None}, tenant_share=16, held={"ta": 1}, running={("ta", "s1"): 1}
+            owner, 60_000, 15, {"echo": None}, tenant_share=16, held={"ta": 1}, running={("ta", "s1"): 1}
         )
     finally:
         await app.close()
@@ -137,7 +135,7 @@ async def test_a_subjects_turns_in_a_claim_come_after_the_runs_it_has_here_alrea
 
 
 async def test_a_claim_takes_only_queued_working_tasks(database_url: str) -> None:
-    """Migration 0017: the claim's window reads the unclaimed, unfinished rows (tasks_queued) and
+    """The claim's window reads the unclaimed, unfinished rows (tasks_queued) and
     the status is checked on the rows it picked. Among an unleased input_required row (no path of
     the service leaves one; written here directly), finished rows without a finish time (as a
     release that did not record it might have left), rows another runner holds and expired ones, it
@@ -162,13 +160,13 @@ async def test_a_claim_takes_only_queued_working_tasks(database_url: str) -> Non
         )
         await db.execute("UPDATE tasks SET status = 'cancelled' WHERE task_id = 'cancelled'")
         await db.execute(
-            """UPDATE tasks SET lease_owner = 'other', lease_key = 2, lease_expires_at = now() + interval '1 hour'
+            """UPDATE tasks SET lease_owner = 'other', lease_expires_at = now() + interval '1 hour'
                WHERE task_id = 'held'"""
         )
         store = RunnerStore(app)
-        owner = f"only:{secrets.token_hex(4)}{ROW_LEASE}"
-        await store.publish(owner, 1, {}, 60_000)
-        tasks = await store.claim(owner, 1, 60_000, 16, {"echo": None}, tenant_share=16, held={})
+        owner = f"only:{secrets.token_hex(4)}"
+        await store.publish(owner, {}, 60_000)
+        tasks = await store.claim(owner, 60_000, 16, {"echo": None}, tenant_share=16, held={})
         rows = {r["task_id"]: (r["status"], r["lease_owner"]) for r in await db.fetch("SELECT * FROM tasks")}
     finally:
         await app.close()
@@ -220,7 +218,7 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
         nodes = plan_nodes(plan)
         assert not [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "tasks"], nodes
         assert [n for n in nodes if n.get("Index Name") == "tasks_queued"], nodes
-    # The queue's rows as the planner sees them: 3 of 200,003 (many times more before migration 0017).
+    # The queue's rows as the planner sees them: 3 of 200,003 (many times more with `status = 'working'`).
     estimates = [n["Plan Rows"] for n in plan_nodes(quiet) if n.get("Index Name") == "tasks_queued"]
     assert max(estimates) <= stored / 1000, plan_nodes(quiet)
 
@@ -228,7 +226,7 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
 async def claim_plan(db: asyncpg.Connection) -> dict[str, Any]:
     """claim_tasks planned as the runner role, under row-level security, as the service runs it."""
     owner = f"explain:{secrets.token_hex(4)}"
-    args = (owner, 1, 120_000, 16, ["echo"], 16, ["t1"], [16], "{}", ["t1"], ["s1"], [3])
+    args = (owner, 120_000, 16, ["echo"], 16, ["t1"], [16], "{}", ["t1"], ["s1"], [3])
     async with db.transaction():
         await db.execute("SET LOCAL ROLE mcp_tasks_runner")
         plan = await db.fetchval("EXPLAIN (FORMAT JSON) " + Q["claim_tasks"], *args)
@@ -262,7 +260,8 @@ async def test_creates_of_a_tenant_at_its_share_wake_no_claim_and_a_freed_slot_c
 ) -> None:
     """Issue 15 (one busy tenant's creates each woke a claim that walked past every queued row of
     that tenant and found nothing): a tenant at its share queues its next tasks without waking the
-    runner; when one of its tasks ends, the freed slot claims the oldest of them."""
+    runner (the ledger's tests show the decision); when one of its tasks ends, the freed slot
+    claims the oldest of them at once, not at the next poll."""
     settings = make_settings(database_url, runner_concurrency=4, runner_tenant_share="2", poll_interval_ms=10_000)
     async with serve(settings) as server:
         s = RpcSession(http, server.url)
@@ -270,78 +269,15 @@ async def test_creates_of_a_tenant_at_its_share_wake_no_claim_and_a_freed_slot_c
         runner = server.app.state.core.runner
         running = [(await s.call_tool_as_task("sleep", {"seconds": 60}))["task"]["taskId"] for _ in range(2)]
         async with asyncio.timeout(5):
-            while runner.held()["local"] < 2:
+            while runner.ledger.held().get("local", 0) < 2:
                 await asyncio.sleep(0.02)
-        claims = 0
-        claim = runner.store.claim
-
-        async def counting(*args: object, **kwargs: object) -> object:
-            nonlocal claims
-            claims += 1
-            return await claim(*args, **kwargs)  # type: ignore[arg-type]
-
-        runner.store.claim = counting
         queued = [(await s.call_tool_as_task("echo", {"text": f"q{i}"}))["task"]["taskId"] for i in range(6)]
-        await asyncio.sleep(0.3)  # the created events have arrived (NOTIFY) and woken nothing
-        assert claims == 0
         assert (await s.result("tasks/get", {"taskId": queued[0]}))["status"] == "working"
         await s.result("tasks/cancel", {"taskId": running[0]})
         async with asyncio.timeout(START_BOUND_S):  # the freed slot claims at once, not at the next poll
             result = await s.result("tasks/result", {"taskId": queued[0]})
         assert result["content"] == [{"type": "text", "text": "q0"}]
-        assert claims >= 1
         await s.result("tasks/cancel", {"taskId": running[1]})
-
-
-async def test_a_task_created_while_a_claim_is_in_flight_starts_without_waiting_for_the_poll(
-    database_url: str, http: httpx.AsyncClient
-) -> None:
-    """A create made while a claim is in flight finds every free slot promised to that claim, so its
-    task is queued, and its created event arrives while the claim still counts what it may bring.
-    That estimate put the tenant at its share, the event was kept as backlog, and the claim's
-    answer (read before the create committed, without the task) set the backlog afresh: the task
-    waited for the next poll (10 s here) with free slots. Seen as the flaky start of the test above
-    on a loaded machine. The event is now decided once the claim's answer is counted: the tenant
-    is below its share, so the next pass claims the task at once."""
-    # A long lease: the held claim must not time out (claim_timeout is a third of the fence time).
-    settings = make_settings(
-        database_url, runner_concurrency=4, runner_tenant_share="2", poll_interval_ms=10_000, lease_ms=60_000
-    )
-    async with serve(settings) as server:
-        s = RpcSession(http, server.url)
-        await s.initialize()
-        runner = server.app.state.core.runner
-        claim = runner.store.claim
-        answered, release = asyncio.Event(), asyncio.Event()
-        created: list[str] = []  # may arrive before the create's answer does
-
-        async def held_back(*args: object, **kwargs: object) -> object:
-            got = await claim(*args, **kwargs)  # type: ignore[arg-type]
-            if not answered.is_set():  # the first claim only: answered, but held in flight
-                answered.set()
-                await release.wait()
-            return got
-
-        def seen(event: object) -> None:  # after the runner's own listener
-            if isinstance(event, TaskCreated):
-                created.append(event.task_id)
-
-        runner.store.claim = held_back
-        runner.hub.listeners.append(seen)
-        runner._wake.set()  # a claim pass now (the loop sleeps until the 10 s poll otherwise)
-        async with asyncio.timeout(5):
-            await answered.wait()
-        assert runner._claiming is not None  # in flight
-        task_id = (await s.call_tool_as_task("echo", {"text": "queued"}))["task"]["taskId"]
-        async with asyncio.timeout(5):
-            while task_id not in created:  # its created event reached the runner while the claim is in flight
-                await asyncio.sleep(0.01)
-        assert runner._claiming is not None
-        assert runner.held()["local"] == 0
-        release.set()
-        async with asyncio.timeout(START_BOUND_S):  # claimed by the next pass, not at the next poll
-            result = await s.result("tasks/result", {"taskId": task_id})
-        assert result["content"] == [{"type": "text", "text": "queued"}]
 
 
 async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenants_slots(
@@ -370,7 +306,7 @@ async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenan
                     await a.call_tool_as_task("echo", {"text": f"a{i}"})
                 await asyncio.sleep(0.5)
                 runner = server.app.state.core.runner
-                assert runner.held()["tenant-a"] <= 1
+                assert runner.ledger.held().get("tenant-a", 0) <= 1
                 victim = (await b.call_tool_as_task("hang", {"key": victim_key}))["task"]["taskId"]
                 async with asyncio.timeout(5):
                     await signal(victim_key, "started").wait()

@@ -180,11 +180,11 @@ async def test_no_service_role_can_rewrite_a_finished_tasks_outcome(
         release = {"tenant_id": scene.tenant, "task_id": scene.finished, "owner": "forger", "rerunnable": True,
                    "max_attempts": 9, "requeue_message": "x", "failure": {"message": "FORGED"}}  # fmt: skip
         if role == RUNNER_ROLE:
-            for fn, body in (("task_finish_batch", item), ("task_release_batch", release)):
+            for fn, body in (("task_finish", item), ("task_hand_back", release)):
                 moved = await conn.fetchrow(f"SELECT * FROM {fn}($1::jsonb)", orjson.dumps([body]).decode())
                 assert moved["task_id"] is None, fn  # the lease check: not this owner's, not active
         else:
-            await refused(conn, "SELECT * FROM task_finish_batch($1::jsonb)", orjson.dumps([item]).decode())
+            await refused(conn, "SELECT * FROM task_finish($1::jsonb)", orjson.dumps([item]).decode())
         await conn.execute("ROLLBACK")
     finally:
         await conn.close()
@@ -197,7 +197,7 @@ async def test_what_the_credentials_still_can_do_is_what_security_md_says(
 ) -> None:
     """SECURITY.md, "What a holder of the service's database credentials can do": choose any tenant
     and read its rows (set_config; the runner role reads all tenants), and finish an active task as
-    its runner would (reading the lease owner first), which the chain records as a complete."""
+    its runner would (reading the lease owner and epoch first), which the chain records as a complete."""
     app = await closed_db.connect_as(APP_ROLE)
     runner = await closed_db.connect_as(RUNNER_ROLE)
     try:
@@ -206,11 +206,14 @@ async def test_what_the_credentials_still_can_do_is_what_security_md_says(
         assert VICTIM_TEXT in stored
         await app.execute("ROLLBACK")
         assert await runner.fetchval("SELECT count(*) FROM tasks WHERE task_id = $1", scene.finished) == 1
-        owner = await runner.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", scene.running)
-        item = {"tenant_id": scene.tenant, "task_id": scene.running, "owner": owner, "status": "completed",
-                "outcome": "result", "payload": {"content": [{"type": "text", "text": "finished by a forger"}]},
+        owner, epoch = await runner.fetchrow(
+            "SELECT lease_owner, lease_epoch FROM tasks WHERE task_id = $1", scene.running
+        )
+        item = {"tenant_id": scene.tenant, "task_id": scene.running, "owner": owner, "epoch": epoch,
+                "status": "completed", "outcome": "result",
+                "payload": {"content": [{"type": "text", "text": "finished by a forger"}]},
                 "status_message": None, "detail": None}  # fmt: skip
-        done = await runner.fetchrow("SELECT * FROM task_finish_batch($1::jsonb)", orjson.dumps([item]).decode())
+        done = await runner.fetchrow("SELECT * FROM task_finish($1::jsonb)", orjson.dumps([item]).decode())
         assert done["task_id"] == scene.running
         recorded = await runner.fetchval(
             "SELECT count(*) FROM audit_events WHERE tenant_id = $1 AND task_id = $2 AND action = 'complete'",
@@ -261,14 +264,14 @@ async def test_a_schema_owner_that_is_not_a_superuser_migrates_and_hands_the_rec
         try:
             owners = await conn.fetch(
                 """SELECT proname, pg_get_userbyid(proowner) AS owner, prosecdef FROM pg_proc
-                   WHERE proname IN ('audit_append', 'audit_append_many', 'audit_purge', 'task_finish_batch',
-                                      'task_release_batch', 'audit_append_all')"""
+                   WHERE proname IN ('audit_append', 'audit_append_events', 'audit_purge', 'task_finish',
+                                      'task_hand_back')"""
             )
         finally:
             await conn.close()
-        # audit_append_all runs as its caller, which only the record's functions can be (0019).
+        # audit_append runs as its caller and appends through audit_append_events, which runs as the record.
         assert {(r["proname"], r["owner"], r["prosecdef"]) for r in owners} == {
             *((name, "mcp_tasks_record", True) for name in (
-                "audit_append", "audit_append_many", "audit_purge", "task_finish_batch", "task_release_batch")),
-            ("audit_append_all", "mcp_tasks_record", False),
+                "audit_append_events", "audit_purge", "task_finish", "task_hand_back")),
+            ("audit_append", "mcp_tasks_record", False),
         }  # fmt: skip

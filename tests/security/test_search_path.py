@@ -1,5 +1,5 @@
-"""The schema's SECURITY DEFINER functions against objects planted in schema public (migration
-0016; SECURITY.md, operator checklist).
+"""The schema's SECURITY DEFINER functions against objects planted in schema public (SECURITY.md,
+operator checklist).
 
 Such a function looks names up in pg_catalog and then public, and PostgreSQL takes a function or
 operator whose argument types match exactly over a built-in that needs a cast, whichever schema it
@@ -33,11 +33,11 @@ PLANTED = [
 
 
 async def test_the_migrations_take_create_on_public_from_everyone(closed_db: ClosedDatabase) -> None:
-    """PostgreSQL 14's default (CREATE on public for PUBLIC), put back, then the migration run
+    """PostgreSQL 14's default (CREATE on public for PUBLIC), put back, then the migrations run
     again: it is taken away, and the service's login may not create there."""
     admin = await asyncpg.connect(closed_db.admin_url)
     try:
-        await asyncio.to_thread(migrate.downgrade, closed_db.admin_url, "0015")
+        await asyncio.to_thread(migrate.downgrade, closed_db.admin_url, "base")
         await admin.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
         await asyncio.to_thread(migrate.upgrade, closed_db.admin_url)
         assert not await admin.fetchval("SELECT has_schema_privilege('public', 'public', 'CREATE')")

@@ -62,5 +62,5 @@ SELECT audit_mark_exported($1, $2);
 SELECT tenant_id FROM audit_heads WHERE exported_seq > purged_seq ORDER BY tenant_id COLLATE "C";
 
 -- name: purge_audit
--- Retention: the tenant's exported events older than $2 go; returns how many (audit_purge, migration 0003).
+-- Retention: the tenant's exported events older than $2 go; returns how many (audit_purge).
 SELECT audit_purge($1, $2);

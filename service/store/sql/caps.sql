@@ -3,7 +3,7 @@
 SELECT pg_advisory_xact_lock(hashtextextended('mcp_tasks:create:' || $1, 0));
 
 -- name: count_active
--- Active tasks of one requestor and of the whole tenant, from the counters (migration 0004).
+-- Active tasks of one requestor and of the whole tenant, from the counters.
 SELECT coalesce(sum(active) FILTER (WHERE subject = $2), 0) AS requestor, coalesce(sum(active), 0) AS tenant
 FROM active_tasks
 WHERE tenant_id = $1 AND active > 0;

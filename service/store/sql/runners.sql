@@ -3,10 +3,10 @@
 -- holds: at start, and afresh once its row lapsed and it stopped every run the row covered. Its
 -- heartbeat (renew_leases) extends live_until in between (claims only read it), so a runner that
 -- stops beating drops out by itself, and its row is the lease on all its tasks (lease_lapsed).
-INSERT INTO runners (owner, lease_key, tools, live_until)
-VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond')
+INSERT INTO runners (owner, tools, live_until)
+VALUES ($1, $2, clock_timestamp() + $3 * interval '1 millisecond')
 ON CONFLICT (owner) DO UPDATE
-SET lease_key = excluded.lease_key, tools = excluded.tools, seen_at = clock_timestamp(),
+SET tools = excluded.tools, seen_at = clock_timestamp(),
     live_until = excluded.live_until;
 
 -- name: withdraw_runner
@@ -20,19 +20,14 @@ DELETE FROM runners WHERE live_until < clock_timestamp();
 -- name: mark_tasks_without_runner
 -- The maintenance pass: a queued task whose tool (at its recorded version) no live runner has is
 -- told so in its status message, and the message goes once one has it; its status is untouched
--- (claim_tasks clears the message too). Live: renewed within its own bound AND its liveness lock
--- held, so a runner that died stops counting at once. Returns every queued tool with how many of
--- its tasks no live runner can run (0 included, so the gauge falls back).
+-- (claim_tasks clears the message too). Live: its row renewed within its own bound (a runner that
+-- stopped withdrew it; one that died drops out a lease after its last beat). Returns every queued
+-- tool with how many of its tasks no live runner can run (0 included, so the gauge falls back).
 -- The verdict belongs to a (tool, version), not to a row: it is decided once per pair, and no step
 -- joins queued rows with queued rows, so no plan (a young table without statistics, say) can make
 -- the pass quadratic in the queue (it took 8 s with 6,400 queued rows on a fresh table when it did).
 WITH live AS MATERIALIZED (
-    SELECT r.tools FROM runners r
-    WHERE r.live_until > clock_timestamp()
-      AND EXISTS (SELECT 1 FROM pg_locks l
-                  WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                    AND l.classid::bigint = ((r.lease_key >> 32) & 4294967295)
-                    AND l.objid::bigint = (r.lease_key & 4294967295))
+    SELECT r.tools FROM runners r WHERE r.live_until > clock_timestamp()
 ),
 verdicts AS MATERIALIZED (
     SELECT g.tool, g.tool_version, g.queued,
@@ -71,10 +66,10 @@ changed AS (
 SELECT tool, coalesce(sum(queued) FILTER (WHERE NOT runnable), 0)::bigint AS without_runner FROM verdicts GROUP BY tool;
 
 -- name: analyze_stale_tables
--- The maintenance pass, when the server's autovacuum is off: the tables analysed (migration 0012).
+-- The maintenance pass, when the server's autovacuum is off: the tables analysed.
 SELECT analyze_stale_tables($1::interval) AS analysed;
 
 -- name: analyze_young_tables
 -- The maintenance pass, until tasks has statistics: the tables still without, each with whether
--- this call analysed it and its rows changed (migration 0016).
+-- this call analysed it and its rows changed.
 SELECT relname, analysed, changed FROM analyze_young_tables();

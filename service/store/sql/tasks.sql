@@ -32,33 +32,33 @@ LIMIT $5;
 -- Cancel wins: only an active task moves, and its lease is dropped so a late completion finds nothing.
 UPDATE tasks
 SET status = 'cancelled', status_message = $4, last_updated_at = clock_timestamp(),
-    finished_at = clock_timestamp(), lease_owner = NULL, lease_key = NULL, lease_expires_at = NULL
+    finished_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
 WHERE tenant_id = $1 AND task_id = $2 AND subject = $3
   AND task_status_active(status) AND expires_at > clock_timestamp()
 RETURNING *;
 
 -- name: claim_tasks
 -- SKIP LOCKED lets every runner of every replica claim different rows without waiting on each other.
--- Only tasks whose tool this runner has ($5): a fleet whose processes load different tool packs (a
+-- Only tasks whose tool this runner has ($4): a fleet whose processes load different tool packs (a
 -- rolling deploy adding one, a separate worker pool) leaves a task for a runner that can run it.
 -- Fair between tenants, then between a tenant's subjects (docs/decisions.md, "Fair claims"): a
--- tenant holds at most $6 of this process's slots ($7/$8: what each tenant holds here now), so its
+-- tenant holds at most $5 of this process's slots ($6/$7: what each tenant holds here now), so its
 -- queued rows are skipped in the index scan once it is at its share (at most the tenant cap of
 -- rows to skip); of a window of the oldest other queued rows, the picks go round-robin: each
--- tenant's first (its subjects taking turns, each after the runs it has here already: $10-$12,
+-- tenant's first (its subjects taking turns, each after the runs it has here already: $9-$11,
 -- so one claim cut short, by rows another statement held, is evened out by the next), then each
 -- one's second, and so on. A task accepted
--- for a version of its tool waits for that version ($9: tool → version). A "no worker runs tool"
+-- for a version of its tool waits for that version ($8: tool → version). A "no worker runs tool"
 -- message of the maintenance pass (mark_tasks_without_runner) no longer holds. The window is read
 -- from tasks_queued by its own conditions, null tests whose statistics the runner role's planner
--- may use (migration 0017): with `status = 'working'` among them it took a queue of thousands for a
--- few rows and sorted a scan of it; the status is checked on the rows picked.
+-- may use: with `status = 'working'` among them it took a queue of thousands for a few rows and
+-- sorted a scan of it; the status is checked on the rows picked.
 -- A new epoch: a runner that held this task before (even this one) can no longer write its outcome.
 -- The claimed tasks' lease is the runner's row too: nothing is claimed by a runner whose row has
 -- lapsed (its heartbeat publishes it afresh first). Read, not extended: a claim must not hold the
--- row the heartbeat extends. $3: the tasks' own, long lease.
+-- row the heartbeat extends. $2: the tasks' own lease.
 UPDATE tasks t
-SET lease_owner = $1, lease_key = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
+SET lease_owner = $1, lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
     lease_epoch = t.lease_epoch + 1,
     status_message = CASE WHEN t.status_message LIKE 'queued: no connected worker %' THEN NULL
@@ -72,7 +72,7 @@ FROM (
             SELECT window_rows.*,
                    row_number() OVER (PARTITION BY window_rows.tenant_id, window_rows.subject
                                       ORDER BY window_rows.created_at)
-                   + coalesce((SELECT runs.slots FROM unnest($10::text[], $11::text[], $12::int[])
+                   + coalesce((SELECT runs.slots FROM unnest($9::text[], $10::text[], $11::int[])
                                                    AS runs(tenant_id, subject, slots)
                                WHERE runs.tenant_id = window_rows.tenant_id
                                  AND runs.subject = window_rows.subject), 0) AS subject_turn
@@ -80,19 +80,19 @@ FROM (
                 SELECT tenant_id, task_id, subject, created_at FROM tasks
                 WHERE lease_owner IS NULL AND finished_at IS NULL AND expires_at > clock_timestamp()
                   AND EXISTS (SELECT 1 FROM runners r WHERE r.owner = $1 AND r.live_until > clock_timestamp())
-                  AND tool = ANY ($5::text[]) AND (tool_version IS NULL OR tool_version = $9::jsonb ->> tool)
-                  AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($7::text[], $8::int[])
-                                                AS held(tenant_id, slots) WHERE held.slots >= $6))
+                  AND tool = ANY ($4::text[]) AND (tool_version IS NULL OR tool_version = $8::jsonb ->> tool)
+                  AND tenant_id <> ALL (ARRAY(SELECT held.tenant_id FROM unnest($6::text[], $7::int[])
+                                                AS held(tenant_id, slots) WHERE held.slots >= $5))
                 ORDER BY created_at
-                LIMIT 4 * $4
+                LIMIT 4 * $3
                 FOR UPDATE SKIP LOCKED
             ) window_rows
         ) by_subject
     ) turns
-    LEFT JOIN unnest($7::text[], $8::int[]) AS held(tenant_id, slots) ON held.tenant_id = turns.tenant_id
-    WHERE turns.tenant_turn <= $6 - coalesce(held.slots, 0)
+    LEFT JOIN unnest($6::text[], $7::int[]) AS held(tenant_id, slots) ON held.tenant_id = turns.tenant_id
+    WHERE turns.tenant_turn <= $5 - coalesce(held.slots, 0)
     ORDER BY turns.tenant_turn, turns.created_at
-    LIMIT $4
+    LIMIT $3
 ) picked
 WHERE t.tenant_id = picked.tenant_id AND t.task_id = picked.task_id AND t.status = 'working'
 RETURNING t.*;
@@ -141,16 +141,10 @@ WHERE EXISTS (SELECT 1 FROM runner)
 
 -- name: find_lost_leases
 -- Leases that lapsed (lease_lapsed: the task's own ran out, or its owner's row did): only then can
--- the owner no longer hold them (it stops its tools before, see docs/decisions.md "Fencing"). An
--- owner's liveness lock that is gone proves nothing: a runner cut off from the database loses it
--- too, and still runs. Not locked here: task_release_batch re-checks owner, epoch and the lapse
--- under the row lock.
--- The rule of lease_lapsed, written as a set: the live owners are read once, not per leased row.
+-- the owner no longer hold them (it stops its tools before, see docs/decisions.md "Fencing"). Not
+-- locked here: task_hand_back re-checks owner, epoch and the lapse under the row lock.
 SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable, lease_epoch FROM tasks
-WHERE lease_owner IS NOT NULL
-  AND (lease_expires_at < clock_timestamp()
-       OR (lease_owner LIKE '%+row'
-           AND lease_owner <> ALL (ARRAY(SELECT owner FROM runners WHERE live_until > clock_timestamp()))))
+WHERE lease_owner IS NOT NULL AND lease_lapsed(lease_owner, lease_expires_at)
 ORDER BY lease_expires_at
 LIMIT $1;
 
@@ -173,46 +167,52 @@ RETURNING t.*;
 
 -- name: count_active_by_status
 -- Cluster-wide non-terminal tasks by status, for the tasks_active gauge: the active total from the
--- per-requestor counters, input_required from its own small partial index (migration 0005), so the
+-- per-requestor counters, input_required from its own small partial index, so the
 -- cost does not grow with the tasks running.
 SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
        (SELECT count(*) FROM tasks WHERE status = 'input_required') AS input_required;
 
--- name: task_batch
--- Many creates and retrieves in one statement and one commit (migration 0005): one row per item,
--- in order; a row of NULLs where there is no task. (Gets go to task_get_batch.) Only the columns
--- a Task holds: not the arguments and capabilities a create sent (its request has them), nor the
--- expiry and lease times, which no caller reads (each timestamp costs a microsecond to decode).
+-- name: task_create
+-- Creates in one statement and one commit: one row per item, in order; a row of NULLs where a cap
+-- refused the create. Only the columns a Task holds: not the arguments and capabilities a create
+-- sent (its request has them), nor the expiry and lease times, which no caller reads.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
        rerunnable, lease_epoch
-FROM task_batch($1);
+FROM task_create($1);
 
--- name: task_get_batch
--- Many gets in one statement (migration 0010): a row per item found, with its place (o), nothing
--- for an item whose task is unknown, expired or not its subject's. Not its expiry (checked there).
+-- name: task_get
+-- Gets in one read-only statement: a row per item found, with its place (o), nothing for an item
+-- whose task is unknown, expired or not its subject's.
 SELECT o, tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
-FROM task_get_batch($1, $2, $3);
+FROM task_get($1, $2, $3);
 
--- name: finish_task_batch
--- Many runner outcomes with their audit events and wake-ups in one statement (migration 0005).
--- Not read back: the outcome's payload, the arguments and the client's capabilities, which the
--- runner has (a large result was sent to the database and decoded again on its way back).
+-- name: task_retrieve
+-- Retrieves (gets whose hand-out of a finished result is audited) in one statement: one row per
+-- item, in order; a row of NULLs where there is no task.
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+       status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
+       rerunnable, lease_epoch
+FROM task_retrieve($1);
+
+-- name: task_finish
+-- Runner outcomes with their audit events and wake-ups in one statement. Not read back: the
+-- outcome's payload, the arguments and the client's capabilities, which the runner has.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
        status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, rerunnable,
        lease_epoch
-FROM task_finish_batch($1);
+FROM task_finish($1);
 
--- name: release_task_batch
--- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken (the one hand-back path).
-SELECT * FROM task_release_batch($1);
+-- name: task_hand_back
+-- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken.
+SELECT * FROM task_hand_back($1);
 
 -- name: queue_by_tool
 -- Queued (working, unclaimed) and running (claimed) tasks per tool, with the age of the oldest of
 -- each, for the queue gauges. It reads the rows of the two partial indexes only, queued and leased
 -- (the sweeper's pass, not a request's; an active task in neither counts in neither), named by
--- their own conditions, null tests, whose statistics the runner role's planner may use (migration 0017).
+-- their own conditions, null tests, whose statistics the runner role's planner may use.
 SELECT tool,
        count(*) FILTER (WHERE lease_owner IS NULL AND status = 'working') AS queued,
        count(*) FILTER (WHERE lease_owner IS NOT NULL) AS running,

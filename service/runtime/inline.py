@@ -7,6 +7,7 @@ the round, and the client retries with it answered (the tool runs again from the
 call has run longer than its grace, or once a call that must be a task gets past its answered
 questions, it becomes a task: its row is committed, the runner adopts the running job, and from
 then on its events and questions go through the task (new, random keys: X-CREATE-5).
+The call is started by the executor (``executor.py``) and handed over by the engine (``engine.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from service.domain.events import TaskEvent
 from service.domain.inputs import InputResponse, PendingInput, check_response
-from service.domain.task import FailureReason
+from service.domain.task import FailureReason, Outcome
 from service.domain.values import frozen
+from service.tools.api import refused
 from service.tools.context import ToolContextBase
-from service.tools.execute import refused
 
 T = TypeVar("T")
 
@@ -103,6 +104,30 @@ class InlineCallContext(ToolContextBase):
         self.asked_unanswered.set()
         await asyncio.Event().wait()  # the round ends here; the request cancels the run
         raise AssertionError("unreachable")
+
+
+class InlineCall:
+    """A call running inside its request: its rounds, then, if it becomes a task, its hand-over
+    to the runner (``Engine.hand_over``)."""
+
+    def __init__(self, job: asyncio.Future[Outcome], ctx: InlineCallContext) -> None:
+        self.job = job
+        self.ctx = ctx
+
+    async def round(self, grace_s: float | None) -> RoundResult[Outcome]:
+        """The call's first end (see ``run_round``); the request going away cancels the call (X-HTTP-7)."""
+        try:
+            return await run_round(self.job, self.ctx, grace_s=grace_s)
+        except BaseException:
+            self.job.cancel()
+            raise
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+    def attach(self, task_id: str, sink: Sink) -> None:
+        """The call became that task: its events and questions go through the task from now on."""
+        self.ctx.attach(task_id, sink)
 
 
 class CallEnd(enum.Enum):
