@@ -30,14 +30,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from service.domain.task import Task, TaskStatus
-from service.runtime.fencing import LeaseTimes
-from service.runtime.ledger import (
+from service.runtime.commands import (
     CLAIM_BATCH,
     CheckLease,
     Claim,
     Command,
     HandBack,
-    Ledger,
     LookUp,
     Publish,
     Reservation,
@@ -46,6 +44,8 @@ from service.runtime.ledger import (
     Stop,
     key_of,
 )
+from service.runtime.fencing import LeaseTimes
+from service.runtime.ledger import Ledger
 
 TIMES = LeaseTimes.of(8_000)  # 1 s between beats, fenced after 6 s
 TENANTS = ("a", "b", "c")

@@ -17,9 +17,9 @@ from service.domain.events import TaskEvent
 from service.domain.inputs import InputResponse
 from service.domain.task import Outcome, Task
 from service.domain.values import frozen
+from service.runtime.commands import Reservation
 from service.runtime.executor import Executor
 from service.runtime.inline import InlineCall, InlineCallContext, RoundResult, ask_first
-from service.runtime.ledger import Reservation
 from service.runtime.runner import Runner
 from service.store.requests import Lease
 from service.tools.api import ToolContext

@@ -35,120 +35,25 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from service.domain.task import Task
-from service.domain.values import frozen
+from service.runtime.commands import (
+    CLAIM_BATCH,
+    CheckLease,
+    Claim,
+    Command,
+    HandBack,
+    LookUp,
+    Publish,
+    Renewal,
+    Reservation,
+    Run,
+    Start,
+    Stop,
+    TaskKey,
+    key_of,
+    never_started,
+)
 from service.runtime.fencing import LeaseTimes
-
-TaskKey = tuple[str, str]
-# The most tasks one claim asks for.
-CLAIM_BATCH = 16
-
-
-def key_of(task: Task) -> TaskKey:
-    return (task.tenant_id, task.task_id)
-
-
-@dataclass(slots=True, eq=False)
-class Run:
-    """One task this runner executes, with what the ledger knows of its lease."""
-
-    task: Task  # its lease_epoch (with the runner's owner name) is the run's fencing token
-    # No later than the statement that last made its lease hold for at least a lease.
-    renewed_at: float
-    # When the task's own lease was last set (claim, create, its renewal).
-    task_lease_set_at: float
-    tool_started: bool = False  # its tool was called (or its call began inside a request)
-    tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write
-    fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
-    holds_slot: bool = True  # its tool runs (or is about to)
-
-    @property
-    def key(self) -> TaskKey:
-        return key_of(self.task)
-
-
-@dataclass(slots=True, eq=False)
-class Reservation:
-    """A slot promised to a create of ``tenant_id`` this process is about to make."""
-
-    tenant_id: str
-    at: float  # no later than the start of the create's own lease
-    row_sent: float  # when the extension of the runner's row that covers it was sent
-    running: bool  # the call already runs here (it began inside its request)
-    settled: bool = False
-
-
-# ---- commands ------------------------------------------------------------------------------
-
-
-@frozen
-class Claim:
-    """Ask the database for up to ``want`` queued tasks, none taking a tenant past its share
-    counting what it ``held`` here when sent; each subject's turns after its ``running`` runs."""
-
-    want: int
-    held: dict[str, int]
-    running: dict[tuple[str, str], int]
-    sent: float
-    row_sent: float
-
-
-@frozen
-class Start:
-    """Run the task's tool (or, for a call that began inside its request, go on awaiting it)."""
-
-    run: Run
-
-
-@frozen
-class Stop:
-    """Cancel the run's tool: its lease is no longer ours (``fenced``: for want of a renewal)."""
-
-    run: Run
-    fenced: bool
-
-
-@frozen
-class HandBack:
-    """Give tasks back (re-queued or failed, by the hand-back rule) under their fencing tokens.
-    ``never_started``: the keys of those whose tool was never called (they go back to the queue
-    whatever their tool); ``fenced``: how many are handed back for want of a lease."""
-
-    tasks: tuple[Task, ...]
-    why: str
-    never_started: frozenset[TaskKey]
-    fenced: int = 0
-
-
-@frozen
-class Publish:
-    """The runner's row lapsed: publish it afresh (then ``published``), for new work only."""
-
-
-@frozen
-class LookUp:
-    """A create under ``reservation`` got no answer: read whether it exists, leased to us."""
-
-    reservation: Reservation
-    task_id: str
-
-
-@frozen
-class CheckLease:
-    """A cancel or delete was announced for a running task: re-read its row (``lease_checked``)."""
-
-    run: Run
-
-
-Command = Start | Stop | HandBack | Publish | LookUp | CheckLease
-
-
-@frozen
-class Renewal:
-    """A beat to send: extend the runner's row and the own leases of the ``due`` runs."""
-
-    runs: tuple[Run, ...]  # the runs it judges (a run started while it is in flight is not)
-    due: tuple[Run, ...]
-    sent: float
+from service.runtime.slots import Slots
 
 
 @dataclass(slots=True)
@@ -166,12 +71,7 @@ class Ledger:
         self.tenant_share = max(1, min(tenant_share, concurrency))
         self.times = times
         self.runs: dict[TaskKey, Run] = {}
-        self._slots: Counter[str] = Counter()  # tools running per tenant
-        self._slots_in_use = 0
-        self._recording: Counter[str] = Counter()  # outcome writes under way per tenant
-        self._recording_total = 0
-        self._reserved: Counter[str] = Counter()  # creates promised a slot, per tenant
-        self._reserved_total = 0
+        self.slots = Slots(concurrency, self.tenant_share)
         self._claim: _ClaimInFlight | None = None
         # Fenced runs whose leases we still hold, handed back once the database answers again:
         # when each was fenced and whether its tool never started.
@@ -188,26 +88,23 @@ class Ledger:
     @property
     def busy(self) -> int:
         """Slots in use: tools running, plus outcome writes beyond ``concurrency`` waiting."""
-        return self._slots_in_use + max(0, self._recording_total - self.concurrency)
+        return self.slots.busy
 
     @property
     def free(self) -> int:
         """Slots neither in use nor promised (to creates or to the claim in flight)."""
         want = self._claim.claim.want if self._claim is not None else 0
-        return self.concurrency - self.busy - self._reserved_total - want
+        return self.concurrency - self.busy - self.slots.reserved.total - want
 
     @property
     def claiming(self) -> bool:
         return self._claim is not None
 
     def held_by(self, tenant_id: str) -> int:
-        return (
-            self._slots[tenant_id] + self._reserved[tenant_id] + max(0, self._recording[tenant_id] - self.tenant_share)
-        )
+        return self.slots.held_by(tenant_id)
 
     def held(self) -> dict[str, int]:
-        tenants = {*self._slots, *self._reserved, *self._recording}
-        return {tenant: n for tenant in sorted(tenants) if (n := self.held_by(tenant))}
+        return self.slots.held()
 
     def at_share(self, tenant_id: str) -> bool:
         """Would one more slot take the tenant past its share, counting what the claim in flight
@@ -248,18 +145,14 @@ class Ledger:
             return None
         if not running and (self.free <= 0 or self.at_share(tenant_id)):
             return None
-        self._reserved[tenant_id] += 1
-        self._reserved_total += 1
+        self.slots.reserved.add(tenant_id, 1)
         return Reservation(tenant_id, now, self.row_sent, running)
 
     def _unreserve(self, reservation: Reservation) -> None:
         assert not reservation.settled, "a reservation is settled once"
         reservation.settled = True
         tenant = reservation.tenant_id
-        self._reserved_total -= 1
-        self._reserved[tenant] -= 1
-        if self._reserved[tenant] <= 0:
-            del self._reserved[tenant]
+        self.slots.reserved.add(tenant, -1)
 
     def adopted(self, reservation: Reservation, task: Task | None, now: float) -> list[Command]:
         """The create under ``reservation`` was answered: ``task``, leased to us, or None (a cap
@@ -271,7 +164,7 @@ class Ledger:
         if self.stopping:  # too late to run it here: back to the queue or failed, by the rule
             why = "re-queued: the runner was shut down" if reservation.running else (
                 "re-queued: the runner was shut down before it started")  # fmt: skip
-            return [HandBack((task,), why, _never_started(task, not reservation.running))]
+            return [HandBack((task,), why, never_started(task, not reservation.running))]
         covered = min(reservation.at, reservation.row_sent)
         return self._start(task, leased_at=reservation.at, covered_since=covered, now=now,
                            tool_started=reservation.running)  # fmt: skip
@@ -374,11 +267,10 @@ class Ledger:
         say): then it goes back unstarted."""
         if covered_since + self.times.fence_after <= now:
             return [HandBack((task,), "re-queued: the runner's lease ran out before the task started",
-                             _never_started(task, not tool_started), fenced=1)]  # fmt: skip
+                             never_started(task, not tool_started), fenced=1)]  # fmt: skip
         run = Run(task, covered_since, leased_at, tool_started=tool_started)
         self.runs[run.key] = run
-        self._slots_in_use += 1
-        self._slots[task.tenant_id] += 1
+        self.slots.running.add(task.tenant_id, 1)
         return [Start(run)]
 
     def tool_called(self, run: Run) -> None:
@@ -388,8 +280,7 @@ class Ledger:
     def tool_ended(self, run: Run) -> None:
         """The run's tool returned: its slot is free, its outcome goes on to the database."""
         run.tool_done = True
-        self._recording[run.task.tenant_id] += 1
-        self._recording_total += 1
+        self.slots.recording.add(run.task.tenant_id, 1)
         self._give_slot(run)
 
     def _give_slot(self, run: Run) -> None:
@@ -397,10 +288,7 @@ class Ledger:
             return
         run.holds_slot = False
         tenant = run.task.tenant_id
-        self._slots_in_use -= 1
-        self._slots[tenant] -= 1
-        if self._slots[tenant] <= 0:
-            del self._slots[tenant]
+        self.slots.running.add(tenant, -1)
         self._slot_freed()
 
     def _slot_freed(self) -> None:
@@ -415,7 +303,7 @@ class Ledger:
         goes back to the queue whatever its tool: nothing of it ran."""
         if self.stopping:
             return HandBack((run.task,), "re-queued: the runner was shut down",
-                            _never_started(run.task, not run.tool_started))  # fmt: skip
+                            never_started(run.task, not run.tool_started))  # fmt: skip
         if run.fenced:
             self.fenced[run.key] = (run.task, now, not run.tool_started)
         return None
@@ -426,10 +314,7 @@ class Ledger:
             del self.runs[run.key]
         if run.tool_done:
             tenant = run.task.tenant_id
-            self._recording_total -= 1
-            self._recording[tenant] -= 1
-            if self._recording[tenant] <= 0:
-                del self._recording[tenant]
+            self.slots.recording.add(tenant, -1)
             self._slot_freed()
         self._give_slot(run)
 
@@ -534,7 +419,3 @@ class Ledger:
     def handed_back(self, tasks: Iterable[Task]) -> None:
         for task in tasks:
             self.fenced.pop(key_of(task), None)
-
-
-def _never_started(task: Task, never: bool) -> frozenset[TaskKey]:
-    return frozenset({key_of(task)}) if never else frozenset()

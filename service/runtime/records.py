@@ -16,8 +16,8 @@ import logging
 from service.domain.errors import Unavailable
 from service.domain.task import FailureReason, Outcome, Task, TaskStatus
 from service.observability import metrics
+from service.runtime.commands import HandBack, key_of
 from service.runtime.handback import count_handed_back, hand_back
-from service.runtime.ledger import HandBack, key_of
 from service.store.batch import Batcher
 from service.store.requests import FinishRequest, HandBackRequest
 from service.store.runners import RunnerStore

@@ -22,29 +22,27 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from service.concurrency import eager
 from service.concurrency.stopping import cancel_and_wait
 from service.domain.errors import Unavailable
 from service.domain.task import Task
 from service.observability import metrics
-from service.runtime.context import TaskRunContext, TaskSink
-from service.runtime.executor import Executor
-from service.runtime.fencing import LeaseTimes
-from service.runtime.inline import InlineCall
-from service.runtime.ledger import (
+from service.runtime.commands import (
     CheckLease,
     Command,
     HandBack,
-    Ledger,
     LookUp,
     Publish,
     Reservation,
     Run,
     Start,
     Stop,
-    TaskKey,
 )
+from service.runtime.executor import Executor
+from service.runtime.fencing import LeaseTimes
+from service.runtime.inline import InlineCall
+from service.runtime.ledger import Ledger
 from service.runtime.records import Outage, RunRecords
+from service.runtime.runs import Runs
 from service.store.db import Database
 from service.store.events import Event, EventHub, Resync, TaskCancelRequested, TaskCreated, TaskDeleted
 from service.store.requests import Lease
@@ -72,7 +70,8 @@ class Runner:
         self.ledger = Ledger(concurrency=concurrency, tenant_share=tenant_share or concurrency, times=self.times)
         self.outage = Outage(poll_s)
         self.records = RunRecords(self.store, self.owner, self.outage)
-        self._jobs: dict[TaskKey, tuple[Run, asyncio.Future[None]]] = {}  # each run and the job running it
+        self.runs = Runs(self.ledger, executor, self.records, self.store, hub, owner=self.owner, poll_s=poll_s,
+                         times=self.times, settled=self._settled)  # fmt: skip
         self._background: set[asyncio.Task[Any]] = set()
         self._giving_back: asyncio.Task[Any] | None = None  # the fenced runs' hand-back, one at a time
         self._wake = asyncio.Event()
@@ -96,10 +95,9 @@ class Runner:
         (the running call to await; what the client of the task's session declared)."""
         for command in commands:
             if isinstance(command, Start):
-                self._launch(command.run, call, capabilities)
+                self.runs.launch(command.run, call, capabilities)
             elif isinstance(command, Stop):
-                if (entry := self._jobs.get(command.run.key)) is not None and entry[0] is command.run:
-                    entry[1].cancel()
+                self.runs.cancel(command.run)
             elif isinstance(command, HandBack):
                 if command.fenced:
                     metrics.runner_fenced.inc(command.fenced)
@@ -151,7 +149,7 @@ class Runner:
         if not any(isinstance(command, Start) for command in commands):
             call.cancel()  # it goes back to the queue, or fails, by the hand-back rule
         else:
-            call.attach(task.task_id, self._sink(task))
+            call.attach(task.task_id, self.runs.sink(task))
         self._carry_out(commands, call=call)
 
     def answer_lost(self, reservation: Reservation, task_id: str) -> None:
@@ -166,75 +164,6 @@ class Runner:
             log.warning("could not look up task %s after a failed create: %s", command.task_id[:8], exc)
             task = None
         self.adopt(command.reservation, task)
-
-    # ---- runs --------------------------------------------------------------------------------
-
-    def _sink(self, task: Task) -> TaskSink:
-        return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
-
-    def _launch(self, run: Run, call: InlineCall | None, capabilities: dict[str, Any] | None) -> None:
-        """The run's first step is taken now (``eager``): a cancel can then only land inside
-        ``_execute``, whose ``finally`` always hands the run's slot back."""
-        job = eager.start(self._execute(run, call, capabilities), name=f"task-{run.task.task_id[:8]}")
-        if not job.done():
-            self._jobs[run.key] = (run, job)
-
-    async def _execute(self, run: Run, call: InlineCall | None, capabilities: dict[str, Any] | None) -> None:
-        """Run the task's tool (or await the call already running) and record its outcome. A
-        session's task reads what its client declared from the session (not stored per task),
-        unless the creating request handed it over (``capabilities``)."""
-        task = run.task
-        started = time.perf_counter()
-        try:
-            caps = task.client_capabilities
-            if call is None and task.session_id is not None and not caps:
-                if capabilities is None:
-                    capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
-                caps = capabilities
-            self.ledger.tool_called(run)
-            if call is None:
-                outcome = await self.executor.run(
-                    task.tool, task.arguments, TaskRunContext(task, self._sink(task), caps)
-                )
-            else:
-                outcome = await call.job  # cancelling us cancels it
-            if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
-                raise asyncio.CancelledError
-            self.ledger.tool_ended(run)
-            self._settled()
-            metrics.labelled(metrics.task_run_seconds, task.tool).observe(time.perf_counter() - started)
-            await self.records.finish(task, outcome)
-        except asyncio.CancelledError:
-            if (back := self.ledger.run_cancelled(run, time.monotonic())) is not None:
-                await self.records.hand_back(back)
-        except Exception:
-            ref = secrets.token_hex(6)
-            log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
-            await self.records.unstorable(task, ref)
-        finally:
-            self._ended(run)
-
-    def _ended(self, run: Run) -> None:
-        if (entry := self._jobs.get(run.key)) is not None and entry[0] is run:
-            del self._jobs[run.key]
-        self.ledger.run_ended(run)
-        self._settled()
-
-    async def _session_capabilities(self, tenant_id: str, session_id: str) -> dict[str, Any]:
-        """What the client of a task's session declared, read again while the database is away: a
-        blip must not fail a task before its tool starts. For at most the fence time: the fence
-        stops the run (cancelling this wait) if the database stays away; an error that outlasts it
-        while the beats land is no blip, and fails the task."""
-        delay = 0.25
-        give_up = time.monotonic() + self.times.fence_after
-        while True:
-            try:
-                return await self.store.session_capabilities(tenant_id, session_id)
-            except Unavailable:
-                if time.monotonic() + delay > give_up:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     # ---- events of the store -------------------------------------------------------------------
 
@@ -417,7 +346,7 @@ class Runner:
         """Stop claiming; let running tasks finish until ``deadline`` (loop time), then hand what
         is left back (re-queue or fail) so none stays working."""
         self.drain()
-        running = [job for _run, job in self._jobs.values()]
+        running = self.runs.running()
         if running and deadline is not None:
             timeout = deadline - asyncio.get_running_loop().time()
             if timeout > 0:
@@ -429,7 +358,7 @@ class Runner:
         with contextlib.suppress(ValueError):
             self.hub.listeners.remove(self._on_event)
         await cancel_and_wait(*self._loops)
-        running = [job for _run, job in self._jobs.values()]
+        running = self.runs.running()
         for job in running:
             job.cancel()
         await asyncio.gather(*running, return_exceptions=True)

@@ -1,0 +1,124 @@
+"""A run: its tool called (or the call already running awaited), then its outcome written.
+
+``Runs`` holds the jobs of one runner's runs. The ledger decides which run starts and stops;
+this carries it out, and tells the ledger when a run's tool ends and when the run is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from service.concurrency import eager
+from service.domain.errors import Unavailable
+from service.domain.task import Task
+from service.observability import metrics
+from service.runtime.commands import Run, TaskKey
+from service.runtime.context import TaskRunContext, TaskSink
+from service.runtime.executor import Executor
+from service.runtime.fencing import LeaseTimes
+from service.runtime.inline import InlineCall
+from service.runtime.ledger import Ledger
+from service.runtime.records import RunRecords
+from service.store.events import EventHub
+from service.store.runners import RunnerStore
+
+log = logging.getLogger(__name__)
+
+
+class Runs:
+    """The jobs of one runner's runs, each under the runner's owner name."""
+
+    def __init__(
+        self, ledger: Ledger, executor: Executor, records: RunRecords, store: RunnerStore, hub: EventHub, *,
+        owner: str, poll_s: float, times: LeaseTimes, settled: Callable[[], None],
+    ) -> None:  # fmt: skip
+        """``settled``: called after each change of the ledger (the runner then claims if due)."""
+        self.ledger = ledger
+        self.executor = executor
+        self.records = records
+        self.store = store
+        self.hub = hub
+        self.owner = owner
+        self.poll_s = poll_s
+        self.times = times
+        self._settled = settled
+        self.jobs: dict[TaskKey, tuple[Run, asyncio.Future[None]]] = {}  # each run and the job running it
+
+    def sink(self, task: Task) -> TaskSink:
+        return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
+
+    def launch(self, run: Run, call: InlineCall | None, capabilities: dict[str, Any] | None) -> None:
+        """The run's first step is taken now (``eager``): a cancel can then only land inside
+        ``_execute``, whose ``finally`` always hands the run's slot back."""
+        job = eager.start(self._execute(run, call, capabilities), name=f"task-{run.task.task_id[:8]}")
+        if not job.done():
+            self.jobs[run.key] = (run, job)
+
+    def cancel(self, run: Run) -> None:
+        if (entry := self.jobs.get(run.key)) is not None and entry[0] is run:
+            entry[1].cancel()
+
+    def running(self) -> list[asyncio.Future[None]]:
+        return [job for _run, job in self.jobs.values()]
+
+    async def _execute(self, run: Run, call: InlineCall | None, capabilities: dict[str, Any] | None) -> None:
+        """Run the task's tool (or await the call already running) and record its outcome. A
+        session's task reads what its client declared from the session (not stored per task),
+        unless the creating request handed it over (``capabilities``)."""
+        task = run.task
+        started = time.perf_counter()
+        try:
+            caps = task.client_capabilities
+            if call is None and task.session_id is not None and not caps:
+                if capabilities is None:
+                    capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
+                caps = capabilities
+            self.ledger.tool_called(run)
+            if call is None:
+                outcome = await self.executor.run(
+                    task.tool, task.arguments, TaskRunContext(task, self.sink(task), caps)
+                )
+            else:
+                outcome = await call.job  # cancelling us cancels it
+            if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
+                raise asyncio.CancelledError
+            self.ledger.tool_ended(run)
+            self._settled()
+            metrics.labelled(metrics.task_run_seconds, task.tool).observe(time.perf_counter() - started)
+            await self.records.finish(task, outcome)
+        except asyncio.CancelledError:
+            if (back := self.ledger.run_cancelled(run, time.monotonic())) is not None:
+                await self.records.hand_back(back)
+        except Exception:
+            ref = secrets.token_hex(6)
+            log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
+            await self.records.unstorable(task, ref)
+        finally:
+            self._ended(run)
+
+    def _ended(self, run: Run) -> None:
+        if (entry := self.jobs.get(run.key)) is not None and entry[0] is run:
+            del self.jobs[run.key]
+        self.ledger.run_ended(run)
+        self._settled()
+
+    async def _session_capabilities(self, tenant_id: str, session_id: str) -> dict[str, Any]:
+        """What the client of a task's session declared, read again while the database is away: a
+        blip must not fail a task before its tool starts. For at most the fence time: the fence
+        stops the run (cancelling this wait) if the database stays away; an error that outlasts it
+        while the beats land is no blip, and fails the task."""
+        delay = 0.25
+        give_up = time.monotonic() + self.times.fence_after
+        while True:
+            try:
+                return await self.store.session_capabilities(tenant_id, session_id)
+            except Unavailable:
+                if time.monotonic() + delay > give_up:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
