@@ -85,7 +85,7 @@ CREATE TABLE tasks (
     issuer              text        NOT NULL DEFAULT '',
     client_id           text        NOT NULL DEFAULT '',
     session_id          text,
-    surface             text        NOT NULL,
+    wire                text        NOT NULL,
     tool                text        NOT NULL,
     arguments           jsonb       NOT NULL,
     client_capabilities jsonb       NOT NULL DEFAULT '{}',
@@ -114,7 +114,7 @@ CREATE TABLE tasks (
     -- while both still match what it was given (docs/decisions.md, "Fencing").
     lease_epoch         bigint      NOT NULL DEFAULT 0,
     CONSTRAINT tasks_pkey PRIMARY KEY (tenant_id, task_id),
-    CONSTRAINT tasks_surface_known CHECK (surface IN ('2025-11-25', '2026-07-28')),
+    CONSTRAINT tasks_wire_known CHECK (wire IN ('2025-11-25', '2026-07-28')),
     CONSTRAINT tasks_ttl_positive CHECK (ttl_ms > 0),
     CONSTRAINT tasks_lease_complete CHECK ((lease_owner IS NULL) = (lease_expires_at IS NULL)),
     -- One stored outcome, rendered per wire: a tool error is a completed call (its result says
@@ -778,7 +778,7 @@ CREATE POLICY audit_heads_record ON audit_heads TO mcp_tasks_record
 -- runner of the creating process when the task goes straight to a free slot of it.
 CREATE TYPE task_create_item AS (
     tenant_id text, task_id text, subject text, issuer text, client_id text, session_id text,
-    surface text, tool text, arguments jsonb, client_capabilities jsonb, progress_token jsonb,
+    wire text, tool text, arguments jsonb, client_capabilities jsonb, progress_token jsonb,
     ttl_ms bigint, poll_interval_ms integer, max_per_requestor bigint, max_per_tenant bigint,
     request_id text, client_address text, detail jsonb,
     lease_owner text, lease_ms bigint, rerunnable boolean, tool_version text
@@ -823,11 +823,11 @@ BEGIN
             PERFORM set_config('app.tenant_id', pending_tenant, true);
             IF cardinality(pending) = 1 THEN  -- one create of this tenant: a plain INSERT costs less
                 it := pending[1];
-                INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
+                INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
                                    expires_at, lease_owner, lease_expires_at, attempts, started_at,
                                    rerunnable, tool_version)
-                VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.surface,
+                VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.wire,
                         it.tool, it.arguments, it.client_capabilities, it.progress_token, it.ttl_ms,
                         it.poll_interval_ms, clock_timestamp() + it.ttl_ms * interval '1 millisecond',
                         it.lease_owner, clock_timestamp() + it.lease_ms * interval '1 millisecond',
@@ -838,11 +838,11 @@ BEGIN
                 found_tasks[pending_at[1]] := t;
             ELSE
             WITH ins AS (
-                INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool,
+                INSERT INTO tasks (tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool,
                                    arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms,
                                    expires_at, lease_owner, lease_expires_at, attempts, started_at,
                                    rerunnable, tool_version)
-                SELECT p.tenant_id, p.task_id, p.subject, p.issuer, p.client_id, p.session_id, p.surface,
+                SELECT p.tenant_id, p.task_id, p.subject, p.issuer, p.client_id, p.session_id, p.wire,
                        p.tool, p.arguments, p.client_capabilities, p.progress_token, p.ttl_ms,
                        p.poll_interval_ms, clock_timestamp() + p.ttl_ms * interval '1 millisecond',
                        p.lease_owner, clock_timestamp() + p.lease_ms * interval '1 millisecond',
@@ -911,7 +911,7 @@ $$;
 -- row by primary key; a row per item found (its place in ``o``), nothing for the others.
 CREATE FUNCTION task_get(p_tenants text[], p_task_ids text[], p_subjects text[])
 RETURNS TABLE (o integer, tenant_id text, task_id text, subject text, issuer text, client_id text,
-               session_id text, surface text, tool text, progress_token jsonb, status task_status,
+               session_id text, wire text, tool text, progress_token jsonb, status task_status,
                status_message text, outcome text, payload jsonb, ttl_ms bigint, poll_interval_ms integer,
                created_at timestamptz, last_updated_at timestamptz, attempts integer, expires_at timestamptz)
 LANGUAGE plpgsql AS $$
@@ -925,12 +925,12 @@ BEGIN
     FOR tenant IN SELECT DISTINCT u FROM unnest(p_tenants) AS u LOOP
         PERFORM set_config('app.tenant_id', tenant, true);
         RETURN QUERY
-        SELECT w.o::integer, t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface,
+        SELECT w.o::integer, t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.wire,
                t.tool, t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
                t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
         FROM unnest(p_tenants, p_task_ids, p_subjects) WITH ORDINALITY AS w(tenant_id, task_id, subject, o)
         CROSS JOIN LATERAL (
-            SELECT k.tenant_id, k.task_id, k.subject, k.issuer, k.client_id, k.session_id, k.surface, k.tool,
+            SELECT k.tenant_id, k.task_id, k.subject, k.issuer, k.client_id, k.session_id, k.wire, k.tool,
                    k.progress_token, k.status, k.status_message, k.outcome, k.payload, k.ttl_ms,
                    k.poll_interval_ms, k.created_at, k.last_updated_at, k.attempts, k.expires_at
             FROM tasks k
@@ -968,10 +968,10 @@ BEGIN
         PERFORM set_config('app.tenant_id', it.tenant_id, true);
         -- Only what a lookup answers with (not the arguments nor the client's capabilities), by
         -- primary key alone, then the owner and the expiry checked here (as task_get).
-        SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token,
+        SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token,
                status, status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at,
                last_updated_at, attempts, expires_at
-        INTO t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.surface, t.tool,
+        INTO t.tenant_id, t.task_id, t.subject, t.issuer, t.client_id, t.session_id, t.wire, t.tool,
              t.progress_token, t.status, t.status_message, t.outcome, t.payload, t.ttl_ms,
              t.poll_interval_ms, t.created_at, t.last_updated_at, t.attempts, t.expires_at
         FROM tasks

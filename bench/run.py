@@ -794,7 +794,7 @@ async def fill(db_url: str, n: int) -> None:
     try:
         await conn.execute(
             """
-            INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
+            INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, status, outcome, payload,
                                ttl_ms, poll_interval_ms, expires_at, created_at, last_updated_at, finished_at)
             SELECT 'filler-' || (i % 1000), md5(i::text) || md5((i + 1)::text), 'user-' || (i % 50), '2025-11-25',
                    'echo', '{"text":"x"}', 'completed', 'result', '{"content":[{"type":"text","text":"x"}]}',

@@ -40,7 +40,7 @@ def owners(spread: bool) -> list[tuple[str, str]]:
 def create(tenant: str, subject: str) -> dict[str, Any]:
     return {
         "tenant_id": tenant, "task_id": secrets.token_urlsafe(16), "subject": subject,
-        "issuer": "https://issuer.test", "client_id": "c", "session_id": None, "surface": "2025-11-25",
+        "issuer": "https://issuer.test", "client_id": "c", "session_id": None, "wire": "2025-11-25",
         "tool": "echo", "arguments": {"text": "x"}, "client_capabilities": {}, "progress_token": None,
         "ttl_ms": 3_600_000, "poll_interval_ms": 100, "max_per_requestor": 10**9, "max_per_tenant": 10**9,
         "request_id": "r", "client_address": "127.0.0.1", "detail": {"tool": "echo"},

@@ -16,16 +16,17 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from service import __version__
-from service.auth.base import build_authenticator
+from service.auth.base import Authenticator, build_authenticator
 from service.auth.resource import PRM_PATH, protected_resource_metadata
 from service.config import Settings
 from service.core import Core, open_core
 from service.guard.ratelimit import RateLimiter
+from service.mcp.endpoint import McpEndpoint
 from service.mcp.http import send_json
-from service.mcp.modern import ModernSurface
 from service.mcp.plain import Inflight
-from service.mcp.surface import Surface
-from service.mcp.transport import McpEndpoint
+from service.mcp.v2025 import V2025Surface
+from service.mcp.v2025_http import V2025Http
+from service.mcp.v2026 import V2026Surface
 from service.observability import metrics
 from service.observability.endpoint import MetricsEndpoint
 from service.store import migrate
@@ -65,15 +66,29 @@ class _App(FastAPI):
 def begin_shutdown(app: FastAPI) -> None:
     """A shutdown has begun (SIGTERM): readiness goes false, runners claim nothing more, open
     subscriptions end with their closing result. Safe to call from a signal handler."""
-    modern: ModernSurface | None = getattr(app.state, "modern", None)
+    v2026: V2026Surface | None = getattr(app.state, "v2026", None)
     core: Core | None = getattr(app.state, "core", None)
     loop: asyncio.AbstractEventLoop | None = getattr(app.state, "loop", None)
     if loop is None:
         return
-    if modern is not None:
-        loop.call_soon_threadsafe(modern.closing.set)
+    if v2026 is not None:
+        loop.call_soon_threadsafe(v2026.closing.set)
     if core is not None:
         loop.call_soon_threadsafe(core.begin_drain, core.settings.shutdown_grace_s)
+
+
+def _endpoint(
+    settings: Settings, core: Core, authenticator: Authenticator, limiter: RateLimiter, audit: AuditLog
+) -> tuple[McpEndpoint, V2026Surface]:
+    """The MCP endpoint and its two wires."""
+    v2025 = V2025Surface(
+        core.tasks, core.sessions, core.registry, Inflight(core.signals), limiter, audit,
+        poll_s=settings.poll_interval_ms / 1000, result_grace_s=settings.result_grace_ms / 1000,
+    )  # fmt: skip
+    v2026 = V2026Surface(settings, core.tasks, v2025, limiter, audit)
+    endpoint = McpEndpoint(settings, authenticator, limiter, audit, V2025Http(settings, core.sessions, core.tasks, v2025),
+                           v2026)  # fmt: skip
+    return endpoint, v2026
 
 
 def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
@@ -83,24 +98,11 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         http = httpx.AsyncClient(timeout=settings.oauth_http_timeout_s, follow_redirects=False)
         authenticator = build_authenticator(settings, http)
         core = await open_core(settings, run_tasks=run_tasks)
-        inflight = Inflight(core.signals)
         limiter = RateLimiter(settings, on_storage_error=metrics.rate_limit_storage_errors.inc)
         audit = AuditLog(core.db, on_write_failure=metrics.audit_write_failures.inc)
-        surface = Surface(
-            core.tasks,
-            core.sessions,
-            core.registry,
-            inflight,
-            limiter,
-            audit,
-            poll_s=settings.poll_interval_ms / 1000,
-            result_grace_s=settings.result_grace_ms / 1000,
-        )
         app.state.core = core
-        modern = ModernSurface(settings, core.tasks, surface, limiter, audit)
-        app.state.modern = modern
+        app.state.mcp, app.state.v2026 = _endpoint(settings, core, authenticator, limiter, audit)
         app.state.loop = asyncio.get_running_loop()
-        app.state.mcp = McpEndpoint(settings, authenticator, core.sessions, core.tasks, surface, limiter, audit, modern)
         metrics_endpoint = None
         if settings.metrics_port:
             metrics_endpoint = MetricsEndpoint(settings.host, settings.metrics_port, lambda: readiness(core))
@@ -108,7 +110,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         try:
             yield
         finally:
-            modern.closing.set()
+            app.state.v2026.closing.set()
             app.state.mcp = None
             if metrics_endpoint is not None:
                 await metrics_endpoint.close()
@@ -136,7 +138,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
             # On the /mcp port, the same Host rule as /mcp (DNS rebinding); a scraper that cannot
             # send an allowed Host uses MCP_TASKS_METRICS_PORT, which serves nothing else.
             endpoint: McpEndpoint | None = getattr(app.state, "mcp", None)
-            if endpoint is not None and not endpoint.host_allowed(request.headers.get("host", "")):
+            if endpoint is not None and not endpoint.guard.host_allowed(request.headers.get("host", "")):
                 return JSONResponse(
                     {"error": "Host is not served here; scrape MCP_TASKS_METRICS_PORT"}, status_code=403
                 )

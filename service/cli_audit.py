@@ -33,7 +33,7 @@ def add_parser(audit_sub: Any) -> None:
 
 def _row(event: dict[str, Any]) -> dict[str, Any]:
     detail = event.get("detail") if isinstance(event.get("detail"), dict) else {}
-    return {**event, "at": event["at"].isoformat(), "wire": (detail or {}).get("surface")}
+    return {**event, "at": event["at"].isoformat(), "wire": (detail or {}).get("wire")}
 
 
 async def _tenant(store: Any, args: argparse.Namespace, since: datetime | None) -> str:

@@ -183,7 +183,7 @@ async def test_creating_a_task_records_who_created_it_from_where_T_SEC_10(s: Rpc
     assert event["task_id"] == task_id
     assert event["request_id"] == "req-create"
     assert event["client_address"] == "127.0.0.1"
-    assert event["detail"] == {"tool": "echo", "ttl_ms": 60_000, "surface": "2025-11-25"}
+    assert event["detail"] == {"tool": "echo", "ttl_ms": 60_000, "wire": "2025-11-25"}
 
 
 async def test_a_finished_task_records_complete_with_its_outcome_T_SEC_10(s: RpcSession, server: RunningServer) -> None:

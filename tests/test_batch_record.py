@@ -25,7 +25,7 @@ LEASE = "runner-1"
 def create(tenant: str, subject: str, **fields: Any) -> dict[str, Any]:
     return {
         "k": "create", "tenant_id": tenant, "task_id": secrets.token_urlsafe(12), "subject": subject,
-        "issuer": "https://issuer.test", "client_id": "c", "session_id": None, "surface": "2025-11-25",
+        "issuer": "https://issuer.test", "client_id": "c", "session_id": None, "wire": "2025-11-25",
         "tool": "echo", "arguments": {"text": "x"}, "client_capabilities": {}, "progress_token": None,
         "ttl_ms": 600_000, "poll_interval_ms": 100, "max_per_requestor": 1_000, "max_per_tenant": 10_000,
         "request_id": "r", "client_address": "127.0.0.1", "detail": {"tool": "echo"},
@@ -105,7 +105,7 @@ async def counters_match(conn: asyncpg.Connection) -> None:
 async def store_finished(conn: asyncpg.Connection, n: int) -> None:
     """``n`` finished tasks of acme/alice, inserted directly (the login user is a superuser here)."""
     await conn.execute(
-        """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
+        """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, status, outcome, payload,
                               ttl_ms, poll_interval_ms, expires_at, finished_at)
            SELECT 'acme', 'old-' || g, 'alice', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
                   600000, 100, clock_timestamp() + interval '10 minutes', clock_timestamp()

@@ -330,7 +330,7 @@ async def test_a_task_whose_create_answer_was_lost_is_still_run_by_its_runner(da
         db = await asyncpg.connect(database_url)
         try:
             await db.execute(
-                """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
+                """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms,
                                       poll_interval_ms, expires_at, lease_owner, lease_expires_at,
                                       attempts, started_at)
                    VALUES ('local', 'orphan', 'local', '2025-11-25', 'echo', '{"text": "still here"}', 60000, 100,

@@ -432,7 +432,7 @@ async def test_a_subscription_ends_with_its_result_when_the_server_shuts_down_XD
         async for msg in m.listen([created["taskId"]]):
             seen.append(msg)
             if msg.get("method") == "notifications/tasks":
-                server.app.state.modern.closing.set()  # what SIGTERM does first (service/cli.py)
+                server.app.state.v2026.closing.set()  # what SIGTERM does first (service/cli.py)
     assert seen[-1]["result"]["resultType"] == "complete"
 
 
@@ -480,7 +480,7 @@ async def test_closing_a_subscription_leaves_nothing_behind(m: ModernClient, ser
     async with asyncio.timeout(5):
         while topic in hub._subs:
             await asyncio.sleep(0.05)
-    assert server.app.state.modern.subscriptions == {}
+    assert server.app.state.v2026.listening.open == {}
     await m.result("tasks/cancel", {"taskId": created["taskId"]})
 
 

@@ -68,7 +68,7 @@ async def queued(tasks: TaskStore, tool: str = "echo") -> str:
     owner = Principal(tenant_id="acme", subject="alice", client_id="c", issuer="https://issuer.test")
     request = rq.create(
         Caller(owner, "r", "127.0.0.1"), secrets.token_urlsafe(16), tool=tool, arguments={"text": "x"},
-        surface="2025-11-25", session_id=None, client_capabilities={}, progress_token=None, ttl_ms=60_000,
+        wire="2025-11-25", session_id=None, client_capabilities={}, progress_token=None, ttl_ms=60_000,
         poll_interval_ms=100, max_per_requestor=100, max_per_tenant=1_000, lease=None, rerunnable=True,
         tool_version=None,
     )  # fmt: skip

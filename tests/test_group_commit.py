@@ -55,7 +55,7 @@ def create(owner: Principal, *, text: str = "x", max_per_requestor: int = 100) -
         secrets.token_urlsafe(16),
         tool="echo",
         arguments={"text": text},
-        surface="2025-11-25",
+        wire="2025-11-25",
         session_id=None,
         client_capabilities={},
         progress_token=None,

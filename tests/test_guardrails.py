@@ -398,7 +398,7 @@ async def test_counters_sum_a_statement_that_changes_many_tasks_of_many_requesto
     db = await asyncpg.connect(database_url, server_settings={"role": "mcp_tasks_runner"})
     try:
         await db.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
+            """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms, poll_interval_ms,
                                   expires_at)
                SELECT 'acme', 't' || i, 'user-' || (i % 3), '2025-11-25', 'echo', '{}', 60000, 100,
                       now() - interval '1 second'

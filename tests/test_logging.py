@@ -42,7 +42,7 @@ async def test_request_lines_are_json_with_request_id_tenant_and_method(
     )
     assert r.headers["x-request-id"] == "req-123"
     lines = [orjson.loads(line) for line in json_log.getvalue().splitlines()]
-    mine = [e for e in lines if e.get("request_id") == "req-123" and e["logger"] == "service.mcp.transport"]
+    mine = [e for e in lines if e.get("request_id") == "req-123" and e["logger"] == "service.mcp.endpoint"]
     assert mine, lines
     entry = mine[-1]
     assert entry["tenant"] == "local"

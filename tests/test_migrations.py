@@ -42,7 +42,7 @@ async def test_upgrade_downgrade_upgrade_round_trips(admin_dsn: str, database_ur
 async def test_schema_refuses_a_terminal_status_without_outcome(database_url: str) -> None:
     conn = await asyncpg.connect(database_url)
     try:
-        insert = """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
+        insert = """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms,
                     poll_interval_ms, expires_at, status) VALUES ('t', $1, 's', '2025-11-25', 'echo', '{}', 1000,
                     100, now(), $2)"""
         with pytest.raises(asyncpg.CheckViolationError) as caught:

@@ -132,7 +132,7 @@ async def test_cancelled_task_stays_cancelled_when_its_work_finishes_anyway_T_CA
 
 async def until_in_flight(server: RunningServer, s: RpcSession, request_id: Any) -> None:
     """Until this server holds the request among those notifications/cancelled can stop."""
-    calls = server.app.state.mcp.surface.inflight.calls  # keys: (tenant, session, repr(request id))
+    calls = server.app.state.mcp.v2025.surface.inflight.calls  # keys: (tenant, session, repr(request id))
     async with asyncio.timeout(10):
         while not any(key[1:] == (s.session_id, repr(request_id)) for key in calls):
             await asyncio.sleep(0.01)

@@ -12,7 +12,7 @@ from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from tests.conftest import RunningServer
 
 INSERT_TASK = """
-INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms, expires_at)
+INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms, poll_interval_ms, expires_at)
 VALUES ($1, $2, 's', '2025-11-25', 'echo', '{}', 60000, 1000, now() + interval '1 minute')
 """
 

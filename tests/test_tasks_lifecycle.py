@@ -329,7 +329,7 @@ async def test_a_blocking_tasks_result_reads_the_task_once_before_it_ends_and_on
         return await retrieve(caller, task_id)
 
     monkeypatch.setattr(tasks, "retrieve", counting)
-    monkeypatch.setattr(server.app.state.mcp.surface, "poll_s", 30.0)  # no re-read but on an event
+    monkeypatch.setattr(server.app.state.mcp.v2025.surface, "poll_s", 30.0)  # no re-read but on an event
     s = RpcSession(http, server.url, token=server.token)
     await s.initialize()
     task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.4}))["task"]["taskId"]

@@ -1,15 +1,13 @@
-"""The domain exception tree. No wire codes here: mcp/errors.py maps each class to JSON-RPC.
+"""The domain exception tree. No wire codes here: mcp/refusal.py maps each class to a refusal.
 
 DomainError
 ├── TaskNotFound            unknown, expired, purged, or another principal's task
 ├── TaskAlreadyTerminal     cancel of a completed/failed/cancelled task
-├── TaskWasCancelled        the result of a cancelled task
 ├── InvalidCursor           list cursor that is malformed, forged or another principal's
 ├── InvalidArguments        tool arguments or request parameters that do not validate
 ├── UnknownTool
 ├── TaskSupportMismatch     task-augmented call to a forbidden tool, plain call to a required one
 ├── CapacityExceeded        per-requestor or per-tenant cap on active tasks
-├── InputUnavailable        a tool asked for input the client cannot give
 └── Unavailable             the database or another dependency is down
 """
 

@@ -91,11 +91,12 @@ class Outcome:
         return None
 
 
-class Surface(enum.StrEnum):
-    """The wire a task was created through (it decides who may see it, XD-3)."""
+class Wire(enum.StrEnum):
+    """The two wires: MCP 2025-11-25 Tasks and the 2026-07-28 Tasks extension. A task keeps the one
+    it was created through (it decides who may see it, XD-3)."""
 
-    LEGACY = "2025-11-25"
-    EXTENSION = "2026-07-28"
+    V2025 = "2025-11-25"
+    V2026 = "2026-07-28"
 
 
 @frozen
@@ -118,7 +119,7 @@ class Task:
     attempts: int = 0
     client_id: str = ""
     issuer: str = ""
-    surface: str = Surface.LEGACY.value
+    wire: str = Wire.V2025.value
     # Whether its tool may run again after a lost run, as recorded at create (None: not recorded).
     rerunnable: bool | None = None
     # With the runner's owner name, the fencing token of the lease this copy was read under.

@@ -1,4 +1,4 @@
-"""HTTP-level answers of the MCP endpoint: refusals outside JSON-RPC, and JSON bodies."""
+"""HTTP plumbing of the MCP endpoint: request headers, JSON bodies, a client that went away."""
 
 from __future__ import annotations
 
@@ -57,17 +57,6 @@ class RequestConnection(HTTPConnection):
     @property
     def headers(self) -> Headers:
         return self._request_headers
-
-
-class HttpError(Exception):
-    """An HTTP-level refusal, answered with a JSON-RPC error body without id (H-POST-3)."""
-
-    def __init__(self, status: int, code: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers or {}
 
 
 # The HTTP server's own way to answer a request and to say its client left, offered to the app

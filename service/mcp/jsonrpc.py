@@ -1,4 +1,4 @@
-"""JSON-RPC 2.0 framing: codes, the error exception, and message builders."""
+"""JSON-RPC 2.0 framing: codes and message builders."""
 
 from __future__ import annotations
 
@@ -15,34 +15,17 @@ INTERNAL_ERROR: Final = -32603
 CAPACITY_EXCEEDED: Final = -32000
 SERVICE_UNAVAILABLE: Final = -32001
 RATE_LIMITED: Final = -32029
+# The 2026-07-28 wire's codes (X-ERR), each with the HTTP status §11 names.
+V2026_HEADER_MISMATCH: Final = -32020
+V2026_MISSING_CAPABILITY: Final = -32021
+V2026_UNSUPPORTED_VERSION: Final = -32022
+# Our application codes on 2026-07-28: X-ERR-2 forbids undefined codes in -32020..-32099 and
+# discourages the legacy -32000..-32019, so each is its 2025-11-25 code plus 1000 (docs/decisions.md).
+V2026_CAPACITY_EXCEEDED: Final = -31000
+V2026_SERVICE_UNAVAILABLE: Final = -31001
+V2026_RATE_LIMITED: Final = -31029
 
 RequestId = str | int
-
-
-class RpcFailure(Exception):
-    """A JSON-RPC error to send back; ``http_status`` for errors answered outside a 200."""
-
-    def __init__(
-        self,
-        code: int,
-        message: str,
-        data: Any = None,
-        *,
-        http_status: int = 200,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.data = data
-        self.http_status = http_status
-        self.headers = headers or {}
-
-    def error_object(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            err["data"] = self.data
-        return err
 
 
 def result_message(request_id: RequestId, result: dict[str, Any]) -> dict[str, Any]:
@@ -63,21 +46,6 @@ def request(request_id: RequestId, method: str, params: dict[str, Any]) -> dict[
 
 def dumps(message: Any) -> bytes:
     return orjson.dumps(message)
-
-
-def check_client_data(what: str, value: Any, limit: int) -> None:
-    """Issue 14 §4: what the client declares about itself is kept (capabilities, clientInfo), so
-    its size is bounded; over the limit is a -32602 naming the limit."""
-    if value is None:
-        return
-    try:
-        size = len(orjson.dumps(value))
-    except (TypeError, orjson.JSONEncodeError):  # pragma: no cover - parsed JSON always encodes
-        size = limit + 1
-    if size > limit:
-        raise RpcFailure(
-            INVALID_PARAMS, f"{what} is {size} bytes encoded, more than this server keeps ({limit})", {"limit": limit}
-        )
 
 
 def valid_id(value: Any) -> bool:

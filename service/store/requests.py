@@ -28,7 +28,7 @@ class CreateRequest:
     request_id: str | None
     client_address: str | None
     session_id: str | None
-    surface: str
+    wire: str
     tool: str
     arguments: dict[str, Any]
     client_capabilities: dict[str, Any]
@@ -68,7 +68,7 @@ def create(
     *,
     tool: str,
     arguments: dict[str, Any],
-    surface: str,
+    wire: str,
     session_id: str | None,
     client_capabilities: dict[str, Any],
     progress_token: str | int | None,
@@ -85,8 +85,8 @@ def create(
     p: Principal = caller.principal
     return CreateRequest(
         p.tenant_id, task_id, p.subject, p.issuer, p.client_id, caller.request_id, caller.address, session_id,
-        surface, tool, arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms, max_per_requestor,
-        max_per_tenant, {"tool": tool, "ttl_ms": ttl_ms, "surface": surface}, rerunnable, tool_version,
+        wire, tool, arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms, max_per_requestor,
+        max_per_tenant, {"tool": tool, "ttl_ms": ttl_ms, "wire": wire}, rerunnable, tool_version,
         lease.owner if lease else None, lease.ms if lease else None,
     )  # fmt: skip
 

@@ -58,7 +58,7 @@ def task_from_row(
         attempts=row["attempts"],
         client_id=row["client_id"],
         issuer=row["issuer"],
-        surface=row["surface"],
+        wire=row["wire"],
         rerunnable=row.get("rerunnable"),
         lease_epoch=row.get("lease_epoch") or 0,  # a runner's copy always has it (claims read every column)
     )

@@ -34,7 +34,7 @@ from service.domain.events import (
 )
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller, Principal
-from service.domain.task import Outcome, Surface, Task, TaskStatus, clamp_ttl, new_task_id
+from service.domain.task import Outcome, Task, TaskStatus, Wire, clamp_ttl, new_task_id
 from service.domain.values import frozen
 from service.observability import metrics
 from service.runtime.engine import Engine
@@ -276,7 +276,7 @@ class TaskService:
         progress_token: str | int | None,
         session_id: str | None,
         client_capabilities: dict[str, Any],
-        surface: Surface = Surface.LEGACY,
+        wire: Wire = Wire.V2025,
     ) -> Task:
         """Check the caps and insert under the tenant's create lock, so no replica can overshoot."""
         spec, valid = self.check_call(tool, arguments, as_task=True)
@@ -292,7 +292,7 @@ class TaskService:
             task_id,
             tool=tool,
             arguments=valid,
-            surface=surface.value,
+            wire=wire.value,
             session_id=session_id,
             # A session's capabilities are stored once, with the session, not copied into each of
             # its tasks (issue 14 §4); the runner reads them there when the task starts.
@@ -373,7 +373,7 @@ class TaskService:
         and there is no progress for tasks (X-NOTIF-8)."""
         p = self.policy
         return rq.create(
-            caller, task_id, tool=spec.name, arguments=arguments, surface=Surface.EXTENSION.value,
+            caller, task_id, tool=spec.name, arguments=arguments, wire=Wire.V2026.value,
             session_id=None, client_capabilities=client_capabilities, progress_token=None,
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=self._requestor_cap(caller), max_per_tenant=p.max_active_per_tenant, lease=lease,
@@ -413,22 +413,22 @@ class TaskService:
         )
 
     @staticmethod
-    def _visible(task: Task | None, surface: Surface) -> Task | None:
+    def _visible(task: Task | None, wire: Wire) -> Task | None:
         """XD-3: a 2025-11-25 session never sees a task created through the extension."""
-        if task is not None and surface is Surface.LEGACY and task.surface != Surface.LEGACY.value:
+        if task is not None and wire is Wire.V2025 and task.wire != Wire.V2025.value:
             return None
         return task
 
-    async def get(self, caller: Caller, task_id: str, *, surface: Surface = Surface.LEGACY) -> Task:
+    async def get(self, caller: Caller, task_id: str, *, wire: Wire = Wire.V2025) -> Task:
         """The caller's task; a miss (unknown, expired or someone else's) is audited as a denial."""
-        task = self._visible(await self._gets.submit(rq.get(caller, task_id)), surface)
+        task = self._visible(await self._gets.submit(rq.get(caller, task_id)), wire)
         if task is None:
             raise await self._not_found(caller, task_id)
         return task
 
     async def retrieve(self, caller: Caller, task_id: str) -> Task:
         """Like get (2025-11-25 only); a terminal task's hand-out is audited in the same statement."""
-        task = self._visible(await self._retrieves.submit(rq.retrieve(caller, task_id)), Surface.LEGACY)
+        task = self._visible(await self._retrieves.submit(rq.retrieve(caller, task_id)), Wire.V2025)
         if task is None:
             raise await self._not_found(caller, task_id)
         return task
@@ -449,12 +449,12 @@ class TaskService:
             next_cursor = self.cursors.encode(principal, last.created_at, last.task_id)
         return tasks, next_cursor
 
-    async def cancel(self, caller: Caller, task_id: str, *, surface: Surface = Surface.LEGACY) -> Task:
+    async def cancel(self, caller: Caller, task_id: str, *, wire: Wire = Wire.V2025) -> Task:
         """T-CANCEL-5 / XD-7: the row is cancelled (and its lease dropped) before we answer.
         Raises TaskAlreadyTerminal for a task that had already ended (with it in ``details``)."""
-        if surface is Surface.LEGACY:
+        if wire is Wire.V2025:
             # A 2025-11-25 session may not touch a task created through the extension.
-            await self.get(caller, task_id, surface=surface)
+            await self.get(caller, task_id, wire=wire)
         result = await self.store.cancel(caller, task_id, "cancelled by the requestor")
         if result.task is not None:
             metrics.finished(result.task)

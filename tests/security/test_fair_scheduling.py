@@ -116,7 +116,7 @@ async def test_a_subjects_turns_in_a_claim_come_after_the_runs_it_has_here_alrea
     await app.open()
     try:
         await db.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
+            """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms,
                                   poll_interval_ms, expires_at, created_at)
                SELECT 'ta', 'turn-' || g, CASE WHEN g <= 16 THEN 's1' ELSE 's2' END, '2025-11-25', 'echo', '{}',
                       60000, 100, now() + interval '1 hour', now() - (100 - g) * interval '1 millisecond'
@@ -145,7 +145,7 @@ async def test_a_claim_takes_only_queued_working_tasks(database_url: str) -> Non
     await app.open()
     try:
         await db.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
+            """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms, poll_interval_ms,
                                   expires_at, created_at)
                SELECT 'ta', name, 's1', '2025-11-25', 'echo', '{}', 60000, 100,
                       now() + CASE WHEN name = 'expired' THEN interval '-1 second' ELSE interval '1 hour' END,
@@ -192,7 +192,7 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
     db = await asyncpg.connect(database_url)
     try:
         await db.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms,
+            """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms,
                                   poll_interval_ms, expires_at, created_at)
                SELECT CASE WHEN g <= 256 THEN 't1' ELSE 't' || (g % 200) END, 'task-' || g, 's' || (g % 3), '2025-11-25', 'echo', '{}', 60000, 100,
                       now() + interval '1 hour', now() - (20000 - g) * interval '1 millisecond'
@@ -203,7 +203,7 @@ async def test_the_fair_claim_is_an_index_scan_of_the_claimable_rows(database_ur
         stored = 200_000
         await db.execute("DELETE FROM tasks WHERE task_id NOT IN ('task-1', 'task-2', 'task-300')")
         await db.execute(
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, status, outcome, payload,
+            """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, status, outcome, payload,
                                   ttl_ms, poll_interval_ms, expires_at, created_at, finished_at)
                SELECT 't' || (g % 200), 'done-' || g, 's1', '2025-11-25', 'echo', '{}', 'completed', 'result', '{}',
                       60000, 100, now() + interval '1 hour', now() - interval '1 minute', now()

@@ -168,9 +168,9 @@ async def test_no_service_role_can_rewrite_a_finished_tasks_outcome(
         assert await conn.execute("DELETE FROM tasks WHERE tenant_id = $1 AND task_id = $2", *where) == "DELETE 0"
         await refused(
             conn,
-            """INSERT INTO tasks (tenant_id, task_id, subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
+            """INSERT INTO tasks (tenant_id, task_id, subject, wire, tool, arguments, ttl_ms, poll_interval_ms,
                                   expires_at, status, outcome, payload)
-               SELECT tenant_id, task_id || '-again', subject, surface, tool, arguments, ttl_ms, poll_interval_ms,
+               SELECT tenant_id, task_id || '-again', subject, wire, tool, arguments, ttl_ms, poll_interval_ms,
                       expires_at, 'completed', 'result', $3::jsonb FROM tasks WHERE tenant_id = $1 AND task_id = $2""",
             *where,
             forged,

@@ -11,19 +11,19 @@ WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_activ
 -- name: list_tasks_first
 -- First page of an owner's 2025-11-25 tasks, newest first (the extension has no list, X-SEC-4).
 -- Only the columns a listed task shows: no arguments, capabilities or result (issue 14 §4).
-SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
 FROM tasks
-WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND surface = '2025-11-25'
+WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND wire = '2025-11-25'
 ORDER BY created_at DESC, task_id DESC
 LIMIT $3;
 
 -- name: list_tasks_after
 -- Next page after the keyset (created_at, task_id) carried by the cursor; the same columns.
-SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
 FROM tasks
-WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND surface = '2025-11-25'
+WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND wire = '2025-11-25'
   AND (created_at, task_id) < ($3, $4)
 ORDER BY created_at DESC, task_id DESC
 LIMIT $5;
@@ -176,7 +176,7 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
 -- Creates in one statement and one commit: one row per item, in order; a row of NULLs where a cap
 -- refused the create. Only the columns a Task holds: not the arguments and capabilities a create
 -- sent (its request has them), nor the expiry and lease times, which no caller reads.
-SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
        rerunnable, lease_epoch
 FROM task_create($1);
@@ -184,14 +184,14 @@ FROM task_create($1);
 -- name: task_get
 -- Gets in one read-only statement: a row per item found, with its place (o), nothing for an item
 -- whose task is unknown, expired or not its subject's.
-SELECT o, tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+SELECT o, tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
 FROM task_get($1, $2, $3);
 
 -- name: task_retrieve
 -- Retrieves (gets whose hand-out of a finished result is audited) in one statement: one row per
 -- item, in order; a row of NULLs where there is no task.
-SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
        rerunnable, lease_epoch
 FROM task_retrieve($1);
@@ -199,7 +199,7 @@ FROM task_retrieve($1);
 -- name: task_finish
 -- Runner outcomes with their audit events and wake-ups in one statement. Not read back: the
 -- outcome's payload, the arguments and the client's capabilities, which the runner has.
-SELECT tenant_id, task_id, subject, issuer, client_id, session_id, surface, tool, progress_token, status,
+SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, rerunnable,
        lease_epoch
 FROM task_finish($1);

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from service import __version__
-from service.domain.errors import CapacityExceeded, DomainError, InvalidArguments, TaskNotFound
+from service.domain.errors import CapacityExceeded, DomainError, TaskNotFound
 from service.domain.events import LOG_LEVELS, Finished, TaskEvent
 from service.domain.principal import Caller, Principal
 from service.domain.values import frozen
 from service.guard.ratelimit import RateLimiter
 from service.mcp import jsonrpc
-from service.mcp.errors import to_rpc
-from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RATE_LIMITED, RequestId, RpcFailure
+from service.mcp.catalog import Catalog
+from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RATE_LIMITED, RequestId
 from service.mcp.plain import CallKey, Inflight, Outbox, PlainCallContext, first_of
-from service.mcp.wire import event_message, outcome_result, related, task_result, task_to_wire
+from service.mcp.refusal import Refusal, from_domain
+from service.mcp.v2025_wire import event_message, outcome_result, related, task_result, task_to_wire
 from service.observability import metrics
 from service.tasks.audit import AuditLog
 from service.tasks.service import TaskService
@@ -74,9 +75,7 @@ Reply = dict[str, Any] | Streamed
 def _str_param(params: dict[str, Any], name: str) -> str:
     value = params.get(name)
     if not isinstance(value, str):
-        raise RpcFailure(
-            INVALID_PARAMS, f"params.{name} must be a string" if name in params else f"missing params.{name}"
-        )
+        raise Refusal(INVALID_PARAMS, f"params.{name} must be a string" if name in params else f"missing params.{name}")
     return value
 
 
@@ -86,23 +85,23 @@ def _progress_token(params: dict[str, Any]) -> str | int | None:
         return None
     token = meta["progressToken"]
     if not jsonrpc.valid_id(token):
-        raise RpcFailure(INVALID_PARAMS, "_meta.progressToken must be a string or an integer")
+        raise Refusal(INVALID_PARAMS, "_meta.progressToken must be a string or an integer")
     return token  # type: ignore[no-any-return]
 
 
 def _task_ttl(task_param: Any) -> int | None:
     """D-14: params.task must be an object; ttl a non-negative integer, or absent/null."""
     if not isinstance(task_param, dict):
-        raise RpcFailure(INVALID_PARAMS, 'params.task must be an object such as {} or {"ttl": 60000}')
+        raise Refusal(INVALID_PARAMS, 'params.task must be an object such as {} or {"ttl": 60000}')
     ttl = task_param.get("ttl")
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl != int(ttl):
-        raise RpcFailure(INVALID_PARAMS, "params.task.ttl must be a non-negative integer number of milliseconds")
+        raise Refusal(INVALID_PARAMS, "params.task.ttl must be a non-negative integer number of milliseconds")
     return int(ttl)
 
 
-class Surface:
+class V2025Surface:
     def __init__(
         self,
         tasks: TaskService,
@@ -121,6 +120,7 @@ class Surface:
         self.limiter = limiter
         self.audit = audit
         self.registry = registry
+        self.catalog = Catalog(registry)
         self.inflight = inflight
         self.poll_s = poll_s
         self._methods = {
@@ -131,15 +131,15 @@ class Surface:
             "tasks/result": self.tasks_result,
             "tasks/list": self.tasks_list,
             "tasks/cancel": self.tasks_cancel,
-            "resources/list": self.resources_list,
-            "resources/templates/list": self.resource_templates_list,
-            "resources/read": self.resources_read,
+            "resources/list": self._catalogued(self.catalog.resources_list),
+            "resources/templates/list": self._catalogued(self.catalog.resource_templates_list),
+            "resources/read": self._catalogued(self.catalog.resources_read),
             "resources/subscribe": self.ping,
             "resources/unsubscribe": self.ping,
-            "prompts/list": self.prompts_list,
-            "prompts/get": self.prompts_get,
+            "prompts/list": self._catalogued(self.catalog.prompts_list),
+            "prompts/get": self._catalogued(self.catalog.prompts_get),
             "logging/setLevel": self.set_log_level,
-            "completion/complete": self.completion_complete,
+            "completion/complete": self._catalogued(self.catalog.completion_complete),
         }
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -148,9 +148,9 @@ class Surface:
         """T-CAP-10: the client's version if supported, else our latest."""
         requested = params.get("protocolVersion")
         if not isinstance(requested, str):
-            raise RpcFailure(INVALID_PARAMS, "params.protocolVersion must be a string")
+            raise Refusal(INVALID_PARAMS, "params.protocolVersion must be a string")
         if not isinstance(params.get("capabilities", {}), dict):
-            raise RpcFailure(INVALID_PARAMS, "params.capabilities must be an object")
+            raise Refusal(INVALID_PARAMS, "params.capabilities must be an object")
         return requested if requested in SUPPORTED_VERSIONS else LATEST
 
     def initialize_result(self, version: str) -> dict[str, Any]:
@@ -169,21 +169,28 @@ class Surface:
             "instructions": "Long-running tools run as durable tasks: call with params.task, then poll tasks/get.",
         }
 
+    @staticmethod
+    def _catalogued(handler: Callable[[dict[str, Any]], Awaitable[Reply]]) -> Callable[[Call], Awaitable[Reply]]:
+        async def answer(call: Call) -> Reply:
+            return await handler(call.params)
+
+        return answer
+
     async def dispatch(self, method: str, call: Call) -> Reply:
         handler = self._methods.get(method)
         if handler is None or (method.startswith("tasks/") and not call.tasks_enabled):
-            raise RpcFailure(METHOD_NOT_FOUND, f"method not found: {method}")
+            raise Refusal(METHOD_NOT_FOUND, f"method not found: {method}")
         lookup = method in LOOKUPS
         if lookup and (limited := await self.limiter.lookups_blocked(call.principal)):
             # T-SEC-11: too many lookups of ids that do not exist (or are not yours) look like enumeration.
             await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
             metrics.rate_limited.labels(limited.scope).inc()
             metrics.denied("not_found", call.principal.tenant_id)
-            raise RpcFailure(
+            raise Refusal(
                 RATE_LIMITED,
                 limited.message,
                 {"retryAfter": limited.retry_after_s},
-                http_status=429,
+                status=429,
                 headers={"Retry-After": str(limited.retry_after_s)},
             )
         try:
@@ -191,13 +198,13 @@ class Surface:
         except TaskNotFound as exc:
             if lookup:
                 await self.limiter.lookup_missed(call.principal)
-            raise to_rpc(exc) from None
+            raise from_domain(exc) from None
         except CapacityExceeded as exc:
             metrics.cap_refusals.labels(str(exc.details.get("scope", ""))).inc()
             metrics.denied("cap", call.principal.tenant_id)
-            raise to_rpc(exc) from None
+            raise from_domain(exc) from None
         except DomainError as exc:
-            raise to_rpc(exc) from None
+            raise from_domain(exc) from None
 
     async def ping(self, call: Call) -> Reply:
         return {}
@@ -205,7 +212,7 @@ class Surface:
     async def set_log_level(self, call: Call) -> Reply:
         level = _str_param(call.params, "level")
         if level not in LOG_LEVELS:
-            raise RpcFailure(INVALID_PARAMS, f"level must be one of {', '.join(LOG_LEVELS)}")
+            raise Refusal(INVALID_PARAMS, f"level must be one of {', '.join(LOG_LEVELS)}")
         if call.session is not None:
             await self.sessions.set_log_level(call.principal, call.session.session_id, level)
         return {}
@@ -223,7 +230,7 @@ class Surface:
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, dict):
-            raise RpcFailure(INVALID_PARAMS, "params.arguments must be an object")
+            raise Refusal(INVALID_PARAMS, "params.arguments must be an object")
         token = _progress_token(params)
         caps = call.session.client_capabilities if call.session else {}
         # T-CAP-5: params.task is ignored where tasks were not negotiated.
@@ -258,7 +265,7 @@ class Surface:
         try:
             job = await self.tasks.start_plain(call.caller, name, arguments, ctx)
         except DomainError as exc:
-            raise to_rpc(exc) from None
+            raise from_domain(exc) from None
         # Most calls end in their first step, and need no cancel hook, no wait.
         if not job.done():
             key = call.cancel_key
@@ -292,7 +299,7 @@ class Surface:
                         return  # C-4: a cancelled request gets no response
                     try:
                         yield jsonrpc.result_message(call.request_id, outcome_result(job.result()))
-                    except RpcFailure as failure:
+                    except Refusal as failure:
                         yield jsonrpc.error_message(call.request_id, failure.error_object())
                     return
             finally:
@@ -311,7 +318,7 @@ class Surface:
     async def tasks_list(self, call: Call) -> Reply:
         cursor = call.params.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
-            raise RpcFailure(INVALID_PARAMS, "params.cursor must be a string")
+            raise Refusal(INVALID_PARAMS, "params.cursor must be a string")
         tasks, next_cursor = await self.tasks.list_page(call.caller, cursor)
         out: dict[str, Any] = {"tasks": [task_to_wire(t) for t in tasks]}
         if next_cursor:
@@ -375,7 +382,7 @@ class Surface:
                         if (message := self.follow_message(call, event)) is not None:
                             yield message
         except DomainError as exc:
-            yield jsonrpc.error_message(call.request_id, to_rpc(exc).error_object())
+            yield jsonrpc.error_message(call.request_id, from_domain(exc).error_object())
         finally:
             if not first.done():
                 first.cancel()
@@ -385,50 +392,6 @@ class Surface:
     @staticmethod
     def follow_message(call: Call, event: TaskEvent) -> dict[str, Any] | None:
         return event_message(event, call.request_id, call.session.log_level if call.session else None)
-
-    # --- resources, prompts, completion (used by tool packs that define them) ----------------
-
-    async def resources_list(self, call: Call) -> Reply:
-        return {"resources": [r.to_wire() for r in self.registry.resources if not r.template]}
-
-    async def resource_templates_list(self, call: Call) -> Reply:
-        return {"resourceTemplates": [r.to_wire() for r in self.registry.resources if r.template]}
-
-    async def resources_read(self, call: Call) -> Reply:
-        uri = _str_param(call.params, "uri")
-        for spec in self.registry.resources:
-            if spec.uri == uri or (spec.template and _template_matches(spec.uri, uri)):
-                return {"contents": await spec.read(uri)}
-        raise RpcFailure(-32002, f"resource not found: {uri}", {"uri": uri})
-
-    async def prompts_list(self, call: Call) -> Reply:
-        return {"prompts": [p.to_wire() for p in self.registry.prompts.values()]}
-
-    async def prompts_get(self, call: Call) -> Reply:
-        name = _str_param(call.params, "name")
-        prompt = self.registry.prompts.get(name)
-        if prompt is None:
-            raise RpcFailure(INVALID_PARAMS, f"unknown prompt {name!r}")
-        args = call.params.get("arguments") or {}
-        if not isinstance(args, dict):
-            raise RpcFailure(INVALID_PARAMS, "params.arguments must be an object")
-        missing = [a["name"] for a in prompt.arguments if a.get("required") and a["name"] not in args]
-        if missing:
-            raise to_rpc(InvalidArguments(f"missing prompt arguments: {', '.join(missing)}"))
-        if prompt.asks:
-            raise RpcFailure(INVALID_PARAMS, f"prompt {name!r} asks the client first: get it over 2026-07-28")
-        out: dict[str, Any] = {"messages": await prompt.render({k: str(v) for k, v in args.items()})}
-        if prompt.description:
-            out["description"] = prompt.description
-        return out
-
-    async def completion_complete(self, call: Call) -> Reply:
-        return {"completion": {"values": [], "total": 0, "hasMore": False}}
-
-
-def _template_matches(template: str, uri: str) -> bool:
-    prefix = template.split("{", 1)[0]
-    return uri.startswith(prefix) and len(uri) > len(prefix)
 
 
 async def _nothing() -> AsyncIterator[dict[str, Any]]:

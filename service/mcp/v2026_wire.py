@@ -7,9 +7,10 @@ from typing import Any, Final
 from service import __version__
 from service.domain.inputs import PendingInput
 from service.domain.task import OutcomeKind, Task, TaskStatus
-from service.mcp.wire import INPUT_METHODS, error_object, iso
+from service.mcp import jsonrpc
+from service.mcp.v2025_wire import INPUT_METHODS, error_object, iso
 
-MODERN: Final = "2026-07-28"
+VERSION: Final = "2026-07-28"
 EXTENSION: Final = "io.modelcontextprotocol/tasks"
 META_VERSION: Final = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES: Final = "io.modelcontextprotocol/clientCapabilities"
@@ -18,15 +19,13 @@ META_LOG_LEVEL: Final = "io.modelcontextprotocol/logLevel"
 META_SERVER_INFO: Final = "io.modelcontextprotocol/serverInfo"
 META_SUBSCRIPTION: Final = "io.modelcontextprotocol/subscriptionId"
 
-# JSON-RPC codes of 2026-07-28 (X-ERR): each with the HTTP status §11 names.
-HEADER_MISMATCH: Final = -32020
-MISSING_CAPABILITY: Final = -32021
-UNSUPPORTED_VERSION: Final = -32022
-# Our application codes on 2026-07-28: X-ERR-2 forbids undefined codes in -32020..-32099 and
-# discourages the legacy -32000..-32019, so each is its 2025-11-25 code plus 1000 (docs/decisions.md).
-CAPACITY_EXCEEDED: Final = -31000
-SERVICE_UNAVAILABLE: Final = -31001
-RATE_LIMITED: Final = -31029
+# The JSON-RPC codes of 2026-07-28 live with the others (jsonrpc.py), named here as this wire says them.
+HEADER_MISMATCH: Final = jsonrpc.V2026_HEADER_MISMATCH
+MISSING_CAPABILITY: Final = jsonrpc.V2026_MISSING_CAPABILITY
+UNSUPPORTED_VERSION: Final = jsonrpc.V2026_UNSUPPORTED_VERSION
+CAPACITY_EXCEEDED: Final = jsonrpc.V2026_CAPACITY_EXCEEDED
+SERVICE_UNAVAILABLE: Final = jsonrpc.V2026_SERVICE_UNAVAILABLE
+RATE_LIMITED: Final = jsonrpc.V2026_RATE_LIMITED
 
 SERVER_INFO: Final = {"name": "mcp-task-service", "title": "MCP Task Service", "version": __version__}
 REQUIRED_CAPABILITIES: Final[dict[str, Any]] = {"extensions": {EXTENSION: {}}}

@@ -18,7 +18,8 @@ from service.domain.events import (
 from service.domain.inputs import InputKind, PendingInput
 from service.domain.task import FailureReason, Outcome, OutcomeKind, Task, TaskStatus
 from service.mcp import jsonrpc
-from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, RpcFailure
+from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS
+from service.mcp.refusal import Refusal
 
 # The reserved _meta key that ties a message to its task (T-ASSOC-1).
 RELATED_TASK: Final = "io.modelcontextprotocol/related-task"
@@ -84,17 +85,17 @@ def outcome_result(outcome: Outcome) -> dict[str, Any]:
     """The CallToolResult of an outcome; a failed call is raised as its JSON-RPC error (T-RES-4, D-2)."""
     if outcome.kind is OutcomeKind.FAILURE:
         error = error_object(outcome)
-        raise RpcFailure(error["code"], error["message"], error.get("data"))
+        raise Refusal(error["code"], error["message"], error.get("data"))
     return dict(outcome.payload)
 
 
 def task_result(task: Task) -> dict[str, Any]:
     """What tasks/result answers for a terminal task (T-RES-2/4/5/6, D-1).
 
-    Raises RpcFailure for a failed call and for a cancelled task.
+    Raises Refusal for a failed call and for a cancelled task.
     """
     if task.status is TaskStatus.CANCELLED or task.outcome is None:
-        raise RpcFailure(INVALID_PARAMS, "Task was cancelled", {"taskId": task.task_id, "status": task.status.value})
+        raise Refusal(INVALID_PARAMS, "Task was cancelled", {"taskId": task.task_id, "status": task.status.value})
     result = outcome_result(task.outcome)
     result["_meta"] = {**(result.get("_meta") or {}), **related(task.task_id)}
     return result
@@ -141,5 +142,5 @@ def event_message(
     assert request_id is not None
     try:
         return jsonrpc.result_message(request_id, task_result(event.task))
-    except RpcFailure as failure:
+    except Refusal as failure:
         return jsonrpc.error_message(request_id, failure.error_object())
