@@ -218,7 +218,16 @@ def _main(argv: list[str]) -> None:
 
         log_setup.configure("WARNING", "text")
         sys.exit(bench_main(argv[1:]))
-    from service import __version__
+    from service import cli_tasks
+
+    args = _parser().parse_args(cli_tasks.protect_task_ids(argv))
+    _configure_logging(args)
+    _run_command(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every command's options but ``bench``'s, which the load generator parses itself."""
+    from service import __version__, cli_call, cli_tasks, cli_tools, cli_usage
 
     parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
     parser.add_argument("--version", action="version", version=f"mcp-tasks {__version__}")
@@ -226,6 +235,22 @@ def _main(argv: list[str]) -> None:
     sub.add_parser("serve", help="run the HTTP server (and in-process runners)")
     sub.add_parser("worker", help="run task runners only, no HTTP")
     sub.add_parser("migrate", help="upgrade the configured database to the newest schema")
+    _add_dev_issuer_parsers(sub)
+    _add_audit_parser(sub)
+    cli_usage.add_parser(sub)
+    sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
+    cli_call.add_parser(sub)
+    config = sub.add_parser(
+        "config", help="print every setting's value in force and where it came from (secrets masked)"
+    )
+    config.add_argument("--json", action="store_true", help="one JSON object per setting")
+    cli_tasks.add_parser(sub)
+    cli_tools.add_parser(sub)
+    return parser
+
+
+def _add_dev_issuer_parsers(sub: Any) -> None:
+    """``dev-issuer`` and ``token``: the local OAuth server and a token from it."""
     dev = sub.add_parser(
         "dev-issuer", help="a local OAuth authorization server for trying hosted mode (NEVER production)"
     )
@@ -239,6 +264,12 @@ def _main(argv: list[str]) -> None:
     tok.add_argument("--scope", default="tasks")
     tok.add_argument("--issuer", default="http://127.0.0.1:9000")
     tok.add_argument("--resource", default=None, help="audience (default: the service's public URL)")
+
+
+def _add_audit_parser(sub: Any) -> None:
+    """``audit verify``, ``audit export`` and ``audit trail``."""
+    from service import cli_audit
+
     audit = sub.add_parser("audit", help="verify the audit hash chains, export audit events, or show a trail")
     audit_sub = audit.add_subparsers(dest="audit_command", required=True)
     verify = audit_sub.add_parser("verify", help="check every tenant's chain (exit 1 if any is broken)")
@@ -251,21 +282,11 @@ def _main(argv: list[str]) -> None:
         default=None,
         help="after writing, delete the written events dated before this time (the chain keeps a checkpoint)",
     )
-    from service import cli_audit, cli_usage
-
     cli_audit.add_parser(audit_sub)
-    cli_usage.add_parser(sub)
-    sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
-    from service import cli_call, cli_tasks, cli_tools
 
-    cli_call.add_parser(sub)
-    config = sub.add_parser(
-        "config", help="print every setting's value in force and where it came from (secrets masked)"
-    )
-    config.add_argument("--json", action="store_true", help="one JSON object per setting")
-    cli_tasks.add_parser(sub)
-    cli_tools.add_parser(sub)
-    args = parser.parse_args(cli_tasks.protect_task_ids(argv))
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """serve and worker log as their settings say (and load the tool packs); the rest log to a terminal."""
     if args.command in ("serve", "worker"):
         log_setup.configure("INFO", "text")  # until the settings say otherwise
         settings = _settings()
@@ -274,6 +295,11 @@ def _main(argv: list[str]) -> None:
     else:
         quiet = ("token", "audit", "tasks", "call", "tools", "usage")
         log_setup.configure("WARNING" if args.command in quiet else "INFO", "text")
+
+
+def _run_command(args: argparse.Namespace) -> None:
+    from service import cli_audit, cli_usage
+
     if args.command == "serve":
         _serve(args)
     elif args.command == "worker":

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 from itertools import chain
-from typing import Any
+from typing import Any, ClassVar, Final
 
 import httptools
 import uvicorn
@@ -39,6 +39,11 @@ log = logging.getLogger("service.http")
 
 # Paths no request cap refuses: the liveness probe must not fail because the service is busy.
 UNCAPPED_PATHS = frozenset({b"/healthz"})
+BUSY_HEADERS: Final = {"Retry-After": "1"}
+_REFUSED_CONNECTIONS = metrics.http_refusals.labels("connections")
+_REFUSED_REQUESTS = metrics.http_refusals.labels("requests")
+_REFUSED_HEADER_TIMEOUT = metrics.http_refusals.labels("header_timeout")
+_REFUSED_HEADERS_TOO_LARGE = metrics.http_refusals.labels("headers_too_large")
 
 
 def _warn_now_and_then(what: str, last: dict[str, float] = {}) -> None:  # noqa: B006 - the shared memory is the point
@@ -47,6 +52,11 @@ def _warn_now_and_then(what: str, last: dict[str, float] = {}) -> None:  # noqa:
     if now - last.get(what, -1e9) >= 10:
         last[what] = now
         log.warning("refusing %s (logged at most every 10 s)", what)
+
+
+async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
+    """The answer to a request beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS."""
+    await send_json(send, 503, {"error": "too many concurrent requests; retry later"}, BUSY_HEADERS)
 
 
 class HeadersTooLarge(Exception):
@@ -126,144 +136,148 @@ class _Direct:
             gone[1]()
 
 
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the four limits of the module docstring. uvicorn builds a
+    protocol per connection from a class (``http=``), so ``limited_protocol`` binds the limits of one
+    server's settings into a subclass."""
+
+    header_timeout_s: ClassVar[float]
+    max_header_bytes: ClassVar[int]
+    max_connections: ClassVar[int]
+    max_requests: ClassVar[int]
+
+    def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any], **kw: Any):
+        super().__init__(config, server_state, app_state, **kw)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._header_deadline: float | None = None  # when the awaited headers must be in
+        self._in_headers = True
+        self._phase_bytes = 0  # bytes received while the current request's headers are incomplete
+        self._refused = False
+        self._too_large = False  # a callback found the headers too large (the parser reports it as an error)
+        self._direct = _Direct()  # this connection's mcp.direct
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            # Refused before it is counted: existing connections keep their requests going.
+            _warn_now_and_then(f"connections beyond MCP_TASKS_MAX_CONNECTIONS ({self.max_connections})")
+            _REFUSED_CONNECTIONS.inc()
+            self._refused = True
+            self.transport = transport
+            transport.write(_plain_response("503 Service Unavailable", "too many connections", BUSY_HEADERS))
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        if self._refused:
+            return
+        super().connection_lost(exc)
+        self._direct.lost()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_headers:
+            self._phase_bytes += len(data)
+        super().data_received(data)
+        if self._in_headers and self._phase_bytes > self.max_header_bytes and not self.transport.is_closing():
+            self._refuse_headers()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers every parser error with a 400, ours raised from a callback included.
+        if self._too_large:
+            self._refuse_headers()
+        else:
+            super().send_400_response(msg)
+
+    def _refuse_headers(self) -> None:
+        self._disarm_header_timer()
+        if not self.transport.is_closing():
+            _REFUSED_HEADERS_TOO_LARGE.inc()
+            reason = f"request headers exceed {self.max_header_bytes} bytes"
+            self.transport.write(_plain_response("431 Request Header Fields Too Large", reason))
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        # The request line and headers are counted once they are all parsed, not per header in
+        # a callback of ours (a Python call per header): headers that arrive over several reads
+        # are bounded by data_received as they come, those of one read (at most the loop's
+        # read buffer, already in memory) here.
+        headers = self.headers
+        if len(self.url) + 4 * len(headers) + sum(map(len, chain.from_iterable(headers))) > self.max_header_bytes:
+            self._too_large = True
+            raise HeadersTooLarge
+        self._in_headers = False
+        self._phase_bytes = 0
+        self._header_deadline = None
+        if len(self.tasks) >= self.max_requests and httptools.parse_url(self.url).path not in UNCAPPED_PATHS:
+            _warn_now_and_then(f"requests beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS ({self.max_requests})")
+            _REFUSED_REQUESTS.inc()
+            real, self.app = self.app, _busy
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = real
+            return
+        super().on_headers_complete()
+        self.scope["extensions"] = {DIRECT: self._direct}  # type: ignore[dict-item]  # an extension of our own
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_headers = True  # what follows is the next request's headers (keep-alive, pipelining)
+        self._phase_bytes = 0
+
+    def _arm_header_timer(self) -> None:
+        # One timer per connection at a time, not one per request: a request's headers set
+        # their deadline, and a timer that fires before it (an earlier request's) is set again
+        # for what is left. A keep-alive connection's requests cost no timer of their own.
+        # A deadline already pending stays: the first request's runs from the connection, so
+        # a client silent until just before it cannot win a second timeout with one byte.
+        if self._header_deadline is None:
+            self._header_deadline = self.loop.time() + self.header_timeout_s
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_at(self._header_deadline, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        self._header_deadline = None
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        deadline = self._header_deadline
+        if deadline is None:
+            return  # no headers awaited now: the next request's first byte sets a timer again
+        if deadline > self.loop.time():
+            self._header_timer = self.loop.call_at(deadline, self._header_timeout)
+            return
+        if self._in_headers and not self.transport.is_closing():
+            # A request begun gets its 408; a connection that sent nothing is only closed: a
+            # client about to send on it could take an unasked-for 408 as its answer.
+            if self._phase_bytes:
+                _REFUSED_HEADER_TIMEOUT.inc()
+                self.transport.write(_plain_response("408 Request Timeout", "request headers not received in time"))
+            self.transport.close()
+
+
 def limited_protocol(settings: Settings) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with this service's limits bound in (``http=`` of uvicorn.Config)."""
-    header_timeout_s = settings.http_header_timeout_s
-    max_header_bytes = settings.http_max_header_bytes
-    max_connections = settings.max_connections
-    max_requests = settings.max_concurrent_requests
-    busy_headers = {"Retry-After": "1"}
-    refused_connections = metrics.http_refusals.labels("connections")
-    refused_requests = metrics.http_refusals.labels("requests")
-    refused_slow_headers = metrics.http_refusals.labels("header_timeout")
-    refused_headers = metrics.http_refusals.labels("headers_too_large")
 
-    async def busy(scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 503, {"error": "too many concurrent requests; retry later"}, busy_headers)
+    class BoundLimitedHttpProtocol(LimitedHttpProtocol):
+        header_timeout_s = settings.http_header_timeout_s
+        max_header_bytes = settings.http_max_header_bytes
+        max_connections = settings.max_connections
+        max_requests = settings.max_concurrent_requests
 
-    class LimitedHttpProtocol(HttpToolsProtocol):
-        def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any], **kw: Any):
-            super().__init__(config, server_state, app_state, **kw)
-            self._header_timer: asyncio.TimerHandle | None = None
-            self._header_deadline: float | None = None  # when the awaited headers must be in
-            self._in_headers = True
-            self._phase_bytes = 0  # bytes received while the current request's headers are incomplete
-            self._refused = False
-            self._too_large = False  # a callback found the headers too large (the parser reports it as an error)
-            self._direct = _Direct()  # this connection's mcp.direct
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:
-                # Refused before it is counted: existing connections keep their requests going.
-                _warn_now_and_then(f"connections beyond MCP_TASKS_MAX_CONNECTIONS ({max_connections})")
-                refused_connections.inc()
-                self._refused = True
-                self.transport = transport
-                transport.write(_plain_response("503 Service Unavailable", "too many connections", busy_headers))
-                transport.close()
-                return
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            if self._refused:
-                return
-            super().connection_lost(exc)
-            self._direct.lost()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            if self._in_headers:
-                self._phase_bytes += len(data)
-            super().data_received(data)
-            if self._in_headers and self._phase_bytes > max_header_bytes and not self.transport.is_closing():
-                self._refuse_headers()
-
-        def send_400_response(self, msg: str) -> None:
-            # uvicorn answers every parser error with a 400, ours raised from a callback included.
-            if self._too_large:
-                self._refuse_headers()
-            else:
-                super().send_400_response(msg)
-
-        def _refuse_headers(self) -> None:
-            self._disarm_header_timer()
-            if not self.transport.is_closing():
-                refused_headers.inc()
-                reason = f"request headers exceed {max_header_bytes} bytes"
-                self.transport.write(_plain_response("431 Request Header Fields Too Large", reason))
-                self.transport.close()
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._in_headers = True
-            self._arm_header_timer()
-
-        def on_headers_complete(self) -> None:
-            # The request line and headers are counted once they are all parsed, not per header in
-            # a callback of ours (a Python call per header): headers that arrive over several reads
-            # are bounded by data_received as they come, those of one read (at most the loop's
-            # read buffer, already in memory) here.
-            headers = self.headers
-            if len(self.url) + 4 * len(headers) + sum(map(len, chain.from_iterable(headers))) > max_header_bytes:
-                self._too_large = True
-                raise HeadersTooLarge
-            self._in_headers = False
-            self._phase_bytes = 0
-            self._header_deadline = None
-            if len(self.tasks) >= max_requests and httptools.parse_url(self.url).path not in UNCAPPED_PATHS:
-                _warn_now_and_then(f"requests beyond MCP_TASKS_MAX_CONCURRENT_REQUESTS ({max_requests})")
-                refused_requests.inc()
-                real, self.app = self.app, busy
-                try:
-                    super().on_headers_complete()
-                finally:
-                    self.app = real
-                return
-            super().on_headers_complete()
-            self.scope["extensions"] = {DIRECT: self._direct}  # type: ignore[dict-item]  # an extension of our own
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._in_headers = True  # what follows is the next request's headers (keep-alive, pipelining)
-            self._phase_bytes = 0
-
-        def _arm_header_timer(self) -> None:
-            # One timer per connection at a time, not one per request: a request's headers set
-            # their deadline, and a timer that fires before it (an earlier request's) is set again
-            # for what is left. A keep-alive connection's requests cost no timer of their own.
-            # A deadline already pending stays: the first request's runs from the connection, so
-            # a client silent until just before it cannot win a second timeout with one byte.
-            if self._header_deadline is None:
-                self._header_deadline = self.loop.time() + header_timeout_s
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_at(self._header_deadline, self._header_timeout)
-
-        def _disarm_header_timer(self) -> None:
-            self._header_deadline = None
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            deadline = self._header_deadline
-            if deadline is None:
-                return  # no headers awaited now: the next request's first byte sets a timer again
-            if deadline > self.loop.time():
-                self._header_timer = self.loop.call_at(deadline, self._header_timeout)
-                return
-            if self._in_headers and not self.transport.is_closing():
-                # A request begun gets its 408; a connection that sent nothing is only closed: a
-                # client about to send on it could take an unasked-for 408 as its answer.
-                if self._phase_bytes:
-                    refused_slow_headers.inc()
-                    self.transport.write(_plain_response("408 Request Timeout", "request headers not received in time"))
-                self.transport.close()
-
-    return LimitedHttpProtocol
+    return BoundLimitedHttpProtocol
 
 
 def server_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:

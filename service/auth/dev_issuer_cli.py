@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from service.auth.dev_issuer import DEV_CLIENT_ID, DEV_CLIENT_SECRET, create_dev_issuer_app
+from service.auth.dev_issuer import create_dev_issuer_app
+from service.auth.dev_issuer_records import DEV_CLIENT_ID, DEV_CLIENT_SECRET
 from service.auth.dev_keys import DevIssuerConfig
 from service.config import is_loopback_host
 

@@ -10,6 +10,7 @@ import ssl
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -33,12 +34,15 @@ CLEANUP_BUDGET_S: Final = 30.0
 
 @dataclass
 class _Phase:
-    """Shared by all workers; one event loop, so plain fields need no lock."""
+    """Shared by all workers and the progress ticker; one event loop, so plain fields need no lock."""
 
     max_ops: int | None
+    began: float  # perf_counter at the warm-up's start
     measuring: bool = False
     stopped: bool = False
     started: int = 0
+    measuring_since: float = 0.0  # perf_counter at the measured phase's start
+    window: ServerWindow | None = None  # the server's side of the measured phase, when probed
 
 
 async def _open_sessions(clients: list[Client]) -> None:
@@ -67,62 +71,75 @@ async def _hold_tasks(config: BenchConfig, workload: Workload, clients: list[Cli
         raise BenchError(f"{rec.failed_ops} of {rec.ops} held tasks could not be created ({listed}); {fixes}")
 
 
+async def _drive(
+    op: Callable[[Client, Recorder], Awaitable[bool]], client: Client, phase: _Phase, warm: Recorder, measured: Recorder
+) -> None:
+    """One client's loop: warm-up operations, then measured ones until the phase stops (or max_ops)."""
+    while not phase.stopped:
+        if not phase.measuring:
+            await run_op(op, client, warm)
+            continue
+        if phase.max_ops is not None:
+            if phase.started >= phase.max_ops:
+                return
+            phase.started += 1
+        await run_op(op, client, measured)
+
+
+async def _tick(phase: _Phase, progress: ProgressLine, warm: Recorder, measured: Recorder) -> None:
+    """Every TICK_S: the progress line, and a sample of the server while measuring."""
+    while True:
+        await asyncio.sleep(TICK_S)
+        if phase.measuring:
+            if phase.window is not None:
+                phase.window.sample()
+            progress.show("measuring", perf_counter() - phase.measuring_since, measured.ops, measured.failed_ops)
+        else:
+            progress.show("warm-up", perf_counter() - phase.began, warm.ops, warm.failed_ops)
+
+
 async def _measure(
     config: BenchConfig, workload: Workload, clients: list[Client], probe: ServerProbe | None, progress: ProgressLine
 ) -> dict[str, Any]:
-    phase = _Phase(config.max_ops)
     warm, measured = Recorder(), Recorder()
     op = workload.operation()
-
-    async def worker(client: Client) -> None:
-        while not phase.stopped:
-            if not phase.measuring:
-                await run_op(op, client, warm)
-                continue
-            if phase.max_ops is not None:
-                if phase.started >= phase.max_ops:
-                    return
-                phase.started += 1
-            await run_op(op, client, measured)
-
-    window: ServerWindow | None = None
-    began = perf_counter()
-    start = began
-
-    async def ticker() -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            if phase.measuring:
-                if window is not None:
-                    window.sample()
-                progress.show("measuring", perf_counter() - start, measured.ops, measured.failed_ops)
-            else:
-                progress.show("warm-up", perf_counter() - began, warm.ops, warm.failed_ops)
-
+    phase = _Phase(config.max_ops, began=perf_counter())
     progress.reset_rate()
-    workers = [asyncio.create_task(worker(c)) for c in clients]
-    ticking = asyncio.create_task(ticker())
+    workers = [asyncio.create_task(_drive(op, c, phase, warm, measured)) for c in clients]
+    ticking = asyncio.create_task(_tick(phase, progress, warm, measured))
     try:
         if config.warmup_s > 0:
             await asyncio.wait(workers, timeout=config.warmup_s)
-        window = ServerWindow(probe) if probe is not None else None
+        phase.window = ServerWindow(probe) if probe is not None else None
         phase.measuring = True
-        start = perf_counter()
+        phase.measuring_since = perf_counter()
         window_unix = [time.time(), 0.0]
         progress.reset_rate()
         await asyncio.wait(workers, timeout=config.duration_s)
         # Operations in flight finish and count: they started inside the measured phase.
         phase.stopped = True
         await asyncio.gather(*workers)
-        duration = perf_counter() - start
+        duration = perf_counter() - phase.measuring_since
         window_unix[1] = time.time()
-        if window is not None:
-            window.finish()
+        if phase.window is not None:
+            phase.window.finish()
     finally:
         for task in (*workers, ticking):
             task.cancel()
         await asyncio.gather(*workers, ticking, return_exceptions=True)
     progress.show("done", duration, measured.ops, measured.failed_ops, rate=measured.ops / max(duration, 1e-9))
+    return _result(config, warm, measured, phase.window, duration, window_unix)
+
+
+def _result(
+    config: BenchConfig,
+    warm: Recorder,
+    measured: Recorder,
+    window: ServerWindow | None,
+    duration: float,
+    window_unix: list[float],
+) -> dict[str, Any]:
+    """The run's report: what was measured, and the server's side of it when probed."""
     pending = measured.successes("tools/call") if config.workload == "create" else None
     # The headline counts successful operations only (issue 15): refusals are cheap and fast, and a
     # run that was mostly 429s must not read as a fast server.

@@ -7,19 +7,14 @@ counters (Prometheus sums them across replicas); for several processes behind on
 ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode). ``tasks_active`` and the
 queue gauges are read from the database by the sweeper, so every replica reports the same
 cluster-wide value, up to one sweep old: aggregate them with max(). The pool gauges are read from
-the pools at scrape time (exact). Dashboards and alerts built on these names: grafana/.
+the pools at scrape time (exact; their collector is in pool_metrics). Dashboards and alerts built on
+these names: grafana/.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import time
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
-from contextvars import ContextVar
-from typing import Final, Protocol, TypeVar
+from typing import Final
 
 from prometheus_client import (
     REGISTRY,
@@ -31,21 +26,23 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from service.domain.task import Task
 
+# The helpers callers reach as ``metrics.<name>``, kept where they are defined.
+from service.observability.metric_labels import labelled as labelled
+from service.observability.metric_labels import method as method
+from service.observability.metric_labels import rpc_code as rpc_code
+from service.observability.metric_labels import wire as wire
+from service.observability.pool_metrics import register_pool_collector
+from service.observability.pool_metrics import unwatch_pool as unwatch_pool
+from service.observability.pool_metrics import watch_pool as watch_pool
+from service.observability.request_meter import RequestMeter
+from service.observability.request_meter import track_waits as track_waits
+from service.observability.request_meter import waiting_for_task as waiting_for_task
+
 LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TASK_BUCKETS: Final = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400)
-KNOWN_METHODS: Final = frozenset(
-    {
-        "initialize", "ping", "tools/list", "tools/call", "tasks/get", "tasks/result", "tasks/list", "tasks/cancel",
-        "resources/list", "resources/templates/list", "resources/read", "resources/subscribe",
-        "resources/unsubscribe", "prompts/list", "prompts/get", "logging/setLevel", "completion/complete",
-        "server/discover", "tasks/update", "subscriptions/listen",
-    }
-)  # fmt: skip
 
 build_info = Gauge(
     "mcp_tasks_build_info", "Always 1: the running version and what this process is (serve|worker)",
@@ -230,7 +227,7 @@ def configure(*, tenant_label: bool, tenant_limit: int = 100, version: str = "",
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they double every counter and histogram
     if version:
         build_info.labels(version, component).set(1)
-    _watch_pools()
+    register_pool_collector()
 
 
 def tenant_label_on() -> bool:
@@ -249,184 +246,7 @@ def tenant(value: str) -> str:
     return value
 
 
-KNOWN_WIRES: Final = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2026-07-28"})
-
-
-_M = TypeVar("_M", Counter, Histogram)
-_children: dict[tuple[object, tuple[str, ...]], object] = {}
-
-
-def labelled(metric: _M, *values: str) -> _M:
-    """``metric.labels(*values)``, remembered: prometheus-client takes a lock, converts and hashes
-    the values on every call, and a request names three or four children. Label values are
-    bounded (see above), so the table is too; it starts afresh if that ever stops being true."""
-    key = (metric, values)
-    found = _children.get(key)
-    if found is None:
-        if len(_children) > 10_000:
-            _children.clear()
-        found = _children[key] = metric.labels(*values)
-    return found  # type: ignore[return-value]
-
-
-def wire(version: str) -> str:
-    """Bounded wire label: a protocol revision we speak, else 'other' ('none' before a session)."""
-    return version if version in KNOWN_WIRES else "other"
-
-
-def rpc_code(code: int | None) -> str:
-    """Bounded error-code label: JSON-RPC's reserved range as it is, anything else 'other'."""
-    if code is None:
-        return "other"
-    return str(code) if -32768 <= code <= -32000 else "other"
-
-
-# Every request's count and latency go to prometheus-client at most this long after it ended, and
-# at every scrape.
-REQUEST_FLUSH_S: Final = 1.0
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-class RequestMeter:
-    """``requests`` and ``request_seconds`` for every request, counted on the event loop's thread.
-
-    prometheus-client takes a lock for each value it changes, three per request (the counter, the
-    histogram's sum and its bucket): about 5 % of py-spy's samples of a plain call. Here a request adds to plain
-    dictionaries, and the sums go to prometheus-client at every scrape (``exposition``), at most
-    ``REQUEST_FLUSH_S`` after the request (so multiprocess mode's files, which another process
-    scrapes, lag by no more), and when the process exits. Nothing is lost, nothing counted twice:
-    the exposition is the one per-request ``inc`` and ``observe`` would have given."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[str, str, str], int] = {}
-        # Per method: one count per bucket of LATENCY_BUCKETS and +Inf (not cumulative, as
-        # prometheus-client keeps them), then the sum of the latencies.
-        self._latency: dict[str, list[float]] = {}
-        self._flush: asyncio.TimerHandle | None = None
-        self._flush_loop: asyncio.AbstractEventLoop | None = None
-
-    def record(self, method: str, outcome: str, wire: str, seconds: float) -> None:
-        key = (method, outcome, wire)
-        counts = self._counts
-        counts[key] = counts.get(key, 0) + 1
-        row = self._latency.get(method)
-        if row is None:
-            row = self._latency[method] = [0.0] * (len(LATENCY_BUCKETS) + 2)
-        row[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # the first bound >= seconds (le)
-        row[-1] += seconds
-        if self._flush is None or self._flush_loop is not _running_loop():
-            # (A timer of a loop since closed, as a test's, would never fire: set one on this loop.)
-            self._schedule()
-
-    def _schedule(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        loop = _running_loop()
-        if loop is None:  # no event loop here: hand it over at once
-            self.flush()
-            return
-        self._flush = loop.call_later(REQUEST_FLUSH_S, self.flush)
-        self._flush_loop = loop
-
-    def flush(self) -> None:
-        """Hand what was counted since the last flush to prometheus-client."""
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        counts, self._counts = self._counts, {}
-        latency, self._latency = self._latency, {}
-        for (method, outcome, wire), n in counts.items():
-            labelled(requests, method, outcome, wire).inc(n)
-        for method, row in latency.items():
-            child = labelled(request_seconds, method)
-            # Histogram has no bulk observe: its per-bucket values and sum, as observe changes them.
-            buckets = child._buckets
-            for i, seen in enumerate(row[:-1]):
-                if seen:
-                    buckets[i].inc(seen)
-            child._sum.inc(row[-1])
-
-
-request_meter: Final = RequestMeter()
-
-
-_waits: ContextVar[list[float] | None] = ContextVar("mcp_tasks_waits", default=None)
-
-
-def track_waits() -> list[float]:
-    """Start collecting this request's waits for tasks (see ``waiting_for_task``)."""
-    acc: list[float] = []
-    _waits.set(acc)
-    return acc
-
-
-@contextlib.contextmanager
-def waiting_for_task() -> Iterator[None]:
-    """Wrap a wait for a task to end (tasks/result) so the request's latency leaves it out."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        acc = _waits.get()
-        if acc is not None:
-            acc.append(time.perf_counter() - started)
-
-
-class PoolStats(Protocol):
-    def pool_stats(self) -> tuple[int, int, int]:
-        """(connections in use, connections open, maximum)."""
-        ...
-
-
-_pools: dict[int, tuple[str, PoolStats]] = {}
-
-
-def watch_pool(name: str, pool: PoolStats) -> None:
-    """Report this pool's exact use at every scrape, until ``unwatch_pool``."""
-    _pools[id(pool)] = (name, pool)
-
-
-def unwatch_pool(pool: PoolStats) -> None:
-    _pools.pop(id(pool), None)
-
-
-class _PoolCollector(Collector):
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        in_use = GaugeMetricFamily("mcp_tasks_db_pool_in_use", "Pooled connections in use now", labels=["pool"])
-        size = GaugeMetricFamily("mcp_tasks_db_pool_size", "Pooled connections open now", labels=["pool"])
-        cap = GaugeMetricFamily("mcp_tasks_db_pool_max", "Most connections the pool may open", labels=["pool"])
-        totals: dict[str, list[int]] = {}
-        for name, pool in list(_pools.values()):
-            row = totals.setdefault(name, [0, 0, 0])
-            for i, v in enumerate(pool.pool_stats()):
-                row[i] += v
-        for name, (used, opened, most) in sorted(totals.items()):
-            in_use.add_metric([name], used)
-            size.add_metric([name], opened)
-            cap.add_metric([name], most)
-        return [in_use, size, cap]
-
-
-_pool_collector: _PoolCollector | None = None
-
-
-def _watch_pools() -> None:
-    global _pool_collector
-    if _pool_collector is None:
-        _pool_collector = _PoolCollector()
-        REGISTRY.register(_pool_collector)
-
-
-def method(value: str) -> str:
-    """Bounded method label: unknown methods are 'other'."""
-    return value if value in KNOWN_METHODS else "other"
+request_meter: Final = RequestMeter(requests, request_seconds, LATENCY_BUCKETS)
 
 
 def process_exiting() -> None:
