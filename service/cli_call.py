@@ -14,7 +14,7 @@ import httpx
 
 from service.cli_exit import FAILED, OK, USAGE, CommandError, CommandState, check_url
 from service.cli_history import remember
-from service.client import McpClient, McpClientError, ModernClient
+from service.client import McpClient, McpClientError, V2026Client
 
 TERMINAL = ("completed", "failed", "cancelled")
 
@@ -132,7 +132,7 @@ def task_outcome(task: dict[str, Any]) -> int:
     return FAILED
 
 
-async def follow_modern(client: ModernClient, state: CommandState, poll_ms: int, retry_for: float) -> dict[str, Any]:
+async def follow_v2026(client: V2026Client, state: CommandState, poll_ms: int, retry_for: float) -> dict[str, Any]:
     """A 2026-07-28 task's final state, through subscriptions/listen (or by polling tasks/get when
     the server will not), answering its questions on the way."""
     assert state.task_id is not None
@@ -167,8 +167,8 @@ async def follow_modern(client: ModernClient, state: CommandState, poll_ms: int,
         await asyncio.sleep(poll_ms / 1000)
 
 
-async def _call_modern(args: argparse.Namespace, arguments: dict[str, Any], state: CommandState) -> int:
-    async with ModernClient(args.url, token=args.token) as client:
+async def _call_v2026(args: argparse.Namespace, arguments: dict[str, Any], state: CommandState) -> int:
+    async with V2026Client(args.url, token=args.token) as client:
         params: dict[str, Any] = {"name": args.tool, "arguments": arguments}
         result = await client.request("tools/call", params)
         while result.get("resultType") == "input_required":
@@ -179,11 +179,11 @@ async def _call_modern(args: argparse.Namespace, arguments: dict[str, Any], stat
         state.task_id, state.status = result["taskId"], result["status"]
         remember(args.url, state.task_id)
         print(f"task {state.task_id} {state.status}", file=sys.stderr)
-        task = await follow_modern(client, state, int(result.get("pollIntervalMs", 1000)), 60.0)
+        task = await follow_v2026(client, state, int(result.get("pollIntervalMs", 1000)), 60.0)
     return task_outcome(task)
 
 
-async def _call_legacy(args: argparse.Namespace, arguments: dict[str, Any], state: CommandState) -> int:
+async def _call_v2025(args: argparse.Namespace, arguments: dict[str, Any], state: CommandState) -> int:
     async with McpClient(args.url, token=args.token) as client:
         await client.initialize()
         task = {"ttl": args.ttl}
@@ -220,8 +220,8 @@ async def call_main(args: argparse.Namespace, state: CommandState) -> int:
     arguments.update(parse_arg(a, as_json=True) for a in args.json_arg)
     try:
         if args.wire == "2026-07-28":
-            return await _call_modern(args, arguments, state)
-        return await _call_legacy(args, arguments, state)
+            return await _call_v2026(args, arguments, state)
+        return await _call_v2025(args, arguments, state)
     except (KeyError, TypeError) as exc:  # an answer of the wrong shape
         raise McpClientError(
             {"code": "protocol", "message": f"unexpected answer ({type(exc).__name__}: {exc})"}

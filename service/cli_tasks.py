@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from service.cli_call import TERMINAL, ask, follow_modern, task_outcome
+from service.cli_call import TERMINAL, ask, follow_v2026, task_outcome
 from service.cli_exit import FAILED, OK, CommandError, CommandState, check_url
 from service.cli_history import remembered
-from service.client import McpClient, McpClientError, ModernClient
+from service.client import McpClient, McpClientError, V2026Client
 
 # A task id is 43 characters of URL-safe base64 (secrets.token_urlsafe(32)), so one in 64 begins
 # with "-", which argparse would read as options.
@@ -101,10 +101,10 @@ def _texts(result: dict[str, Any]) -> list[str]:
     return [t for t in texts if isinstance(t, str)] if len(texts) == len(content) else []
 
 
-async def _modern_tasks(args: argparse.Namespace, known: set[str]) -> list[dict[str, Any]]:
+async def _v2026_tasks(args: argparse.Namespace, known: set[str]) -> list[dict[str, Any]]:
     """The tasks ``call`` made here over 2026-07-28 that the server still shows this caller."""
     found = []
-    async with ModernClient(args.url, token=args.token) as client:
+    async with V2026Client(args.url, token=args.token) as client:
         for entry in remembered(args.url):
             if entry.task_id in known:
                 continue
@@ -132,7 +132,7 @@ async def _list(args: argparse.Namespace) -> int:
             if not cursor or not args.all:
                 break
     if not args.cursor:  # the first page also shows the 2026-07-28 tasks, newest first among the rest
-        tasks += await _modern_tasks(args, {t["taskId"] for t in tasks})
+        tasks += await _v2026_tasks(args, {t["taskId"] for t in tasks})
         tasks.sort(key=lambda t: str(t.get("createdAt", "")), reverse=True)
     if args.json:
         print(json.dumps({"tasks": tasks, **({"nextCursor": cursor} if cursor else {})}, indent=2))
@@ -145,17 +145,17 @@ async def _list(args: argparse.Namespace) -> int:
     return OK
 
 
-async def _get_or_cancel(client: McpClient | ModernClient, args: argparse.Namespace) -> dict[str, Any] | None:
+async def _get_or_cancel(client: McpClient | V2026Client, args: argparse.Namespace) -> dict[str, Any] | None:
     """`tasks cancel`, or `tasks get` without --result: done and printed (None). `tasks get
     --result`: the task as it stands, for the caller to wait on (each wire waits its own way)."""
     params = {"taskId": args.task_id}
     if args.tasks_command == "cancel":
-        if isinstance(client, ModernClient):  # 2026-07-28 acks even a task that had ended (XD-7): look first
+        if isinstance(client, V2026Client):  # 2026-07-28 acks even a task that had ended (XD-7): look first
             before = await client.request("tasks/get", params, retry_for_s=args.retry_for)
             if before["status"] in TERMINAL:
                 raise CommandError(FAILED, f"mcp-tasks: task {args.task_id} is {before['status']}: nothing to cancel")
         shown = await client.request("tasks/cancel", params, retry_for_s=args.retry_for)
-        if isinstance(client, ModernClient):
+        if isinstance(client, V2026Client):
             shown = await client.request("tasks/get", params, retry_for_s=args.retry_for)
             shown = {k: v for k, v in shown.items() if k not in ("resultType", "result", "error", "inputRequests")}
         _print_task(shown, args.json)
@@ -167,17 +167,17 @@ async def _get_or_cancel(client: McpClient | ModernClient, args: argparse.Namesp
     return task
 
 
-async def _legacy(args: argparse.Namespace, state: CommandState) -> int:
+async def _v2025(args: argparse.Namespace, state: CommandState) -> int:
     async with McpClient(args.url, token=args.token) as client:
         await client.initialize(retry_for_s=args.retry_for)
         task = await _get_or_cancel(client, args)
         if task is None:
             return OK
         state.status = task.get("status")
-        return await _legacy_result(client, args, state)
+        return await _v2025_result(client, args, state)
 
 
-async def _legacy_result(client: McpClient, args: argparse.Namespace, state: CommandState) -> int:
+async def _v2025_result(client: McpClient, args: argparse.Namespace, state: CommandState) -> int:
     """tasks/result blocks until the task ends; a question the task asks meanwhile arrives on its
     stream and is answered at the terminal, as ``mcp-tasks call`` does. A broken stream (a restart)
     or "unavailable" is retried for ``--retry-for`` seconds from when it happened."""
@@ -208,14 +208,14 @@ async def _legacy_result(client: McpClient, args: argparse.Namespace, state: Com
         delay = min(delay * 2, 5.0)
 
 
-async def _modern(args: argparse.Namespace, state: CommandState) -> int:
-    async with ModernClient(args.url, token=args.token) as client:
+async def _v2026(args: argparse.Namespace, state: CommandState) -> int:
+    async with V2026Client(args.url, token=args.token) as client:
         task = await _get_or_cancel(client, args)
         if task is None:
             return OK
         state.status = task["status"]
         if task["status"] not in TERMINAL:
-            task = await follow_modern(client, state, int(task.get("pollIntervalMs", 1000)), args.retry_for)
+            task = await follow_v2026(client, state, int(task.get("pollIntervalMs", 1000)), args.retry_for)
     if task["status"] == "completed":
         return _print_result(task.get("result") or {}, args.json)
     return task_outcome(task)
@@ -227,5 +227,5 @@ async def tasks_main(args: argparse.Namespace, state: CommandState) -> int:
         return await _list(args)
     state.task_id = args.task_id
     if args.wire == "2026-07-28":
-        return await _modern(args, state)
-    return await _legacy(args, state)
+        return await _v2026(args, state)
+    return await _v2025(args, state)

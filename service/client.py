@@ -106,7 +106,7 @@ class McpClient:
                 yield _json_answer(r.status_code, await r.aread(), r.reason_phrase)
 
     async def request(self, method: str, params: dict[str, Any], *, retry_for_s: float = 0.0) -> dict[str, Any]:
-        """The request's result; with ``retry_for_s``, retried as ``ModernClient.request`` is."""
+        """The request's result; with ``retry_for_s``, retried as ``V2026Client.request`` is."""
         return await _retrying(lambda: self._request_once(method, params), retry_for_s,
                                idempotent=method != "tools/call")  # fmt: skip
 
@@ -189,16 +189,16 @@ async def sse_messages(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
             data.append(line[5:].lstrip(" "))
 
 
-MODERN_VERSION = "2026-07-28"
+V2026_VERSION = "2026-07-28"
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 
 
-class ModernClient:
+class V2026Client:
     """A 2026-07-28 client: no session; every request carries its ``_meta`` and routing headers."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
         headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
-                   "MCP-Protocol-Version": MODERN_VERSION}  # fmt: skip
+                   "MCP-Protocol-Version": V2026_VERSION}  # fmt: skip
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self.url = url
@@ -206,14 +206,14 @@ class ModernClient:
         self.capabilities: dict[str, Any] = {"elicitation": {"form": {}}, "extensions": {TASKS_EXTENSION: {}}}
         self._ids = itertools.count(1)
 
-    async def __aenter__(self) -> ModernClient:
+    async def __aenter__(self) -> V2026Client:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.http.aclose()
 
     def _body(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        meta = {"io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+        meta = {"io.modelcontextprotocol/protocolVersion": V2026_VERSION,
                 "io.modelcontextprotocol/clientCapabilities": self.capabilities,
                 "io.modelcontextprotocol/clientInfo": {"name": "mcp-tasks-cli", "version": "1"}}  # fmt: skip
         return {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": {**params, "_meta": meta}}

@@ -16,7 +16,7 @@ EXT = "io.modelcontextprotocol/tasks"
 DECLARING = {"elicitation": {"form": {}}, "extensions": {EXT: {}}}
 
 
-class ModernClient:
+class V2026Client:
     def __init__(self, http: httpx.AsyncClient, url: str, *, token: str | None = None,
                  capabilities: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.http = http

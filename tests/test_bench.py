@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from service.bench import BenchConfig, BenchUsageError, main, run_bench, wire
-from service.bench.modern import ModernSession, header_value
 from service.bench.report import advice, summary
 from service.bench.sse import SseParser
 from service.bench.stats import Recorder
+from service.bench.v2026 import V2026Session, header_value
 from service.bench.wire import McpSession, RequestFailed
 from service.bench.workloads import Client, Workload
 from tests.conftest import free_port, make_settings, serve
@@ -555,7 +555,7 @@ def _modern_peer(final_text: str, polls_working: int = 1) -> Answer:
 
 
 def _ext_client(url: str) -> Client:
-    return Client(ModernSession(url, token="t0k"), random.Random(0))
+    return Client(V2026Session(url, token="t0k"), random.Random(0))
 
 
 async def test_the_extension_client_sends_meta_and_routing_headers_on_every_request() -> None:

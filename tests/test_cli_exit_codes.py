@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, http_client, make_settings, run_issuer, serve
-from tests.ext import ModernClient
+from tests.ext import V2026Client
 from tests.faults.proxy import tcp_proxy
 from tests.issuer import LocalIssuer
 from tests.test_durability import ROOT, mcp_tasks
@@ -225,13 +225,13 @@ async def test_a_database_outage_on_2026_07_28_is_retried_not_final(
 
 
 async def _create_modern_task(http: httpx.AsyncClient, url: str) -> str:
-    result = await ModernClient(http, url).result("tools/call", {"name": "hang", "arguments": {}})
+    result = await V2026Client(http, url).result("tools/call", {"name": "hang", "arguments": {}})
     assert result["resultType"] == "task", result
     return str(result["taskId"])
 
 
 async def _until_unavailable(http: httpx.AsyncClient, url: str, task_id: str) -> None:
-    client = ModernClient(http, url)
+    client = V2026Client(http, url)
     async with asyncio.timeout(30):
         while (await client.post("tasks/get", {"taskId": task_id})).status_code != 503:
             await asyncio.sleep(0.1)

@@ -13,7 +13,7 @@ import pytest
 
 from service.client import sse_messages
 from tests.conftest import RunningServer, make_settings, serve
-from tests.ext import EXT, ModernClient
+from tests.ext import EXT, V2026Client
 from tests.rpc import RpcSession
 from tests.test_durability import mcp_tasks
 
@@ -25,11 +25,11 @@ async def server(database_url: str) -> AsyncIterator[RunningServer]:
 
 
 @pytest.fixture
-def m(http: httpx.AsyncClient, server: RunningServer) -> ModernClient:
-    return ModernClient(http, server.url)
+def m(http: httpx.AsyncClient, server: RunningServer) -> V2026Client:
+    return V2026Client(http, server.url)
 
 
-async def settle(m: ModernClient, task_id: str, *statuses: str) -> dict[str, Any]:
+async def settle(m: V2026Client, task_id: str, *statuses: str) -> dict[str, Any]:
     async with asyncio.timeout(20):
         while True:
             task = await m.result("tasks/get", {"taskId": task_id})
@@ -38,7 +38,7 @@ async def settle(m: ModernClient, task_id: str, *statuses: str) -> dict[str, Any
             await asyncio.sleep(0.05)
 
 
-async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m: ModernClient) -> None:
+async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m: V2026Client) -> None:
     result = await m.result("server/discover")
     assert result["resultType"] == "complete"
     assert result["supportedVersions"] == ["2026-07-28", "2025-11-25"]
@@ -50,7 +50,7 @@ async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m
 
 
 async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(
-    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+    m: V2026Client, http: httpx.AsyncClient, server: RunningServer
 ) -> None:
     """ToolContext.reports_progress: True only while its progress reaches someone, so a tool that
     wakes up just to report progress (the demo sleep) need not. A 2025-11-25 call: when its request
@@ -83,13 +83,13 @@ async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(
     assert texts == ["reports_progress=False"] * 3 + ["reports_progress=True"] * 2
 
 
-async def test_a_fast_optional_tool_answers_synchronously_X_CREATE_7(m: ModernClient) -> None:
+async def test_a_fast_optional_tool_answers_synchronously_X_CREATE_7(m: V2026Client) -> None:
     result = await m.result("tools/call", {"name": "echo", "arguments": {"text": "hi"}})
     assert result["resultType"] == "complete"
     assert result["content"] == [{"type": "text", "text": "hi"}]
 
 
-async def test_a_slow_tool_becomes_a_task_committed_before_the_answer_X_CREATE_1_3(m: ModernClient) -> None:
+async def test_a_slow_tool_becomes_a_task_committed_before_the_answer_X_CREATE_1_3(m: V2026Client) -> None:
     created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.6}})
     assert created["resultType"] == "task"
     assert "task" not in created
@@ -110,7 +110,7 @@ async def test_a_slow_tool_becomes_a_task_committed_before_the_answer_X_CREATE_1
 async def test_a_non_declaring_request_never_gets_a_task_X_NEG_5_7(
     http: httpx.AsyncClient, server: RunningServer
 ) -> None:
-    plain = ModernClient(http, server.url, capabilities={"tasks": {}})  # a legacy key does not declare (X-NEG-8)
+    plain = V2026Client(http, server.url, capabilities={"tasks": {}})  # a legacy key does not declare (X-NEG-8)
     result = await plain.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.3}})
     assert result["resultType"] == "complete"
     error = await plain.error("tools/call", {"name": "batch", "arguments": {}}, status=400)
@@ -121,12 +121,12 @@ async def test_a_non_declaring_request_never_gets_a_task_X_NEG_5_7(
         assert error["code"] == -32021  # X-GET-9: checked before the lookup
 
 
-async def test_legacy_task_param_is_ignored_X_NEG_9(m: ModernClient) -> None:
+async def test_legacy_task_param_is_ignored_X_NEG_9(m: V2026Client) -> None:
     result = await m.result("tools/call", {"name": "echo", "arguments": {"text": "x"}, "task": {"ttl": 1000}})
     assert result["resultType"] == "complete"
 
 
-async def test_headers_must_match_the_body_X_HTTP_1_2_4(m: ModernClient) -> None:
+async def test_headers_must_match_the_body_X_HTTP_1_2_4(m: V2026Client) -> None:
     created = await m.result("tools/call", {"name": "slow_fail", "arguments": {}})
     task_id = created["taskId"]
     headers = m.headers("tasks/get")  # no Mcp-Name
@@ -145,7 +145,7 @@ async def test_headers_must_match_the_body_X_HTTP_1_2_4(m: ModernClient) -> None
     assert (r.status_code, r.json()["error"]["code"]) == (400, -32020)
 
 
-async def test_an_unknown_version_lists_both_X_NEG_11(m: ModernClient) -> None:
+async def test_an_unknown_version_lists_both_X_NEG_11(m: V2026Client) -> None:
     r = await m.post("tools/list", headers={**m.headers("tools/list"), "MCP-Protocol-Version": "2026-06-30"})
     assert r.status_code == 400
     error = r.json()["error"]
@@ -154,13 +154,13 @@ async def test_an_unknown_version_lists_both_X_NEG_11(m: ModernClient) -> None:
     assert error["data"]["requested"] == "2026-06-30"
 
 
-async def test_removed_methods_are_404_X_HTTP_5(m: ModernClient) -> None:
+async def test_removed_methods_are_404_X_HTTP_5(m: V2026Client) -> None:
     for method in ("tasks/result", "tasks/list", "ping"):
         error = await m.error(method, {"taskId": "x"}, status=404, name="x")
         assert error["code"] == -32601
 
 
-async def test_unknown_and_malformed_requests_get_their_errors_X_ERR(m: ModernClient) -> None:
+async def test_unknown_and_malformed_requests_get_their_errors_X_ERR(m: V2026Client) -> None:
     assert (await m.error("tasks/get", {"taskId": "no-such-task"}))["code"] == -32602
     assert (await m.error("tasks/cancel", {"taskId": "no-such-task"}))["code"] == -32602
     no_meta = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
@@ -173,7 +173,7 @@ async def test_unknown_and_malformed_requests_get_their_errors_X_ERR(m: ModernCl
 
 
 async def test_a_tool_error_is_completed_here_and_failed_on_2025_11_25_X_STATE_4(
-    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+    m: V2026Client, http: httpx.AsyncClient, server: RunningServer
 ) -> None:
     """One stored outcome, two renderings; and a legacy-created task read through the modern wire (XD-3)."""
     s = RpcSession(http, server.url)
@@ -193,7 +193,7 @@ async def test_a_tool_error_is_completed_here_and_failed_on_2025_11_25_X_STATE_4
 
 
 async def test_a_legacy_task_can_be_cancelled_through_the_modern_wire_XD_3(
-    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+    m: V2026Client, http: httpx.AsyncClient, server: RunningServer
 ) -> None:
     s = RpcSession(http, server.url)
     await s.initialize()
@@ -209,7 +209,7 @@ async def test_a_legacy_task_can_be_cancelled_through_the_modern_wire_XD_3(
 
 
 async def test_input_before_a_task_goes_round_trip_then_inside_a_task_by_key_X_CREATE_5_X_UPDATE(
-    m: ModernClient,
+    m: V2026Client,
 ) -> None:
     """MRTR first: the synchronous round asks (InputRequiredResult), the retry answers it. Then a
     tool that asks after it became a task: inputRequests on tasks/get, answered by tasks/update."""
@@ -242,7 +242,7 @@ async def test_input_before_a_task_goes_round_trip_then_inside_a_task_by_key_X_C
 
 
 async def test_a_subscription_gets_the_snapshot_and_each_change_of_own_tasks_only_XD_14(
-    m: ModernClient, http: httpx.AsyncClient, server: RunningServer
+    m: V2026Client, http: httpx.AsyncClient, server: RunningServer
 ) -> None:
     created = await m.result("tools/call", {"name": "slow_confirm", "arguments": {"seconds": 0.3}})
     task_id = created["taskId"]
@@ -275,7 +275,7 @@ async def test_a_subscription_on_one_process_sees_a_task_run_by_another(
     change reaches the subscription through PostgreSQL."""
     settings = make_settings(database_url, runner_concurrency=0, task_grace_ms=100)
     async with serve(settings) as front, mcp_tasks("worker", database_url) as (_worker, _url):
-        m = ModernClient(http, front.url)
+        m = V2026Client(http, front.url)
         created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.5}})
         assert created["resultType"] == "task"
         statuses: list[str] = []
@@ -289,7 +289,7 @@ async def test_a_subscription_on_one_process_sees_a_task_run_by_another(
         assert statuses[-1] == "completed"
 
 
-async def test_a_listen_with_too_many_ids_or_bad_ids_is_refused(m: ModernClient) -> None:
+async def test_a_listen_with_too_many_ids_or_bad_ids_is_refused(m: V2026Client) -> None:
     body = m.body("subscriptions/listen", {"notifications": {"taskIds": [f"t{i}" for i in range(10_000)]}})
     r = await m.post("subscriptions/listen", body=body)
     assert (r.status_code, r.json()["error"]["code"]) == (200, -32602)
@@ -301,13 +301,13 @@ async def test_a_listen_with_too_many_ids_or_bad_ids_is_refused(m: ModernClient)
 async def test_questions_need_the_creating_requests_capabilities_XD_4(
     http: httpx.AsyncClient, server: RunningServer
 ) -> None:
-    no_elicitation = ModernClient(http, server.url, capabilities={"extensions": {EXT: {}}})
+    no_elicitation = V2026Client(http, server.url, capabilities={"extensions": {EXT: {}}})
     result = await no_elicitation.result("tools/call", {"name": "confirm", "arguments": {}})
     assert result["resultType"] == "complete"
     assert result["isError"] is True  # the tool was told the client cannot answer; nothing was asked
 
 
-async def test_a_failed_call_is_its_json_rpc_error_without_details_XD_27(m: ModernClient) -> None:
+async def test_a_failed_call_is_its_json_rpc_error_without_details_XD_27(m: V2026Client) -> None:
     error = await m.error("tools/call", {"name": "crash", "arguments": {"message": "boom"}})
     assert error == {"code": -32603, "message": "boom"}
     error = await m.error("tools/call", {"name": "leaky", "arguments": {}})
@@ -316,7 +316,7 @@ async def test_a_failed_call_is_its_json_rpc_error_without_details_XD_27(m: Mode
     assert "hunter2" not in str(error)
 
 
-async def test_the_ttl_is_the_servers_default_XD_11(m: ModernClient, server: RunningServer) -> None:
+async def test_the_ttl_is_the_servers_default_XD_11(m: V2026Client, server: RunningServer) -> None:
     created = await m.result("tools/call", {"name": "slow_fail", "arguments": {}})
     assert created["ttlMs"] == server.settings.effective_default_ttl_ms
 
@@ -333,7 +333,7 @@ async def test_multi_round_input_carries_the_answers_in_a_sealed_request_state_X
 ) -> None:
     """Each round's requestState holds the answers so far (the server keeps nothing between rounds);
     a later round sends only its new answer; a tampered state is refused."""
-    m = ModernClient(http, conformance_server.url, capabilities={"elicitation": {}})
+    m = V2026Client(http, conformance_server.url, capabilities={"elicitation": {}})
     params: dict[str, Any] = {"name": "test_input_required_result_multi_round", "arguments": {}}
     first = await m.result("tools/call", params)
     assert first["resultType"] == "input_required"
@@ -361,7 +361,7 @@ async def test_multi_round_input_carries_the_answers_in_a_sealed_request_state_X
 async def test_progress_of_a_call_inside_its_request_streams_before_the_answer_XD_18(
     http: httpx.AsyncClient, conformance_server: RunningServer
 ) -> None:
-    m = ModernClient(http, conformance_server.url, capabilities={})
+    m = V2026Client(http, conformance_server.url, capabilities={})
     body = m.body("tools/call", {"name": "test_tool_with_progress", "arguments": {}}, progressToken="p-1")
     messages: list[dict[str, Any]] = []
     async with http.stream("POST", m.url, content=orjson.dumps(body),
@@ -379,13 +379,13 @@ async def test_progress_of_a_call_inside_its_request_streams_before_the_answer_X
 async def test_a_tool_refusing_for_a_missing_capability_is_http_400(
     http: httpx.AsyncClient, conformance_server: RunningServer
 ) -> None:
-    m = ModernClient(http, conformance_server.url, capabilities={})
+    m = V2026Client(http, conformance_server.url, capabilities={})
     error = await m.error("tools/call", {"name": "test_missing_capability", "arguments": {}}, status=400)
     assert error["code"] == -32021
     assert error["data"] == {"requiredCapabilities": {"sampling": {}}}
 
 
-async def test_initialize_and_other_removed_methods_are_404_on_2026_07_28(m: ModernClient) -> None:
+async def test_initialize_and_other_removed_methods_are_404_on_2026_07_28(m: V2026Client) -> None:
     for method in ("initialize", "logging/setLevel", "resources/subscribe"):
         error = await m.error(method, {}, status=404, name="x")
         assert error["code"] == -32601
@@ -394,7 +394,7 @@ async def test_initialize_and_other_removed_methods_are_404_on_2026_07_28(m: Mod
 async def test_parameters_marked_as_headers_must_be_mirrored_X_HTTP_12(
     http: httpx.AsyncClient, conformance_server: RunningServer
 ) -> None:
-    m = ModernClient(http, conformance_server.url, capabilities={})
+    m = V2026Client(http, conformance_server.url, capabilities={})
     params = {"name": "test_custom_headers", "arguments": {"region": "Hello"}}
     ok = m.headers("tools/call", "test_custom_headers", **{"Mcp-Param-Region": "=?base64?SGVsbG8=?="})
     assert (await m.post("tools/call", params, headers=ok)).status_code == 200
@@ -409,7 +409,7 @@ async def test_a_subscription_ends_with_its_result_when_the_token_expires_XD_14(
     http: httpx.AsyncClient, tenant_server: RunningServer, shared_issuer: Any
 ) -> None:
     token = shared_issuer.mint(tenant_server.url, tenant_id="t-expiring", sub="alice", exp=int(time.time()) + 2)
-    m = ModernClient(http, tenant_server.url, token=token)
+    m = V2026Client(http, tenant_server.url, token=token)
     created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
     seen: list[dict[str, Any]] = []
     async with asyncio.timeout(15):
@@ -419,12 +419,12 @@ async def test_a_subscription_ends_with_its_result_when_the_token_expires_XD_14(
     assert final["result"] == {"resultType": "complete",
                                "_meta": {"io.modelcontextprotocol/subscriptionId": final["id"]}}  # fmt: skip
     assert all("method" in msg for msg in seen[:-1])
-    await ModernClient(http, tenant_server.url, token=shared_issuer.mint(
+    await V2026Client(http, tenant_server.url, token=shared_issuer.mint(
         tenant_server.url, tenant_id="t-expiring", sub="alice")).result("tasks/cancel", {"taskId": created["taskId"]})  # fmt: skip
 
 
 async def test_a_subscription_ends_with_its_result_when_the_server_shuts_down_XD_14(
-    m: ModernClient, server: RunningServer
+    m: V2026Client, server: RunningServer
 ) -> None:
     created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
     seen: list[dict[str, Any]] = []
@@ -439,8 +439,8 @@ async def test_a_subscription_ends_with_its_result_when_the_server_shuts_down_XD
 async def test_another_principals_task_is_exactly_an_unknown_one_on_every_method_X_SEC_2_3(
     http: httpx.AsyncClient, tenant_server: RunningServer, shared_issuer: Any
 ) -> None:
-    def client(tenant: str, sub: str) -> ModernClient:
-        return ModernClient(
+    def client(tenant: str, sub: str) -> V2026Client:
+        return V2026Client(
             http, tenant_server.url, token=shared_issuer.mint(tenant_server.url, tenant_id=tenant, sub=sub)
         )
 
@@ -466,7 +466,7 @@ async def test_another_principals_task_is_exactly_an_unknown_one_on_every_method
     await alice.result("tasks/cancel", {"taskId": task_id})
 
 
-async def test_closing_a_subscription_leaves_nothing_behind(m: ModernClient, server: RunningServer) -> None:
+async def test_closing_a_subscription_leaves_nothing_behind(m: V2026Client, server: RunningServer) -> None:
     """Review finding: a client closing its listen stream left the watch (its subscription, its
     polls) alive; open-close loops piled them up."""
     created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
@@ -492,7 +492,7 @@ async def test_our_refusals_use_application_codes_outside_the_reserved_range_X_E
     -32000 and -32029 (docs/decisions.md)."""
     settings = make_settings(database_url, task_grace_ms=0, max_active_tasks_per_requestor=1, rate_limit="6/minute")
     async with serve(settings) as running:
-        m = ModernClient(http, running.url)
+        m = V2026Client(http, running.url)
         created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
         assert created["resultType"] == "task"
         refused = (await m.post("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})).json()
@@ -517,7 +517,7 @@ async def test_request_state_keeps_only_the_answers_the_run_took_X_SEC_10(
 ) -> None:
     """Answers to keys the run never asked for are not sealed into the next round's requestState,
     so a client cannot grow the state round after round (it would otherwise carry whatever was sent)."""
-    m = ModernClient(http, conformance_server.url, capabilities={"elicitation": {}})
+    m = V2026Client(http, conformance_server.url, capabilities={"elicitation": {}})
     params: dict[str, Any] = {"name": "test_input_required_result_multi_round", "arguments": {}}
     first = await m.result("tools/call", params)
     padding = {f"junk{i}": {"action": "accept", "content": {"x": "y" * 200}} for i in range(40)}

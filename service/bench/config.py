@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
-# The 2025-11-25 ones, then the 2026-07-28 Tasks extension's (service.bench.modern).
+# The 2025-11-25 ones, then the 2026-07-28 Tasks extension's (service.bench.v2026).
 WORKLOADS: Final = ("plain", "lifecycle", "get", "create", "ext-lifecycle", "ext-get")
 
 

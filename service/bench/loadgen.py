@@ -19,10 +19,10 @@ from typing import Any, Final
 import orjson
 
 from service.bench.config import WORKLOADS, BenchConfig, BenchError, BenchUsageError, validate
-from service.bench.modern import ModernSession
 from service.bench.probe import ProbeError, ServerProbe, ServerWindow
 from service.bench.report import ProgressLine, advice, summary
 from service.bench.stats import Recorder, latency_summary
+from service.bench.v2026 import V2026Session
 from service.bench.wire import McpSession, RequestFailed, Session
 from service.bench.workloads import EXT_WORKLOADS, Client, Workload, cancel_held, run_op
 
@@ -191,7 +191,7 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
     for i in range(config.clients):
         token = tokens[i % len(tokens)] if tokens else None
         session: Session = (
-            ModernSession(config.url, token=token, ssl_context=ssl_context)
+            V2026Session(config.url, token=token, ssl_context=ssl_context)
             if config.workload in EXT_WORKLOADS
             else McpSession(config.url, token=token, ssl_context=ssl_context)
         )

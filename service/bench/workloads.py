@@ -2,7 +2,7 @@
 
 Four on the 2025-11-25 wire (``plain``, ``lifecycle``, ``get``, ``create``) and two on the
 2026-07-28 Tasks extension (``ext-lifecycle``, ``ext-get``); the session a client holds speaks the
-wire of its workload (``service.bench.wire`` or ``service.bench.modern``).
+wire of its workload (``service.bench.wire`` or ``service.bench.v2026``).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def error_object(outcome: Outcome) -> dict[str, Any]:
     return error
 
 
-def legacy_status(task: Task) -> TaskStatus:
+def v2025_status(task: Task) -> TaskStatus:
     """T-STATE-7: on 2025-11-25 a result with isError: true ends the task as failed."""
     if task.outcome is not None and task.outcome.kind is OutcomeKind.TOOL_ERROR:
         return TaskStatus.FAILED
@@ -66,7 +66,7 @@ def task_to_wire(task: Task) -> dict[str, Any]:
     """The Task object (T-CREATE-6, T-TTL-1/2/4, D-11: ttl is always an integer)."""
     out: dict[str, Any] = {
         "taskId": task.task_id,
-        "status": legacy_status(task).value,
+        "status": v2025_status(task).value,
         "createdAt": iso(task.created_at),
         "lastUpdatedAt": iso(task.last_updated_at),
         "ttl": task.ttl_ms,

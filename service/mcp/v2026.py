@@ -55,12 +55,12 @@ from service.tasks.service import TaskService
 
 class V2026Surface:
     def __init__(
-        self, settings: Settings, tasks: TaskService, legacy: V2025Surface, limiter: RateLimiter, audit: AuditLog
+        self, settings: Settings, tasks: TaskService, v2025: V2025Surface, limiter: RateLimiter, audit: AuditLog
     ) -> None:
         self.settings = settings
         self.tasks = tasks
-        self.legacy = legacy
-        self.registry = legacy.registry
+        self.v2025 = v2025
+        self.registry = v2025.registry
         self.limiter = limiter
         self.audit = audit
         self.keepalive_s = settings.sse_keepalive_ms / 1000
@@ -234,7 +234,7 @@ class V2026Surface:
 
         params = {k: v for k, v in call.params.items() if k != "_meta"}
         try:
-            reply = await self.legacy.dispatch(call.method, Call(call.caller, None, call.request_id, params))
+            reply = await self.v2025.dispatch(call.method, Call(call.caller, None, call.request_id, params))
         except Refusal as failure:
             if failure.code == RESOURCE_NOT_FOUND:  # 2026-07-28 says -32602 (SEP-2164), with the uri
                 raise fail(INVALID_PARAMS, failure.message, failure.data) from None

@@ -30,7 +30,7 @@ import yaml
 from service.auth.dev_issuer_cli import request_token
 from service.store import migrate
 from tests.conftest import free_port
-from tests.ext import ModernClient
+from tests.ext import V2026Client
 from tests.ops.conftest import ROOT, tool
 from tests.ops.dashboards import panel_queries
 from tests.rpc import RpcSession
@@ -194,7 +194,7 @@ async def _mixed_load(s: Stack) -> None:
                 await alice.send("tasks/get", {"taskId": "no-such-task"})
                 async with _session(http, s, "globex", "dave", version="2025-06-18") as older:  # plain calls
                     await older.send("tools/call", {"name": "echo", "arguments": {"text": "plain"}})
-                modern = ModernClient(http, s.url, token=alice.token)  # the 2026-07-28 wire, sessionless
+                modern = V2026Client(http, s.url, token=alice.token)  # the 2026-07-28 wire, sessionless
                 await modern.post("server/discover")
                 await modern.post("tools/call", {"name": "echo", "arguments": {"text": "modern"}})
                 await modern.post("tasks/get", {"taskId": "no-such-task"})

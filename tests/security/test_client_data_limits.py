@@ -14,7 +14,7 @@ import httpx
 
 from service.store.queries import Q
 from tests.conftest import http_client, make_settings, serve
-from tests.ext import ModernClient
+from tests.ext import V2026Client
 from tests.rpc import RpcSession
 
 
@@ -63,7 +63,7 @@ async def test_oversized_capabilities_or_client_info_are_refused_with_32602(data
         fine = await _initialize(http, server.url, {**base, "capabilities": {"x": "a" * 500}})
         assert "result" in fine.json()
 
-        modern = ModernClient(http, server.url, capabilities={"x": "a" * 2_000})
+        modern = V2026Client(http, server.url, capabilities={"x": "a" * 2_000})
         r = await modern.post("tools/call", {"name": "echo", "arguments": {"text": "hi"}})
         assert r.status_code == 400
         assert r.json()["error"]["code"] == -32602

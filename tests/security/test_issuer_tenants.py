@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.conftest import RunningServer, make_settings, run_issuer, serve
-from tests.ext import ModernClient
+from tests.ext import V2026Client
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
 
@@ -80,8 +80,8 @@ async def test_two_issuers_of_one_tenant_never_share_a_subjects_tasks_on_either_
         assert (await legacy_b.result("tasks/list"))["tasks"] == []
         assert [t["taskId"] for t in (await legacy_a.result("tasks/list"))["tasks"]] == [mine]
         modern_a, modern_b = (
-            ModernClient(http, server.url, token=token_a),
-            ModernClient(http, server.url, token=token_b),
+            V2026Client(http, server.url, token=token_a),
+            V2026Client(http, server.url, token=token_b),
         )
         theirs = (await modern_b.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}}))["taskId"]
         assert (await modern_a.error("tasks/get", {"taskId": theirs}))["code"] == -32602

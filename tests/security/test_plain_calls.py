@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import RunningServer, http_client, make_settings, serve
-from tests.ext import ModernClient
+from tests.ext import V2026Client
 from tests.rpc import RpcSession
 from tests.security.conftest import raw_socket
 from tests.toolpack import signal
@@ -182,7 +182,7 @@ async def test_a_2026_plain_call_is_cancelled_as_soon_as_its_client_disconnects(
         serve(make_settings(database_url, plain_call_disconnect_grace_s=60), ours=ours) as server,
         http_client(10) as http,
     ):
-        modern = ModernClient(http, server.url, capabilities={})  # not declaring tasks: a plain call
+        modern = V2026Client(http, server.url, capabilities={})  # not declaring tasks: a plain call
         key = secrets.token_hex(4)
         body = modern.body("tools/call", {"name": "hang", "arguments": {"key": key}})
         request = await _post_in_background(http, server.url, body, modern.headers("tools/call", "hang"))
@@ -205,7 +205,7 @@ async def test_a_2026_plain_call_with_a_request_pipelined_behind_it_is_cancelled
         serve(make_settings(database_url, plain_call_disconnect_grace_s=60)) as server,
         http_client(10) as http,
     ):
-        modern = ModernClient(http, server.url, capabilities={})
+        modern = V2026Client(http, server.url, capabilities={})
         key = secrets.token_hex(4)
 
         def raw(method: str, params: dict[str, Any], name: str | None) -> bytes:

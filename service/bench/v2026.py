@@ -18,11 +18,11 @@ import orjson
 from service.bench.http1 import Connection, Endpoint, Response
 from service.bench.wire import REQUEST_TIMEOUT_S, RequestFailed, exchange, read_answer, result_of
 
-MODERN_VERSION: Final = "2026-07-28"
+V2026_VERSION: Final = "2026-07-28"
 TASKS_EXTENSION: Final = "io.modelcontextprotocol/tasks"
 # Declaring requests (the extension only: the workloads ask no questions, so no elicitation).
 META: Final = {
-    "io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
+    "io.modelcontextprotocol/protocolVersion": V2026_VERSION,
     "io.modelcontextprotocol/clientCapabilities": {"extensions": {TASKS_EXTENSION: {}}},
 }
 
@@ -34,7 +34,7 @@ def header_value(value: str) -> str:
     return "=?base64?" + base64.b64encode(value.encode()).decode() + "?="
 
 
-class ModernSession:
+class V2026Session:
     """One simulated client on the 2026-07-28 wire: its own connection and token; sequential requests."""
 
     __slots__ = ("_heads", "_next_id", "_post_head", "_timeout_s", "connection")
@@ -53,7 +53,7 @@ class ModernSession:
         headers = {
             "Content-Type": "application/json",
             "Accept": "application/json, text/event-stream",
-            "MCP-Protocol-Version": MODERN_VERSION,
+            "MCP-Protocol-Version": V2026_VERSION,
         }
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -84,7 +84,7 @@ class ModernSession:
         self._next_id += 1
         rpc_id = self._next_id
         body = orjson.dumps({"jsonrpc": "2.0", "id": rpc_id, "method": method, "params": {**params, "_meta": META}})
-        message, _ = await exchange(self.connection, head, body, rpc_id, self._timeout_s, _modern_answer)
+        message, _ = await exchange(self.connection, head, body, rpc_id, self._timeout_s, _v2026_answer)
         return result_of(message)
 
     async def close(self, timeout_s: float = 2.0) -> None:
@@ -92,7 +92,7 @@ class ModernSession:
         await self.connection.close()
 
 
-async def _modern_answer(response: Response, rpc_id: int) -> dict[str, Any]:
+async def _v2026_answer(response: Response, rpc_id: int) -> dict[str, Any]:
     """Errors come with HTTP 400/404 and a JSON-RPC error body: count them by their code."""
     if response.status == 200:
         return await read_answer(response, rpc_id)
