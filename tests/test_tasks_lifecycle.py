@@ -13,6 +13,7 @@ import asyncpg
 import httpx
 import jsonschema
 import pytest
+from prometheus_client import REGISTRY as METRICS
 
 from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS
 from tests.conftest import RunningServer, make_settings, serve
@@ -316,28 +317,25 @@ async def test_a_task_run_where_it_was_created_takes_the_sessions_capabilities_f
 
 
 async def test_a_blocking_tasks_result_reads_the_task_once_before_it_ends_and_once_after_T_RES_3(
-    server: RunningServer, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    database_url: str, http: httpx.AsyncClient
 ) -> None:
     """Issue 15: the stream of a tasks/result goes on from the request's own read (its watch is
-    opened before it), not from a second read; once done, nothing of it stays subscribed."""
-    tasks = server.app.state.core.tasks
-    reads: list[str] = []
-    retrieve = tasks.retrieve
+    opened before it), not from a second read; once done, nothing of it stays subscribed. Reads
+    are counted as the retrieve statements' items; the poll is a minute away (no re-read but on
+    an event)."""
 
-    async def counting(caller: Any, task_id: str) -> Any:
-        reads.append(task_id)
-        return await retrieve(caller, task_id)
+    def retrieves() -> float:
+        return METRICS.get_sample_value("mcp_tasks_db_batch_items_sum", {"batch": "retrieve"}) or 0.0
 
-    monkeypatch.setattr(tasks, "retrieve", counting)
-    monkeypatch.setattr(server.app.state.mcp.v2025.surface, "poll_s", 30.0)  # no re-read but on an event
-    s = RpcSession(http, server.url, token=server.token)
-    await s.initialize()
-    task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.4}))["task"]["taskId"]
-    result = await s.result("tasks/result", {"taskId": task_id})
-    assert result["content"][0]["text"] == "slept 0.4s"
-    assert reads == [task_id, task_id]  # working, then completed (after its event)
-    topics = tasks.hub._subs
-    assert not any(task_id in topic for topic in topics)
+    async with serve(make_settings(database_url, poll_interval_ms=60_000)) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("sleep", {"seconds": 0.4}))["task"]["taskId"]
+        before = retrieves()
+        result = await s.result("tasks/result", {"taskId": task_id})
+        assert result["content"][0]["text"] == "slept 0.4s"
+        assert retrieves() - before == 2  # working, then completed (after its event)
+        assert server.app.state.core.hub.subscribers(("task", "local", task_id)) == 0
 
 
 async def test_progress_uses_the_creating_token_for_the_task_life_T_PROG_1_3_6(s: RpcSession) -> None:

@@ -330,7 +330,7 @@ class V2025Surface:
         task's requests to the client (elicitation), its notices, and finally the result."""
         task_id = _str_param(call.params, "taskId")
         # Watching from before the read, so the stream goes on from this read (no second one).
-        watch = self.tasks.watch_task(call.caller, task_id)
+        watch = self.tasks.streams.watch_task(call.caller, task_id)
         try:
             task = await self.tasks.retrieve(call.caller, task_id)  # audits the hand-out when terminal
         except BaseException:
@@ -340,7 +340,7 @@ class V2025Surface:
             watch.close()
             return task_result(task)
         # Like a plain call: answer JSON if the task ends before there is anything to stream.
-        events = self.tasks.follow(call.caller, task_id, poll_s=self.poll_s, opened=(watch, task))
+        events = self.tasks.streams.follow(call.caller, task_id, poll_s=self.poll_s, opened=(watch, task))
         first: asyncio.Task[TaskEvent] = asyncio.ensure_future(anext(events))
         # A stream cancelled before its first step never runs its own clean-up: closed here too.
         first.add_done_callback(lambda _f: watch.close() if _f.cancelled() else None)

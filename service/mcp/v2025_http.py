@@ -298,7 +298,7 @@ class V2025Http:
         p = caller.principal
         with self._get_streams.hold((p.tenant_id, session.session_id), (p.tenant_id, p.subject)):
             # Subscribed before the headers go out, so nothing that happens after the client sees them is missed.
-            async with self.tasks.session_events(caller.principal, session.session_id) as events:
+            async with self.tasks.streams.session_events(caller.principal, session.session_id) as events:
 
                 async def messages() -> Any:
                     async for event in events:

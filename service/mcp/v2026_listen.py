@@ -82,7 +82,7 @@ class Subscriptions:
                 yield jsonrpc.notification("notifications/subscriptions/acknowledged", ack)
                 for task in live:
                     yield await self._task_notification(call, task, meta)
-                changes = self.tasks.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
+                changes = self.tasks.streams.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
                 stop = asyncio.ensure_future(self._until_teardown(principal.expires_at))
                 step: asyncio.Future[Any] | None = None
                 try:

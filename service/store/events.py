@@ -313,6 +313,10 @@ class EventHub:
         finally:
             subscription.close()
 
+    def subscribers(self, topic: Topic) -> int:
+        """How many subscriptions of this process listen to ``topic`` now."""
+        return len(self._subs.get(topic, ()))
+
     def open(self, *topics: Topic) -> Subscription:
         """A subscription whose owner closes it (``subscribe`` for one that ends with a block)."""
         queue: asyncio.Queue[Event] = asyncio.Queue()

@@ -7,12 +7,8 @@ It speaks domain records only: tasks, typed events (``service.domain.events``) a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import secrets
-import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from service.domain.errors import (
@@ -24,16 +20,10 @@ from service.domain.errors import (
     Unavailable,
 )
 from service.domain.events import (
-    Finished,
-    InputRequested,
-    InputVoided,
-    LogEntry,
-    Progress,
-    StatusChanged,
     TaskEvent,
 )
 from service.domain.inputs import InputResponse, PendingInput
-from service.domain.principal import Caller, Principal
+from service.domain.principal import Caller
 from service.domain.task import Outcome, Task, TaskStatus, Wire, clamp_ttl, new_task_id
 from service.domain.values import frozen
 from service.observability import metrics
@@ -43,27 +33,17 @@ from service.store import requests as rq
 from service.store.batch import Batcher
 from service.store.db import Database
 from service.store.events import (
-    Event,
     EventHub,
-    Resync,
-    Subscription,
-    TaskChanged,
-    TaskDeleted,
-    TaskLog,
-    TaskProgress,
 )
 from service.store.tasks import TaskStore
 from service.tasks.cursor import CursorCodec
+from service.tasks.plain import PlainSlots
 from service.tasks.request_state import RequestStateCodec
+from service.tasks.streams import TaskStreams
 from service.tools.api import ToolContext
 from service.tools.registry import ToolSpec
 
 PAGE_SIZE = 50
-# A plain call reads its requestor's active-task count from the database at most this often
-# (docs/decisions.md, "Plain calls and the cap"): a refusal is always decided on a fresh count.
-PLAIN_CAP_RECOUNT_S = 1.0
-# Remembered counts kept at most (oldest dropped first): one entry per requestor seen recently.
-PLAIN_CAP_REMEMBERED = 10_000
 NOT_FOUND = "task not found (unknown, expired, or not yours)"
 
 
@@ -98,30 +78,6 @@ class CallResult:
     task: Task | None = None
 
 
-def notice_of(event: Event) -> TaskEvent | None:
-    """The domain event of a progress or log event, if it is one."""
-    if isinstance(event, TaskProgress):
-        return Progress(event.task_id, event.token, event.progress, event.total, event.message)
-    if isinstance(event, TaskLog):
-        return LogEntry(event.task_id, event.level, event.data, event.logger)
-    return None
-
-
-class _PlainSlot:
-    """How a plain call gives its requestor's slot back: once, however often it is called."""
-
-    __slots__ = ("_key", "_service")
-
-    def __init__(self, service: TaskService, key: tuple[str, str]) -> None:
-        self._service: TaskService | None = service
-        self._key = key
-
-    def __call__(self) -> None:
-        service, self._service = self._service, None
-        if service is not None:
-            service._release_plain(self._key)
-
-
 class TaskService:
     def __init__(
         self,
@@ -141,8 +97,6 @@ class TaskService:
         self.registry = engine.registry
         self.policy = policy
         self.cursors = cursors
-        # Tasks with a result stream open in this process: their notices go there only.
-        self.following: Counter[tuple[str, str]] = Counter()
         # Group commit, one batcher per operation: creates and retrieves (which audit) each share
         # statements and commits; gets share read-only statements, so they never wait for a commit.
         # Only the gets hold a connection for a burst (Database.holding): a write batch costs the
@@ -152,13 +106,10 @@ class TaskService:
         self._creates = Batcher(self.store.create, name="create")
         self._retrieves = Batcher(self.store.retrieve, name="retrieve")
         self._gets = Batcher(self.store.get, name="get", hold=self.store.db.holding)
-        # Plain (non-task) calls running in this process, per requestor: each holds one of its
-        # requestor's active-task slots while it runs (issue 14 §7).
-        self.plain_calls: Counter[tuple[str, str]] = Counter()
-        # Per requestor: its active tasks as last read for a plain call, and when (monotonic).
-        # Dropped when this process creates one of its tasks, so only other replicas' creates
-        # of the last PLAIN_CAP_RECOUNT_S can go unseen by an admission.
-        self._task_counts: dict[tuple[str, str], tuple[int, float]] = {}
+        self.plain = PlainSlots(self.store, policy.max_active_per_requestor, self._refuse_plain)
+        self.streams = TaskStreams(hub, self.store, stale_delivery_ms=policy.stale_delivery_ms,
+                                   lookup=lambda caller, task_id: self._gets.submit(rq.get(caller, task_id)),
+                                   retrieve=self.retrieve)  # fmt: skip
 
     def check_call(
         self, name: str, arguments: dict[str, Any], *, as_task: bool, negotiate: bool = True
@@ -171,46 +122,12 @@ class TaskService:
             raise TaskSupportMismatch(f"Task augmentation required for tool {name!r}: send params.task")
         return spec, spec.validate(arguments)
 
-    def take_plain_slot(self, caller: Caller) -> Callable[[], None] | None:
-        """``hold_plain_slot`` without I/O: the slot, taken, when the requestor's remembered count
-        admits it; None when only a fresh count can tell (then ``hold_plain_slot``)."""
-        key = caller.principal.owner_key
-        held = self.plain_calls.get(key, 0) + 1
-        tasks = self._remembered_tasks(key)
-        if tasks is None or tasks + held > self.policy.max_active_per_requestor:
-            return None
-        self.plain_calls[key] = held
-        return _PlainSlot(self, key)
-
-    async def hold_plain_slot(self, caller: Caller, tool: str) -> Callable[[], None]:
-        """Take one of the requestor's active-task slots for a plain call (its tasks and the
-        plain calls it runs here count together); returns how to give it back. Beyond the cap,
-        the same refusal as a create: CapacityExceeded, audited."""
-        if (slot := self.take_plain_slot(caller)) is not None:
-            return slot
-        key = caller.principal.owner_key
-        self.plain_calls[key] += 1  # taken before the count is read: concurrent calls cannot overshoot
-        limit = self.policy.max_active_per_requestor
-        try:
-            over = self.plain_calls[key] > limit
-            if not over:
-                tasks = self._remembered_tasks(key)
-                if tasks is None or tasks + self.plain_calls[key] > limit:  # refused only on a fresh count
-                    tasks = await self._count_tasks(caller.principal)
-                over = tasks + self.plain_calls[key] > limit
-            if over:
-                raise await self._refuse_capacity(caller, tool, plain=self.plain_calls[key] - 1)
-        except BaseException:
-            self._release_plain(key)
-            raise
-        return _PlainSlot(self, key)
-
     async def start_plain(
         self, caller: Caller, tool: str, arguments: dict[str, Any], ctx: ToolContext
     ) -> asyncio.Future[Outcome]:
         """A plain call (no task): one of the requestor's active-task slots held while it runs
         (from memory as a rule), its first step taken now. Beyond the cap: CapacityExceeded."""
-        release = self.take_plain_slot(caller) or await self.hold_plain_slot(caller, tool)
+        release = self.plain.take(caller) or await self.plain.hold(caller, tool)
         job = self.engine.start_plain(tool, arguments, ctx)
         if job.done():
             release()
@@ -226,23 +143,6 @@ class TaskService:
         the questions the retry must answer."""
         return await self.engine.ask_first(work, responses=responses, client_capabilities=client_capabilities)
 
-    def _remembered_tasks(self, key: tuple[str, str]) -> int | None:
-        """The requestor's active tasks as read for a plain call within PLAIN_CAP_RECOUNT_S, if any."""
-        remembered = self._task_counts.get(key)
-        if remembered is None or time.monotonic() - remembered[1] > PLAIN_CAP_RECOUNT_S:
-            return None
-        return remembered[0]
-
-    async def _count_tasks(self, principal: Principal) -> int:
-        """The requestor's active tasks from the counters, remembered for the next plain calls."""
-        count = await self.store.active_for(principal)
-        counts = self._task_counts
-        counts.pop(principal.owner_key, None)  # re-inserted last: the dict stays in order of reading
-        counts[principal.owner_key] = (count, time.monotonic())
-        if len(counts) > PLAIN_CAP_REMEMBERED:
-            del counts[next(iter(counts))]
-        return count
-
     def _enqueue_create(self, request: rq.CreateRequest) -> asyncio.Future[Task | None]:
         """A create into the next batch of creates; once it is known to have committed (or may
         have), it is counted and the requestor's remembered count (for plain calls) forgotten."""
@@ -250,21 +150,16 @@ class TaskService:
         key = (request.tenant_id, request.subject)
 
         def settled(future: asyncio.Future[Task | None]) -> None:
-            self._task_counts.pop(key, None)
+            self.plain.forget(key)
             if not future.cancelled() and future.exception() is None and (task := future.result()) is not None:
                 metrics.task_created(task.tool, task.tenant_id)
 
         created.add_done_callback(settled)
         return created
 
-    def _release_plain(self, key: tuple[str, str]) -> None:
-        self.plain_calls[key] -= 1
-        if self.plain_calls[key] <= 0:
-            del self.plain_calls[key]
-
     def _requestor_cap(self, caller: Caller) -> int:
         """The per-requestor cap a create checks, less the plain calls the requestor runs here."""
-        return self.policy.max_active_per_requestor - self.plain_calls.get(caller.principal.owner_key, 0)
+        return self.policy.max_active_per_requestor - self.plain.running.get(caller.principal.owner_key, 0)
 
     async def create(
         self,
@@ -340,7 +235,7 @@ class TaskService:
             return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
         # A call that stays in its request holds a slot like a plain 2025-11-25 call; one that may
         # become a task is counted as the task it becomes.
-        release = await self.hold_plain_slot(caller, spec.name) if mode is CallMode.SYNC else None
+        release = await self.plain.hold(caller, spec.name) if mode is CallMode.SYNC else None
         call = engine.start_call(spec.name, valid, responses=responses, progress_token=progress_token,
                                  client_capabilities=client_capabilities, on_event=on_event)  # fmt: skip
         if release is not None:
@@ -390,12 +285,15 @@ class TaskService:
             raise await self._refuse_capacity(caller, spec.name)
         return task
 
+    async def _refuse_plain(self, caller: Caller, tool: str, plain: int) -> CapacityExceeded:
+        return await self._refuse_capacity(caller, tool, plain=plain)
+
     async def _refuse_capacity(self, caller: Caller, tool: str, *, plain: int | None = None) -> CapacityExceeded:
         """A cap refused a create (or a plain call): record the denial with the counts as they
         stand now, the requestor's plain calls running here included."""
         p = self.policy
         if plain is None:
-            plain = self.plain_calls.get(caller.principal.owner_key, 0)
+            plain = self.plain.running.get(caller.principal.owner_key, 0)
 
         def decide(mine: int, tenant: int) -> tuple[str, int, int]:
             mine += plain
@@ -477,129 +375,3 @@ class TaskService:
         are ignored and the first answer per key wins. ``task_id`` None: the task is found by key.
         False when no key named an open question of the caller's."""
         return await self.store.answer(caller, task_id, responses) is not None
-
-    def watch_task(self, caller: Caller, task_id: str) -> Subscription:
-        """The caller's task's events from now on: open it before a read that ``follow`` goes on
-        from (``opened``), so no change after that read is missed."""
-        return self.hub.open(("task", caller.principal.tenant_id, task_id))
-
-    async def follow(
-        self, caller: Caller, task_id: str, *, poll_s: float, opened: tuple[Subscription, Task] | None = None
-    ) -> AsyncIterator[TaskEvent]:
-        """Everything a blocking result stream (2025-11-25) carries, ending with Finished.
-
-        Questions are claimed for this stream alone (no broadcast, H-MULTI-2) and released if the
-        stream goes away unanswered, so the next result stream gets them. ``opened``: a
-        subscription of ``watch_task`` and the task as read after it was opened (the stream starts
-        from that read instead of reading again, and closes the subscription).
-        """
-        tenant = caller.principal.tenant_id
-        stream_id = secrets.token_urlsafe(12)
-        key = (tenant, task_id)
-        carried = False  # whether this stream has claimed any of the task's questions
-        subscription, known = opened if opened is not None else (self.watch_task(caller, task_id), None)
-        self.following[key] += 1
-        try:
-            events = subscription.queue
-            last_status = None
-            loop = asyncio.get_running_loop()
-            touched = loop.time()
-            stale_ms = self.policy.stale_delivery_ms
-            while True:
-                # Read after subscribing: no change is missed.
-                if known is None:
-                    task = await self.retrieve(caller, task_id)
-                else:
-                    task, known = known, None
-                if task.status.is_terminal:
-                    # C-10: questions this stream carried that nobody answered are void now.
-                    if carried:
-                        for input_key in await self.store.unanswered_for_stream(tenant, task_id, stream_id):
-                            yield InputVoided(task_id, input_key, f"task {task.status.value}")
-                    yield Finished(task)
-                    return
-                if last_status is not None and task.status != last_status:
-                    yield StatusChanged(task)
-                last_status = task.status
-                # A task asks its client only while input_required (the question and the status
-                # change commit together), so only then is there anything to claim.
-                if task.status is TaskStatus.INPUT_REQUIRED:
-                    pending = await self.store.claim_inputs(tenant, task_id, stream_id, stale_ms)
-                    carried = carried or bool(pending)
-                    for question in pending:
-                        yield InputRequested(task_id, question)
-                if carried and loop.time() - touched > stale_ms / 3000:
-                    touched = loop.time()
-                    await self.store.touch_deliveries(tenant, stream_id)
-                # Wait for something to happen; notices are passed on without a re-read.
-                while True:
-                    try:
-                        event = await asyncio.wait_for(events.get(), timeout=poll_s)
-                    except TimeoutError:
-                        break
-                    if (notice := notice_of(event)) is not None:
-                        yield notice
-                        continue
-                    break
-        finally:
-            subscription.close()
-            self.following[key] -= 1
-            if self.following[key] <= 0:
-                del self.following[key]
-            if carried:
-                with contextlib.suppress(Exception):
-                    await self.store.release_deliveries(tenant, stream_id)
-
-    async def watch(self, caller: Caller, tasks: list[Task], *, poll_s: float) -> AsyncIterator[Task]:
-        """Each change of the caller's ``tasks`` (as read now), until every one has ended. Changes
-        made on any replica arrive through the store's events; a poll every ``poll_s`` covers an
-        event lost on the way (XD-14)."""
-        tenant = caller.principal.tenant_id
-        seen: dict[str, tuple[Any, ...]] = {
-            t.task_id: (t.status, t.last_updated_at) for t in tasks if not t.status.is_terminal
-        }
-        async with self.hub.subscribe(*(("task", tenant, task_id) for task_id in seen)) as events:
-            while seen:
-                changed: set[str] = set()
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=poll_s)
-                    if isinstance(event, TaskChanged | TaskDeleted) and event.task_id in seen:
-                        changed.add(event.task_id)
-                    elif isinstance(event, Resync):
-                        changed = set(seen)
-                except TimeoutError:
-                    changed = set(seen)
-                for task_id in sorted(changed):
-                    task = await self._gets.submit(rq.get(caller, task_id))
-                    if task is None:  # expired and deleted: nothing more to say
-                        del seen[task_id]
-                        continue
-                    state = (task.status, task.last_updated_at)
-                    if state != seen[task_id]:
-                        seen[task_id] = state
-                        yield task
-                    if task.status.is_terminal:
-                        del seen[task_id]
-
-    @contextlib.asynccontextmanager
-    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[TaskEvent]]:
-        """For a session's GET stream: status changes and notices of tasks that session created,
-        unless a result stream in this process already carries them (no duplicates).
-        Subscribed on entry, so nothing is missed between subscribing and iterating."""
-        caller = Caller(principal)
-        async with self.hub.subscribe(("session", principal.tenant_id, session_id)) as queue:
-
-            async def events() -> AsyncIterator[TaskEvent]:
-                while True:
-                    event = await queue.get()
-                    task_id = getattr(event, "task_id", None)
-                    if task_id is None or (principal.tenant_id, task_id) in self.following:
-                        continue
-                    if (notice := notice_of(event)) is not None:
-                        yield notice
-                    elif isinstance(event, TaskChanged):
-                        task = await self._gets.submit(rq.get(caller, task_id))
-                        if task is not None:
-                            yield StatusChanged(task)
-
-            yield events()

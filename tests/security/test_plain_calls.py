@@ -22,7 +22,7 @@ from tests.toolpack import signal
 
 def _plain_calls(server: RunningServer) -> dict[tuple[str, str], int]:
     """The plain calls the server process runs now, per requestor (its own bookkeeping)."""
-    counts: dict[tuple[str, str], int] = server.app.state.core.tasks.plain_calls
+    counts: dict[tuple[str, str], int] = server.app.state.core.tasks.plain.running
     return counts
 
 
