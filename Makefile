@@ -14,7 +14,7 @@ UV = $(shell command -v uv 2>/dev/null || echo $(BIN)/uv)
 UV_PIN = awk '/^uv==/{p=1} p{print} p && !/\\$$/{exit}' requirements-dev.lock
 
 .DEFAULT_GOAL := help
-.PHONY: promtool help run test security schema-check lint format interop faults soak bench bench-smoke ops-check lock lock-check dashboards clean
+.PHONY: promtool help run test security schema-check lint format interop faults soak bench plans bench-smoke ops-check lock lock-check dashboards clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ soak: $(STAMP) ## mixed load for SOAK_SECONDS (default 900): RSS, open fds and p
 
 bench: $(STAMP) ## side-by-side benchmark with the peers (pinned, 3 rounds; minutes); see docs/performance.md
 	$(BIN)/python bench/run.py --doc docs/performance.md
+
+plans: $(STAMP) ## the plan report: hot queries' EXPLAIN plans on shaped scratch databases (after SQL or index changes; not in CI)
+	$(BIN)/python bench/plans.py
 
 bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and the floor only), as in CI
 	$(BIN)/python bench/run.py --smoke --out /var/tmp/mcp-tasks-bench-smoke.json

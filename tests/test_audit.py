@@ -1,6 +1,8 @@
 """The audit trail (T-SEC-10, T-SEC-11): one hash-chained event per change, written with the change,
 append-only, and checkable with `mcp-tasks audit verify` / `export`. Real server, real PostgreSQL;
-rows are read as the superuser (who bypasses row-level security)."""
+rows are read as the superuser (who bypasses row-level security). Verification and export run the
+command's own code (AuditLog) in this process; a few tests run the command itself, for what only
+its process shows: exit codes, its output lines, one-line errors without a traceback."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,8 @@ import asyncpg
 import httpx
 import pytest
 
+from service.store.db import Database
+from service.tasks.audit import AuditLog
 from tests.conftest import RunningServer, free_port, make_settings, run_issuer, serve
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
@@ -114,6 +119,31 @@ async def mcp_tasks_audit(database_url: str, *args: str) -> subprocess.Completed
 def broken(stdout: str) -> set[tuple[str, int]]:
     """(tenant, seq) named by each BROKEN line of `audit verify`."""
     return {(t, int(n)) for t, n in re.findall(r"^BROKEN\b.*?tenant=(\S+)\s+seq=(\d+)", stdout, re.M)}
+
+
+@contextlib.asynccontextmanager
+async def audit_log(database_url: str) -> AsyncIterator[AuditLog]:
+    """The audit code `mcp-tasks audit` runs, on the pool it opens (the runner role), in this process."""
+    db = Database(database_url, pool_size=2, role=RUNNER_ROLE)
+    await db.open()
+    try:
+        yield AuditLog(db)
+    finally:
+        await db.close()
+
+
+async def verified(database_url: str, tenant: str | None = None) -> set[tuple[str, int]]:
+    """(tenant, seq) of every break `mcp-tasks audit verify [--tenant T]` names in a BROKEN line
+    (the command exits 1 when there is any, 0 when there is none: its own tests show it)."""
+    async with audit_log(database_url) as audit:
+        return {(p.tenant_id, p.seq) for p in await audit.verify(tenant)}
+
+
+async def exported(database_url: str, tenant: str | None = None, since: str | None = None) -> list[dict[str, Any]]:
+    """The events `mcp-tasks audit export [--tenant T] [--since S]` writes, one per JSON line."""
+    after = datetime.fromisoformat(since) if since is not None else None
+    async with audit_log(database_url) as audit:
+        return [json.loads(json.dumps(event)) async for event in audit.export(tenant, after)]
 
 
 @contextlib.asynccontextmanager
@@ -560,8 +590,11 @@ async def test_verify_against_a_database_it_cannot_reach_says_so_in_one_line() -
 
 
 async def test_verify_reports_an_intact_chain_with_exit_0_T_SEC_10(chain_of_four: str) -> None:
-    for args in ((), ("--tenant", "local")):
-        done = await mcp_tasks_audit(chain_of_four, "verify", *args)
+    """The command itself: its exit code and its lines."""
+    runs = await asyncio.gather(
+        *(mcp_tasks_audit(chain_of_four, "verify", *args) for args in ((), ("--tenant", "local")))
+    )
+    for done in runs:
         assert done.returncode == 0, done.stdout + done.stderr
         assert "intact" in done.stdout
         assert broken(done.stdout) == set()
@@ -604,15 +637,12 @@ TAMPERING: dict[str, tuple[tuple[str, ...], set[int]]] = {
 async def test_verify_detects_tampering_and_names_the_tenant_and_seq_T_SEC_10(case: str, chain_of_four: str) -> None:
     statements, seqs = TAMPERING[case]
     await tamper(chain_of_four, *statements)
-    done = await mcp_tasks_audit(chain_of_four, "verify")
-    assert done.returncode == 1, done.stdout + done.stderr
-    named = broken(done.stdout)
-    assert {("local", seq) for seq in seqs} <= named, done.stdout
+    named = await verified(chain_of_four)
+    assert named, "verify must fail"
+    assert {("local", seq) for seq in seqs} <= named, named
     assert {tenant for tenant, _ in named} == {"local"}
     assert all(seq in {1, 2, 3, 4} for _, seq in named)
-    scoped = await mcp_tasks_audit(chain_of_four, "verify", "--tenant", "local")
-    assert scoped.returncode == 1
-    assert broken(scoped.stdout) == named
+    assert await verified(chain_of_four, "local") == named
 
 
 async def test_verify_detects_a_change_to_any_recorded_field_T_SEC_10(s: RpcSession, server: RunningServer) -> None:
@@ -632,7 +662,7 @@ async def test_verify_detects_a_change_to_any_recorded_field_T_SEC_10(s: RpcSess
     }
     database_url = server.settings.database_url or ""
     await tamper(database_url, *(f"UPDATE audit_events SET {c} WHERE seq = {n}" for n, c in changes.items()))
-    done = await mcp_tasks_audit(database_url, "verify")
+    done = await mcp_tasks_audit(database_url, "verify")  # the command itself: exit 1, a BROKEN line each
     assert done.returncode == 1
     assert broken(done.stdout) == {("local", n) for n in changes}, done.stdout
 
@@ -642,14 +672,14 @@ async def test_verify_does_not_depend_on_the_session_time_zone_or_date_style_T_S
         name = await conn.fetchval("SELECT current_database()")
         await conn.execute(f"ALTER DATABASE \"{name}\" SET TimeZone = 'Asia/Kathmandu'")
         await conn.execute(f"ALTER DATABASE \"{name}\" SET DateStyle = 'SQL, DMY'")
-    done = await mcp_tasks_audit(chain_of_four, "verify")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert await verified(chain_of_four) == set()  # its connections are opened now, with those settings
 
 
 # --- 5. export ---------------------------------------------------------------------------------
 
 
 async def test_export_writes_every_field_as_json_lines_in_chain_order_T_SEC_10(chain_of_four: str) -> None:
+    """The command itself: the JSON lines it writes."""
     done = await mcp_tasks_audit(chain_of_four, "export", "--tenant", "local")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -666,16 +696,10 @@ async def test_export_writes_every_field_as_json_lines_in_chain_order_T_SEC_10(c
 
 
 async def test_export_since_keeps_only_events_from_that_time_on_T_SEC_10(chain_of_four: str) -> None:
-    future = await mcp_tasks_audit(chain_of_four, "export", "--tenant", "local", "--since", "2999-01-01T00:00:00+00:00")
-    assert future.returncode == 0
-    assert future.stdout == ""
+    assert await exported(chain_of_four, "local", since="2999-01-01T00:00:00+00:00") == []
     third = (await audit_rows(chain_of_four, "local"))[2]["at"].isoformat()
-    later = await mcp_tasks_audit(chain_of_four, "export", "--tenant", "local", "--since", third)
-    assert later.returncode == 0, later.stderr
-    assert [json.loads(line)["seq"] for line in later.stdout.splitlines()] == [3, 4]
-    other = await mcp_tasks_audit(chain_of_four, "export", "--tenant", "nobody")
-    assert other.returncode == 0
-    assert other.stdout == ""
+    assert [e["seq"] for e in await exported(chain_of_four, "local", since=third)] == [3, 4]
+    assert await exported(chain_of_four, "nobody") == []
 
 
 # --- 6. tenants -------------------------------------------------------------------------------
@@ -717,12 +741,11 @@ async def test_each_tenant_has_its_own_chain_starting_at_seq_1_T_SEC_10(
     assert_linked_without_gaps(events)
     # Breaking one tenant's chain leaves the other's intact.
     await tamper(database_url, "UPDATE audit_events SET outcome = 'forged' WHERE tenant_id = 'acme' AND seq = 1")
-    assert (await mcp_tasks_audit(database_url, "verify", "--tenant", "globex")).returncode == 0
-    everything = await mcp_tasks_audit(database_url, "verify")
-    assert everything.returncode == 1
-    assert {tenant for tenant, _ in broken(everything.stdout)} == {"acme"}
-    exported = await mcp_tasks_audit(database_url, "export", "--tenant", "globex")
-    assert [(e["tenant_id"], e["seq"]) for e in map(json.loads, exported.stdout.splitlines())] == [
+    assert await verified(database_url, "globex") == set()
+    everything = await verified(database_url)
+    assert everything, "verify must fail"
+    assert {tenant for tenant, _ in everything} == {"acme"}
+    assert [(e["tenant_id"], e["seq"]) for e in await exported(database_url, "globex")] == [
         ("globex", e["seq"]) for e in globex_chain
     ]
 

@@ -359,8 +359,9 @@ async def test_another_principal_cannot_answer_a_tasks_elicitation_T_SEC_13(
             request_id = msg["id"]
             break
     assert request_id is not None
+    # An answer is stored before its 202 (the first answer to a question wins): bob's was refused
+    # by then, or the tool below would have been given ok=True instead of alice's later answer.
     assert (await bob.reply(request_id, {"action": "accept", "content": {"ok": True}})).status_code == 202
-    await asyncio.sleep(0.3)
     assert (await alice.result("tasks/get", {"taskId": task_id}))["status"] == "input_required"
     await alice.reply(request_id, {"action": "accept", "content": {"ok": False}})
     result = await alice.result("tasks/result", {"taskId": task_id})

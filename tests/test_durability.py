@@ -203,6 +203,9 @@ async def test_sigterm_lets_short_tasks_finish_and_hands_long_ones_back(
 
 
 async def test_a_draining_process_is_not_ready_and_claims_nothing(database_url: str, http: httpx.AsyncClient) -> None:
+    """A draining process takes no task, straight to a slot or by a claim: the task it accepted
+    waits for another replica, which takes it when it starts, long after the draining process
+    was told of the task and would have claimed it (at once, its slots being free)."""
     async with serve(make_settings(database_url)) as running:
         core = running.app.state.core
         readyz = running.url.removesuffix("/mcp") + "/readyz"
@@ -212,13 +215,20 @@ async def test_a_draining_process_is_not_ready_and_claims_nothing(database_url: 
         assert (not_ready.status_code, not_ready.json()["status"]) == (503, "draining")
         s = RpcSession(http, running.url)
         await s.initialize()
-        task_id = (await s.call_tool_as_task("echo", {"text": "queued"}))["task"]["taskId"]
-        db = await asyncpg.connect(database_url)
-        try:
-            await asyncio.sleep(0.5)  # claims would have happened by now (poll interval 100 ms)
-            assert await db.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", task_id) is None
-        finally:
-            await db.close()
+        task_id = (await s.call_tool_as_task("hang", {}))["task"]["taskId"]  # held by whoever runs it
+        async with serve(make_settings(database_url)) as other:
+            db = await asyncpg.connect(database_url)
+            try:
+                async with asyncio.timeout(10):
+                    while (
+                        owner := await db.fetchval("SELECT lease_owner FROM tasks WHERE task_id = $1", task_id)
+                    ) is None:
+                        await asyncio.sleep(0.02)
+            finally:
+                await db.close()
+            assert owner == other.app.state.core.runner.owner
+            assert owner != core.runner.owner
+            await s.result("tasks/cancel", {"taskId": task_id})
 
 
 async def test_readyz_answers_503_within_its_bound_when_the_database_does_not_answer(

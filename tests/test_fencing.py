@@ -96,6 +96,20 @@ async def taken_over_by_the_same_runner(runner: RunnerStore, first: Task) -> Tas
     return second
 
 
+async def beats(db: asyncpg.Connection, n: int, task_id: str) -> list[asyncpg.Record]:
+    """Until the runner has beaten ``n`` times (its row's live_until moved on; 10 s at most): its
+    row and ``task_id``'s own lease as each beat left them, the one before them first."""
+    sql = "SELECT r.live_until, t.lease_expires_at FROM runners r, tasks t WHERE t.task_id = $1"
+    seen = [await db.fetchrow(sql, task_id)]
+    async with asyncio.timeout(10):
+        while len(seen) <= n:
+            now = await db.fetchrow(sql, task_id)
+            if now["live_until"] != seen[-1]["live_until"]:
+                seen.append(now)
+            await asyncio.sleep(0.02)
+    return seen
+
+
 async def row(db: asyncpg.Connection, task_id: str) -> asyncpg.Record:
     found = await db.fetchrow(
         "SELECT status, outcome, lease_owner, lease_epoch, lease_expires_at, attempts FROM tasks WHERE task_id = $1",
@@ -378,12 +392,9 @@ async def test_a_running_runner_beats_one_row_and_renews_a_tasks_own_lease_once_
         async with asyncio.timeout(10):
             await signal(key, "started").wait()
         first = (await row(db, task_id))["lease_expires_at"]
-        beats = []
-        for _ in range(3):
-            beats.append(await db.fetchval("SELECT live_until FROM runners"))
-            await asyncio.sleep(0.4)
-        assert beats[0] < beats[1] < beats[2]
-        assert (await row(db, task_id))["lease_expires_at"] == first  # 1.2 s of beats, no task write
+        seen = await beats(db, 4, task_id)
+        assert [b["live_until"] for b in seen] == sorted({b["live_until"] for b in seen})  # each moved it on
+        assert [b["lease_expires_at"] for b in seen] == [first] * len(seen)  # four beats, no task write
         async with asyncio.timeout(10):
             while (await row(db, task_id))["lease_expires_at"] == first:
                 await asyncio.sleep(0.1)
@@ -412,11 +423,9 @@ async def test_a_run_whose_row_is_locked_elsewhere_is_fenced_alone_and_the_beats
             await holder.execute("SELECT 1 FROM tasks WHERE task_id = $1 FOR UPDATE", locked_id)
             async with asyncio.timeout(15):  # its own lease is due after 2 s, its cover gone 1.5 s later
                 await signal(locked_key, "cancelled").wait()
-            beats = []
-            for _ in range(3):  # its hand-back now waits for the lock: the beats do not
-                beats.append(await db.fetchval("SELECT live_until FROM runners"))
-                await asyncio.sleep(0.4)
-            assert beats[0] < beats[1] < beats[2]
+            # Its hand-back now waits for the lock: the beats do not, and they keep covering the other run.
+            seen = await beats(db, 3, free_id)
+            assert [b["live_until"] for b in seen] == sorted({b["live_until"] for b in seen})
             assert not signal(free_key, "cancelled").is_set()
             free_lease = (await row(db, free_id))["lease_expires_at"]
         finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -181,37 +180,6 @@ async def test_a_batch_of_gets_answers_each_item_with_its_own_task_only_T_SEC_1(
     assert [t.tenant_id if t else None for t in await store.get(list(reversed(items)))] == [
         None, "acme", None, None, "globex", None, "acme",
     ]  # fmt: skip
-
-
-async def test_a_get_reads_its_row_by_primary_key_among_thousands_of_the_subject(
-    app_db: Database, database_url: str
-) -> None:
-    """task_get reads an item's row by primary key however many tasks its subject holds, on a
-    table the planner knows nothing about (a new deployment; no ANALYZE yet). Joined on the subject
-    too, the planner walked tasks_owner_recent, every task of the subject, to find one: one
-    principal's gets ran at half the speed of spread ones. Counted in buffers (EXPLAIN BUFFERS
-    counts the function's own statements), not in time."""
-    store = TaskStore(app_db)
-    alice = principal("acme", "alice")
-    held: list[Task] = []
-    for _ in range(48):
-        batch = [dataclasses.replace(create(alice), max_per_requestor=10**6, max_per_tenant=10**6) for _ in range(64)]
-        held += [t for t in await store.create(batch) if t]
-    assert len(held) == 48 * 64
-    admin = await asyncpg.connect(database_url)
-    try:
-        assert await admin.fetchval("SELECT reltuples FROM pg_class WHERE relname = 'tasks'") < 0  # never analysed
-        await admin.execute(f"SET ROLE {APP_ROLE}")
-        wanted = held[len(held) // 2].task_id
-        args = (["acme"], [wanted], ["alice"])
-        assert [r["task_id"] for r in await admin.fetch(Q["task_get"], *args)] == [wanted]  # plans made
-        plan = await admin.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM task_get($1, $2, $3)", *args)
-    finally:
-        await admin.close()
-    top = json.loads(plan)[0]["Plan"]
-    assert top["Actual Rows"] == 1
-    # By primary key: an index root and leaf and the heap page (5 measured); the walk took 19 for 2,048.
-    assert top["Shared Hit Blocks"] + top["Shared Read Blocks"] <= 12
 
 
 async def test_a_bad_item_fails_alone_and_the_rest_of_its_batch_is_created(app_db: Database, database_url: str) -> None:
@@ -619,8 +587,10 @@ async def test_a_pool_closing_under_a_hold_gets_the_held_connection_back(databas
     async with db.holding():
         await backend(db)
         closing = asyncio.create_task(db.close())
-        await asyncio.sleep(0.1)
-        assert not closing.done()  # waiting for the held connection
+        # Waiting for the held connection: no event says so, only that the close has not ended (one
+        # that did not wait would end as soon as it closed the connections, well within this).
+        done, _ = await asyncio.wait({closing}, timeout=0.5)
+        assert not done
         with pytest.raises(Unavailable):
             await backend(db)
         async with asyncio.timeout(5):

@@ -8,7 +8,6 @@ import asyncio
 import json
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import asyncpg
 import httpx
@@ -113,20 +112,14 @@ async def test_a_stopped_runner_withdraws_its_tools_and_the_message_returns(
         await db.close()
 
 
-def rows_touched(plan: dict[str, Any]) -> int:
-    """Rows every node of an EXPLAIN ANALYZE plan produced or filtered away, over all its loops."""
-    loops = plan.get("Actual Loops", 1)
-    own = sum(plan.get(key, 0) for key in ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter"))
-    return own * loops + sum(rows_touched(child) for child in plan.get("Plans", []))
-
-
-async def test_the_maintenance_pass_stays_linear_in_the_queue_on_a_table_without_statistics(
+async def test_the_maintenance_pass_tells_every_queued_task_without_a_runner_and_counts_them_per_tool(
     database_url: str,
 ) -> None:
-    """docs/decisions.md, "Runners publish what they run": the pass decides per (tool, version) and
-    joins no queued row with another, so a young table the planner knows nothing about cannot make
-    it quadratic (it once spent 8 s of PostgreSQL per pass with 6,400 tasks queued). Both shapes:
-    every message to write (no runner), then nothing to change."""
+    """docs/decisions.md, "Runners publish what they run": with no live runner, one pass writes the
+    message on every queued task and returns the count per tool; the next finds nothing to change
+    and counts the same. That the pass stays linear in the queue on a table without statistics (it
+    once spent 8 s of PostgreSQL per pass with 6,400 tasks queued) is a plan: `make plans`
+    (bench/plans.py) checks it."""
     items = ordered([
         create(f"t{n % 4}", f"s{n % 3}", tool="hang" if n % 2 else "echo", lease_owner=None,
                lease_ms=None) for n in range(600)
@@ -137,12 +130,10 @@ async def test_the_maintenance_pass_stays_linear_in_the_queue_on_a_table_without
         await db.fetch("SELECT task_id FROM task_create($1::jsonb)", json.dumps(items))
         await db.execute(f"RESET ROLE; SET ROLE {RUNNER_ROLE}")
         for _ in ("every message written", "nothing changed"):
-            plan = orjson.loads(await db.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + Q["mark_tasks_without_runner"]))
-            assert rows_touched(plan[0]["Plan"]) < 20 * len(items), rows_touched(plan[0]["Plan"])
+            counts = {r["tool"]: r["without_runner"] for r in await db.fetch(Q["mark_tasks_without_runner"])}
+            assert counts == {"hang": 300, "echo": 300}
             told = await db.fetchval("SELECT count(*) FROM tasks WHERE status_message LIKE 'queued: no connected%'")
             assert told == len(items)
-        counts = {r["tool"]: r["without_runner"] for r in await db.fetch(Q["mark_tasks_without_runner"])}
-        assert counts == {"hang": 300, "echo": 300}
     finally:
         await db.close()
 

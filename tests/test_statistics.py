@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
@@ -46,6 +48,15 @@ async def created(database_url: str, n: int) -> None:
         await conn.fetch("SELECT task_id FROM task_create($1::jsonb)", json.dumps(items))
         await conn.execute("SELECT pg_stat_force_next_flush()")
         await conn.execute("SELECT 1")  # the end of a transaction: the flush
+    finally:
+        await conn.close()
+
+
+async def tasks_counted(database_url: str) -> float:
+    """The rows of tasks as its statistics count them."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        return float(await conn.fetchval("SELECT reltuples FROM pg_class WHERE relname = 'tasks'"))
     finally:
         await conn.close()
 
@@ -192,11 +203,12 @@ async def test_between_passes_young_tables_are_analysed_within_seconds(
     """A pass every 5 s, yet the new deployment's tasks get statistics within about a second of
     their first 50 changes (their counts sent at once here; the pass looks at most a second apart
     while idle, every 0.25 s while rows change), also after standing idle past a pass; and then
-    the maintenance stops looking."""
+    the maintenance stops looking. The statistics count the 60 rows: they were taken after the
+    creates, not of the empty table by a pass before them."""
     maintenance = Maintenance(runner_db, Registry.load(["service.tools.demo"]), interval_s=5, session_idle_ms=60_000)
     await maintenance.start()
     try:
-        await asyncio.sleep(idle_s)  # the first pass, on empty tables (and, for 6 s, the second)
+        await asyncio.sleep(idle_s)  # standing idle: the first pass, on empty tables (and, for 6 s, the second)
         assert not await tasks_analysed(database_url)
         await created(database_url, 60)
         for _ in range(30):  # the next pass could be up to 5 s away
@@ -204,31 +216,39 @@ async def test_between_passes_young_tables_are_analysed_within_seconds(
                 break
             await asyncio.sleep(0.1)
         assert await tasks_analysed(database_url)
-        await asyncio.sleep(0.3)
-        assert maintenance._young is False
+        assert await tasks_counted(database_url) == 60
+        async with asyncio.timeout(5):  # the look that analysed them has returned
+            while maintenance._young:
+                await asyncio.sleep(0.01)
     finally:
         await maintenance.stop()
 
 
 async def test_an_idle_young_deployment_is_looked_at_less_and_less_often(runner_db: Database) -> None:
     """No rows change: each look doubles the wait (0.25 s, 0.5, then every second), where looking
-    every 0.25 s would have looked about 16 times in these 4 seconds."""
+    every 0.25 s would have looked about 16 times in 4 seconds. Timed between the looks
+    themselves: the first five, the first in the pass at start."""
     maintenance = Maintenance(runner_db, Registry.load(["service.tools.demo"]), interval_s=60, session_idle_ms=60_000)
-    looks = 0
+    looks: list[float] = []
+    fifth = asyncio.Event()
     look = maintenance.store.analyze_young
 
     async def counted() -> dict[str, tuple[bool, int]]:
-        nonlocal looks
-        looks += 1
+        looks.append(time.monotonic())
+        if len(looks) == 5:
+            fifth.set()
         return await look()
 
     maintenance.store.analyze_young = counted  # type: ignore[method-assign]
     await maintenance.start()
     try:
-        await asyncio.sleep(4)
+        async with asyncio.timeout(15):  # 0.5 + 1 + 1 + 1 s of waits
+            await fifth.wait()
     finally:
         await maintenance.stop()
-    assert 3 <= looks <= 7
+    gaps = [b - a for a, b in itertools.pairwise(looks[:5])]
+    assert gaps[0] >= 0.25 - 0.01, gaps
+    assert all(gap >= 1.0 - 0.01 for gap in gaps[2:]), gaps  # every second: no longer every 0.25 s
     assert maintenance._young is True
 
 

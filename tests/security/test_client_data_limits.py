@@ -137,8 +137,8 @@ async def test_a_sessions_capabilities_are_stored_once_not_in_every_task(databas
 
 async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_url: str) -> None:
     """Issue 14 §4 (eight clients listing large tasks took the server from 229 to 980 MB): a get
-    or retrieve returns no arguments and no capabilities, and the list queries' plans output none
-    of arguments, capabilities or payload."""
+    or retrieve returns no arguments and no capabilities, and the list queries return none of
+    arguments, capabilities or payload (their plans read none either: `make plans`)."""
     async with serve(make_settings(database_url)) as server, http_client(10) as http:
         rpc = RpcSession(http, server.url)
         await rpc.initialize()
@@ -168,9 +168,9 @@ async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_
             ("list_tasks_first", (tenant, subject, 11)),
             ("list_tasks_after", (tenant, subject, created_at, "~", 11)),
         )
-        for name, args in pages:
-            plan = await conn.fetchval(f"EXPLAIN (VERBOSE, FORMAT JSON) {Q[name]}", *args)
-            output = json.loads(plan)[0]["Plan"]["Output"]
-            assert not {"arguments", "client_capabilities", "payload"} & {c.split(".")[-1] for c in output}
+        for name, args in pages:  # ("~" sorts after every task id: the page after it holds the task)
+            [listed] = await conn.fetch(Q[name], *args)
+            assert listed["task_id"] == task_id
+            assert not {"arguments", "client_capabilities", "payload"} & set(listed.keys()), name
     finally:
         await conn.close()
