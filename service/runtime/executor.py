@@ -1,9 +1,9 @@
 """The one place that runs a tool: plain calls, calls inside their request, and task runs.
 
-A plain call (2025-11-25 without a task, 2026-07-28 staying in its request) starts with ``start``:
-its first step runs at once, in the caller's turn (most end in it). A 2026-07-28 call that may
-become a task starts with ``start_call`` and runs round by round (``inline.py``) until it ends,
-asks for input or is handed over to the runner. A task's run awaits ``run``. Nothing else in the
+A plain call of the 2025-11-25 wire starts with ``start``: its first step runs at once, in the
+caller's turn (most end in it). A call of the 2026-07-28 wire starts with ``start_call`` and runs
+round by round (``inline.py``) until it ends, asks for input or, when it may become a task, is
+handed over to the runner. A task's run awaits ``run``. Nothing else in the
 service calls a tool (the import contracts keep ``service.tools.execute`` to the runtime).
 """
 

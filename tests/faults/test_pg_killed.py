@@ -14,17 +14,18 @@ from tests.faults.harness import FaultClient, OperationFailed, Tally, db_name, f
 
 KILL_ROUNDS = 10
 KILL_EVERY_S = 1.0
-# The runner's liveness lock lives on a connection of its own (service/store/liveness.py).
-SPARE_LIVENESS = " AND application_name <> 'mcp-tasks-runner'"
+# The event hub's LISTEN connection is a connection of its own (service/store/events.py): killed
+# with the pools, or spared.
+SPARE_LISTEN = " AND application_name <> 'mcp-tasks-listen'"
 
 
 @pytest.mark.parametrize(
     ("name", "which"),
     [
-        pytest.param("pg-connections-killed", SPARE_LIVENESS, id="pool-connections"),
-        # The liveness lock's connection too: a lost lock proves nothing since fencing (the reaper
-        # waits for the lease to run out), so the runner's own running tasks stay its own.
-        pytest.param("pg-connections-killed+liveness", "", id="every-backend"),
+        pytest.param("pg-connections-killed", SPARE_LISTEN, id="pool-connections"),
+        # The LISTEN connection too: a lost wake-up is found by the polls, and nothing of a lease
+        # depends on a connection (the runner's row does).
+        pytest.param("pg-connections-killed+listen", "", id="every-backend"),
     ],
 )
 async def test_killed_database_connections_show_clients_only_503_and_lose_nothing(
@@ -33,7 +34,7 @@ async def test_killed_database_connections_show_clients_only_503_and_lose_nothin
     """Issue 13, point 7 (PostgreSQL connections killed with pg_terminate_backend under load, the
     test's own database only): clients see only 503 / -32001 while it lasts, no task is lost, none
     is stuck, none runs twice; the replica recovers (ready again, no traceback). Once with the pool
-    connections only (point 4), once with every backend, the runner's liveness lock too (point 2)."""
+    connections only (point 4), once with every backend, the LISTEN connection too."""
     runs_log = tmp_path / "runs.log"
     tally = Tally()
     known: dict[str, str] = {}
