@@ -145,6 +145,27 @@ async def test_headers_must_match_the_body_X_HTTP_1_2_4(m: V2026Client) -> None:
     assert (r.status_code, r.json()["error"]["code"]) == (400, -32020)
 
 
+async def test_a_missing_routing_header_is_refused_as_missing_and_named_X_HTTP_1(m: V2026Client) -> None:
+    """docs/decisions.md, "A missing Mcp-Name": a client that omits Mcp-Name (fastmcp-tasks 4.1.4
+    on tasks/get) or Mcp-Method gets -32020 saying the header is missing, which one, and the value
+    it must carry; the task is unchanged and the same request with the header succeeds."""
+    created = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 30}})
+    task_id = created["taskId"]
+    for method, params in (
+        ("tasks/get", {"taskId": task_id}),
+        ("tasks/update", {"taskId": task_id, "inputResponses": {}}),
+    ):
+        error = await m.error(method, params, headers=m.headers(method), status=400)
+        assert error["code"] == -32020
+        assert "missing" in error["message"].lower()
+        assert error["data"] == {"header": "Mcp-Name", "expected": task_id}
+    no_method = {k: v for k, v in m.headers("tasks/get", task_id).items() if k != "Mcp-Method"}
+    error = await m.error("tasks/get", {"taskId": task_id}, headers=no_method, status=400)
+    assert (error["code"], error["data"]) == (-32020, {"header": "Mcp-Method", "expected": "tasks/get"})
+    assert (await m.result("tasks/get", {"taskId": task_id}))["status"] == "working"
+    await m.result("tasks/cancel", {"taskId": task_id})
+
+
 async def test_an_unknown_version_lists_both_X_NEG_11(m: V2026Client) -> None:
     r = await m.post("tools/list", headers={**m.headers("tools/list"), "MCP-Protocol-Version": "2026-06-30"})
     assert r.status_code == 400

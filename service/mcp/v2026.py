@@ -134,7 +134,11 @@ class V2026Surface:
         self, scope: Scope, caller: Caller, request_id: RequestId, method: str, params: Any, headers: Headers
     ) -> V2026Call:
         """§1, §10, §14.1: the headers match the body; `_meta` names this version and the capabilities."""
-        if headers.get(METHOD_HEADER) != method:
+        sent = headers.get(METHOD_HEADER)
+        if sent is None:
+            raise fail(ext.HEADER_MISMATCH, f"Header missing: Mcp-Method (it must be sent and equal the request's method, "
+                       f"{method!r}; X-HTTP-1)", {"header": "Mcp-Method", "expected": method}, status=400)  # fmt: skip
+        if sent != method:
             raise fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Method must equal the request's method", status=400)
         if not isinstance(params, dict):
             raise fail(INVALID_PARAMS, "params must be an object with _meta (2026-07-28)", status=400)
@@ -171,13 +175,21 @@ class V2026Surface:
         if method in TASK_METHODS:
             task_id = params.get("taskId")
             name = header_value(headers.get(NAME_HEADER))
-            if name is None or name != task_id:
+            if name is None:
+                # docs/decisions.md, "A missing Mcp-Name": refused as the spec says, saying so.
+                raise fail(ext.HEADER_MISMATCH, f"Header missing: Mcp-Name (a {method} request must send it, equal to "
+                           "params.taskId, X-HTTP-1; the task is unchanged: send the header and retry)",
+                           {"header": "Mcp-Name", "expected": task_id}, status=400)  # fmt: skip
+            if name != task_id:
                 raise fail(ext.HEADER_MISMATCH, "Header mismatch: Mcp-Name must equal params.taskId", status=400)
             call.require_declaring()  # X-GET-9: before the lookup
         elif method in NAMED:
             field, required = NAMED[method]
             name = header_value(headers.get(NAME_HEADER))
-            if (name is None and required) or (name is not None and name.strip() != params.get(field)):
+            if name is None and required:
+                raise fail(ext.HEADER_MISMATCH, f"Header missing: Mcp-Name (a {method} request must send it, equal to "
+                           f"params.{field}, X-HTTP-1)", {"header": "Mcp-Name"}, status=400)  # fmt: skip
+            if name is not None and name.strip() != params.get(field):
                 raise fail(ext.HEADER_MISMATCH, f"Header mismatch: Mcp-Name must equal params.{field}", status=400)
         return call
 
