@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -286,6 +287,35 @@ async def test_a_subscription_gets_the_snapshot_and_each_change_of_own_tasks_onl
     assert "input_required" in statuses
     assert seen[-1]["params"]["result"]["content"][0]["text"] == "decline:None"
     assert all(msg["method"] != "notifications/progress" for msg in seen)  # X-NOTIF-8
+
+
+async def test_a_tasks_progress_is_its_status_message_on_tasks_get_and_in_notifications_X_NOTIF_8(
+    m: V2026Client,
+) -> None:
+    """docs/decisions.md, "Progress as status": progress notifications reach no one once a call is
+    a task (X-NOTIF-8), so its statusMessage carries the latest report ("40 % — counted 2 of 5"),
+    at most once a second, the last one always; a subscription sees it change; the finished task's
+    own message replaces it."""
+    created = await m.result("tools/call", {"name": "count", "arguments": {"n": 5, "interval_ms": 700}})
+    assert created["resultType"] == "task"
+    task_id = created["taskId"]
+    messages: list[str] = []
+    async with asyncio.timeout(20):
+        async for msg in m.listen([task_id]):
+            if msg["method"] != "notifications/tasks":
+                continue
+            if msg["params"]["status"] == "completed":
+                final = msg["params"]
+                break
+            if (text := msg["params"].get("statusMessage")) and text not in messages:
+                messages.append(text)
+    assert messages, "no progress reached the task's status"
+    assert all(re.fullmatch(r"\d+ % — counted \d of 5", text) for text in messages), messages
+    shares = [int(text.split(" ")[0]) for text in messages]
+    assert shares == sorted(shares)
+    assert "statusMessage" not in final or "counted" not in final["statusMessage"]
+    got = await m.result("tasks/get", {"taskId": task_id})
+    assert got["status"] == "completed"
 
 
 @pytest.mark.slow

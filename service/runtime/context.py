@@ -9,14 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from typing import Any
 
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
-from service.domain.task import Task
+from service.domain.task import Task, Wire
 from service.store.events import EventHub, TaskLog, TaskProgress
 from service.store.runners import RunnerStore
-from service.tools.context import ToolContextBase
+from service.tools.context import ProgressNote, ToolContextBase
+
+# A status message keeps this many characters of a tool's progress message.
+MAX_STATUS_CHARS = 500
+
+
+# A task's status message follows its progress at most this often (the last report always lands).
+PROGRESS_STATUS_EVERY_S = 1.0
+_writes: set[asyncio.Task[None]] = set()  # progress notes on their way (kept referenced)
+
+
+def progress_text(progress: float, total: float | None, message: str | None) -> str:
+    """A progress report as a status message: "40 % — processed 4 of 10 files"."""
+    if total:
+        share = f"{max(0, min(100, round(100 * progress / total)))} %"
+        return f"{share} — {message}" if message else share
+    if message:
+        return message
+    return f"progress {progress:g}"
 
 
 class TaskSink:
@@ -28,6 +48,32 @@ class TaskSink:
         self._store = store
         self._hub = hub
         self._poll_s = poll_s
+        # 2026-07-28: progress notifications reach no one once a call is a task (X-NOTIF-8), so the
+        # task's status message carries the latest report (docs/decisions.md, "Progress as status").
+        self.progress_status: ProgressNote | None = self._note_progress if task.wire == Wire.V2026.value else None
+        self._noted: str | None = None
+        self._noted_at = -math.inf
+        self._flush: asyncio.Task[None] | None = None
+
+    def _note_progress(self, progress: float, total: float | None, message: str | None) -> None:
+        """The latest report becomes the status message now, or (within PROGRESS_STATUS_EVERY_S of
+        the last write) when that interval ends: the rate is bounded, the last report lands."""
+        self._noted = progress_text(progress, total, message)
+        if self._flush is None or self._flush.done():
+            wait = max(0.0, self._noted_at + PROGRESS_STATUS_EVERY_S - time.monotonic())
+            self._flush = asyncio.create_task(self._write_progress(wait), name=f"progress-{self._task.task_id[:8]}")
+            _writes.add(self._flush)
+            self._flush.add_done_callback(_writes.discard)
+
+    async def _write_progress(self, wait: float) -> None:
+        if wait:
+            await asyncio.sleep(wait)
+        text, self._noted = self._noted, None
+        if text is None:
+            return
+        self._noted_at = time.monotonic()
+        with contextlib.suppress(Exception):  # best effort, as progress is; fenced by the lease
+            await self._store.note_progress(self._task, self._owner, text[:MAX_STATUS_CHARS])
 
     async def emit(self, event: TaskEvent) -> None:
         t = self._task
@@ -71,6 +117,9 @@ class TaskRunContext(ToolContextBase):
 
     async def _emit(self, event: TaskEvent) -> None:
         await self._sink.emit(event)
+
+    def _progress_status(self) -> ProgressNote | None:
+        return self._sink.progress_status
 
     async def _ask(self, question: PendingInput) -> InputResponse:
         return await self._sink.ask(question)

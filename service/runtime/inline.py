@@ -23,12 +23,14 @@ from service.domain.inputs import InputResponse, PendingInput, check_response
 from service.domain.task import FailureReason, Outcome
 from service.domain.values import frozen
 from service.tools.api import refused
-from service.tools.context import ToolContextBase
+from service.tools.context import ProgressNote, ToolContextBase
 
 T = TypeVar("T")
 
 
 class Sink(Protocol):
+    progress_status: ProgressNote | None
+
     async def emit(self, event: TaskEvent) -> None: ...
 
     async def ask(self, question: PendingInput) -> InputResponse: ...
@@ -62,8 +64,8 @@ class InlineCallContext(ToolContextBase):
 
     def begin_conversion(self) -> None:
         """The call is about to become a task: questions from now on wait for it, and its progress
-        reaches no one (the request's stream ends with the task's creation; no progress for tasks,
-        X-NOTIF-8), so the tool's ``progress`` does nothing and ``reports_progress`` says so."""
+        no longer goes to the request's stream (it ends with the task's creation; no progress
+        notifications for tasks, X-NOTIF-8): once attached, it becomes the task's status message."""
         self._converting = True
         self._token = None
 
@@ -72,6 +74,10 @@ class InlineCallContext(ToolContextBase):
         self._task_id = task_id
         self._sink = sink
         self._attached.set()
+
+    def _progress_status(self) -> ProgressNote | None:
+        """Once the call is a task, its progress goes to the task's status (as a task run's does)."""
+        return self._sink.progress_status if self._sink is not None else None
 
     def _next_key(self, wanted: str | None) -> str:
         if self._sink is not None or self._converting:

@@ -145,6 +145,16 @@ class RunnerStore:
             await notify(conn, TaskChanged(task.tenant_id, task.task_id, task.session_id))
         return True
 
+    async def note_progress(self, task: Task, owner: str, text: str) -> bool:
+        """The task's status message is ``text`` (its latest progress) while the lease is ours;
+        watchers are woken. False: it is not working under our lease any more."""
+        async with self.db.transaction() as conn:
+            row = await conn.fetchrow(Q["note_progress"], task.tenant_id, task.task_id, owner, task.lease_epoch, text)
+            if row is None:
+                return False
+            await notify(conn, TaskChanged(task.tenant_id, task.task_id, row["session_id"]))
+        return True
+
     async def response(self, tenant_id: str, task_id: str, key: str) -> InputResponse | None:
         async with self.db.connection() as conn:
             stored = await conn.fetchval(Q["get_answer"], tenant_id, task_id, key)

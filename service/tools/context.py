@@ -8,12 +8,16 @@ comes back. Nothing here knows a wire: events and questions are domain records.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputKind, InputResponse, PendingInput, new_input_key
 from service.domain.task import FailureReason
 from service.tools.api import ElicitAnswer, InputNotSupported, ToolFailure, refused
+
+# What a task's status message takes a progress report with: (progress, total, message).
+ProgressNote = Callable[[float, float | None, str | None], None]
 
 
 def supports_form_elicitation(capabilities: dict[str, Any]) -> bool:
@@ -63,7 +67,12 @@ class ToolContextBase(abc.ABC):
 
     @property
     def reports_progress(self) -> bool:
-        return self._token is not None
+        return self._token is not None or self._progress_status() is not None
+
+    def _progress_status(self) -> ProgressNote | None:
+        """Where progress goes when no token carries it to the client (a 2026-07-28 task's status
+        message), if anywhere."""
+        return None
 
     @abc.abstractmethod
     async def _emit(self, event: TaskEvent) -> None:
@@ -74,11 +83,16 @@ class ToolContextBase(abc.ABC):
         """Put the question to the client and wait for its answer."""
 
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
-        """T-PROG-1/3: only with the creating request's token; drop values that do not increase."""
-        if self._token is None or (self._last_progress is not None and progress <= self._last_progress):
+        """T-PROG-1/3: with the creating request's token (else to the task's status, where a wire
+        carries no progress); values that do not increase are dropped."""
+        if self._last_progress is not None and progress <= self._last_progress:
             return
-        self._last_progress = progress
-        await self._emit(Progress(self._task_id, self._token, progress, total, message))
+        if self._token is not None:
+            self._last_progress = progress
+            await self._emit(Progress(self._task_id, self._token, progress, total, message))
+        elif (note := self._progress_status()) is not None:
+            self._last_progress = progress
+            note(progress, total, message)
 
     async def log(self, level: str, data: Any, logger: str | None = None) -> None:
         await self._emit(LogEntry(self._task_id, level, data, logger))

@@ -227,3 +227,11 @@ GROUP BY tool;
 -- name: active_by_tenant
 -- Active tasks per tenant, from the counters (for the opt-in per-tenant gauge).
 SELECT tenant_id, sum(active)::bigint AS active FROM active_tasks WHERE active > 0 GROUP BY tenant_id;
+
+-- name: note_progress
+-- A working task's latest progress report as its status message (2026-07-28: progress
+-- notifications reach no one once a call is a task, X-NOTIF-8), only while the run's lease holds;
+-- the task's session (if any) for the wake-up.
+UPDATE tasks SET status_message = $5, last_updated_at = clock_timestamp()
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND lease_epoch = $4 AND status = 'working'
+RETURNING session_id;
