@@ -529,7 +529,7 @@ async def test_closing_a_subscription_leaves_nothing_behind(m: V2026Client, serv
                 if msg.get("method") == "notifications/tasks":
                     break  # closes the stream
     async with asyncio.timeout(5):
-        while topic in hub._subs:
+        while hub.subscribers(topic):
             await asyncio.sleep(0.05)
     assert server.app.state.v2026.listening.open == {}
     await m.result("tasks/cancel", {"taskId": created["taskId"]})
