@@ -56,7 +56,8 @@ async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(
     """ToolContext.reports_progress: True only while its progress reaches someone, so a tool that
     wakes up just to report progress (the demo sleep) need not. A 2025-11-25 call: when its request
     sent progressToken, as a task or not. A 2026-07-28 call: while it runs inside a request that
-    sent one (XD-18), and never once it became a task (no progress for tasks, X-NOTIF-8)."""
+    sent one (XD-18), and once it became a task, where its progress is the task's status message
+    (no progress notifications for tasks, X-NOTIF-8; docs/decisions.md, "Progress as status")."""
     texts = []
     modern = await m.result("tools/call", {"name": "progress_wanted", "arguments": {}})
     texts.append(modern["content"][0]["text"])
@@ -73,7 +74,7 @@ async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(
     became = await with_token({"seconds": 1.0})
     assert became["resultType"] == "task"  # past the grace (task_grace_ms): it became a task
     done = await settle(m, became["taskId"], "completed")
-    assert done["result"]["content"][0]["text"] == "reports_progress=True->False"
+    assert done["result"]["content"][0]["text"] == "reports_progress=True->True"
     s = RpcSession(http, server.url)
     await s.initialize()
     for meta in ({}, {"_meta": {"progressToken": "p"}}):

@@ -82,10 +82,11 @@ class ToolContext(Protocol):
 
     @property
     def reports_progress(self) -> bool:
-        """Whether ``progress`` reaches anyone now: the client sent a progress token with the call,
-        and (2026-07-28) the call still runs inside that request (XD-18): once it became a task its
-        progress reaches no one (X-NOTIF-8). It may turn False while the tool runs, never True. A tool
-        whose only reason to wake up is to report progress can skip it when this is False."""
+        """Whether ``progress`` reaches anyone now: the client sent a progress token with the call
+        (2026-07-28: while the call runs inside that request, XD-18), or the call is a 2026-07-28
+        task, whose status message carries its progress (X-NOTIF-8; docs/decisions.md, "Progress
+        as status"). It may change while the tool runs (a call becomes a task). A tool whose only
+        reason to wake up is to report progress can skip it when this is False."""
         ...
 
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None: ...
