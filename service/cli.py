@@ -25,7 +25,7 @@ def _load_tools(settings: Any) -> None:
     from service.tools.registry import Registry
 
     try:
-        Registry.load(settings.tool_packs)
+        Registry.load(settings.tool_packs, max_runtime_s=settings.max_runtime_s)
     except ValueError as exc:
         sys.exit(f"mcp-tasks: MCP_TASKS_TOOLS: {exc}")
 

@@ -105,6 +105,11 @@ class Settings(BaseSettings):
 
     # 2026-07-28: how long a call that may become a task runs inside its request first (XD-5).
     task_grace_ms: int = Field(default=500, ge=0, le=60_000)
+    # The most a task may run, counted from its first start across takeovers: the default of a tool
+    # that declares none, and the ceiling of those that do (docs/decisions.md, "A runtime limit").
+    max_runtime_s: float = Field(default=86_400.0, gt=0, le=31_536_000)
+    # The most a task waits in input_required for an answer before it fails.
+    input_timeout_s: float = Field(default=3_600.0, gt=0, le=31_536_000)
     max_subscription_task_ids: int = Field(default=256, ge=1, le=10_000)
     max_subscriptions_per_principal: int = Field(default=16, ge=1, le=10_000)
     # SIGTERM: readiness drops, no new claims, running tasks get this long to finish before they

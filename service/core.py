@@ -15,6 +15,7 @@ from service.runtime.engine import Engine
 from service.runtime.executor import Executor
 from service.runtime.maintenance import Maintenance
 from service.runtime.runner import Runner
+from service.runtime.runs import RunLimits
 from service.store import migrate
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import open_embedded
@@ -131,7 +132,7 @@ async def resolve_database(settings: Settings) -> tuple[str, Callable[[], None] 
 
 
 async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
-    registry = Registry.load(settings.tool_packs)
+    registry = Registry.load(settings.tool_packs, max_runtime_s=settings.max_runtime_s)
     dsn, stop_database = await resolve_database(settings)
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
@@ -167,6 +168,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
             lease_ms=settings.lease_ms,
             poll_s=poll_s,
             tenant_share=settings.effective_tenant_share,
+            limits=RunLimits(max_runtime_s=settings.max_runtime_s, input_timeout_s=settings.input_timeout_s),
         )
         await runner.start()
     engine = Engine(executor, runner)

@@ -306,9 +306,10 @@ async def test_an_expired_task_records_expire_T_SEC_10(database_url: str, http: 
     async with serve(settings) as running:
         s = RpcSession(http, running.url)
         await s.initialize()
-        task_id = (await s.call_tool_as_task("hang", {}, {"ttl": 300}))["task"]["taskId"]
+        # Waiting for input, a task is kept its ttl from its last change (a working one never expires).
+        task_id = (await s.call_tool_as_task("confirm", {}, {"ttl": 300}))["task"]["taskId"]
         expired = await wait_for_event(database_url, lambda e: e["action"] == "expire" and e["task_id"] == task_id)
-    assert expired["outcome"] == "working"  # the status it had when it was deleted
+    assert expired["outcome"] == "input_required"  # the status it had when it was deleted
     assert expired["tenant_id"] == "local"
     assert expired["subject"] == "local"
     assert expired["client_id"] == "local"

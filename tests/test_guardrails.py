@@ -108,7 +108,8 @@ async def test_active_counters_follow_every_way_a_task_stops_being_active_T_SEC_
     async with serve(make_settings(database_url, min_ttl_ms=100)) as running:
         s = await session(http, running.url)
         hung = [(await s.call_tool_as_task("hang", {}))["task"]["taskId"] for _ in range(3)]
-        expiring = (await s.call_tool_as_task("hang", {}, {"ttl": 300}))["task"]["taskId"]  # expires, is swept
+        # Waiting for input, kept its ttl from then: it expires and is swept while still active.
+        expiring = (await s.call_tool_as_task("confirm", {}, {"ttl": 300}))["task"]["taskId"]
         for tool, args in (("echo", {"text": "x"}), ("fail", {"message": "no"}), ("crash", {"message": "boom"})):
             done = (await s.call_tool_as_task(tool, args))["task"]["taskId"]
             await s.send("tasks/result", {"taskId": done})

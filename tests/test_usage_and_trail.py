@@ -54,7 +54,7 @@ async def _until_expired(database_url: str, task_id: str) -> None:
 @pytest.fixture(scope="module")
 async def record(admin_dsn: str, template_db: str) -> Any:
     """One record for the module: tenant A ran five tasks (completed, tool error, failed, cancelled,
-    expired while working), tenant B one, and B asked for one of A's tasks."""
+    expired while waiting for input), tenant B one, and B asked for one of A's tasks."""
     from tests.conftest import fresh_database
 
     started = datetime.now(UTC).isoformat()
@@ -71,7 +71,8 @@ async def record(admin_dsn: str, template_db: str) -> Any:
                 await a.send("tasks/result", {"taskId": ids[name]})  # waits for the end, whatever it is
             ids["hang"] = (await a.call_tool_as_task("hang", {}))["task"]["taskId"]
             await a.result("tasks/cancel", {"taskId": ids["hang"]})
-            ids["expiring"] = (await a.call_tool_as_task("hang", {}, {"ttl": 1_000}))["task"]["taskId"]
+            # A task waiting for input is kept its ttl from then (a working one is never expired).
+            ids["expiring"] = (await a.call_tool_as_task("confirm", {}, {"ttl": 1_000}))["task"]["taskId"]
             b_echo = (await b.call_tool_as_task("echo", {"text": "y"}))["task"]["taskId"]
             await b.result("tasks/result", {"taskId": b_echo})
             await b.error("tasks/get", {"taskId": ids["echo"]})  # B probes A's task: a denial in B's chain
@@ -95,7 +96,7 @@ async def test_usage_by_tool_as_csv_and_an_empty_range(record: Any) -> None:
     by_tool = await asyncio.to_thread(mcp, url, "usage", "--tenant", "t-a", "--by", "tool", "--csv", "--since", started)
     assert by_tool.returncode == 0, by_tool.stderr
     table = list(csv.DictReader(io.StringIO(by_tool.stdout)))
-    assert {r["tool"] for r in table} == {"echo", "fail", "crash", "hang"}
+    assert {r["tool"] for r in table} == {"echo", "fail", "crash", "hang", "confirm"}
     assert sum(int(r["created"]) for r in table) == 5
     empty = await asyncio.to_thread(mcp, url, "usage", "--since", "2099-01-01T00:00:00+00:00", "--csv")
     assert (empty.returncode, empty.stdout.splitlines()[1:]) == (0, [])  # the header only

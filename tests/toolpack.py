@@ -114,3 +114,15 @@ async def progress_wanted(ctx: ToolContext, seconds: float = 0.0) -> str:
     before = ctx.reports_progress
     await asyncio.sleep(seconds)
     return f"reports_progress={before}->{ctx.reports_progress}"
+
+
+@pack.tool(task_support="optional", max_runtime_s=1.0)
+async def bounded(ctx: ToolContext, seconds: float = 60.0, key: str = "") -> str:
+    """Sleeps ``seconds``; its pack gives it a runtime limit of 1 s (below the operator's ceiling)."""
+    _mark(key, "started")
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        _mark(key, "cancelled")
+        raise
+    return f"slept {seconds:g} s"

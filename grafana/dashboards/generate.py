@@ -194,6 +194,28 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             "s",
         ),
         PanelSpec(
+            "Oldest running task by tool, against its runtime limit",
+            "How long the oldest claimed task of each tool has run (from its first start, takeovers included), "
+            "and the tool's runtime limit, past which it is cancelled and fails (alert McpTasksNearRuntimeLimit "
+            "at 80 %). Limits hit: runtime (the tool ran too long), input (no answer in time).",
+            (
+                Query("max by (tool) (mcp_tasks_oldest_running_task_age_seconds)", "running {{tool}}"),
+                Query("max by (tool) (mcp_tasks_tool_runtime_limit_seconds)", "limit {{tool}}"),
+            ),
+            "s",
+        ),
+        PanelSpec(
+            "Tasks failed by a limit",
+            "Tasks failed because their tool ran past its runtime limit, or no answer to a question came within "
+            "MCP_TASKS_INPUT_TIMEOUT_S.",
+            (
+                Query(
+                    f"sum by (tool, limit) (increase(mcp_tasks_task_limit_failures_total[{RATE}]))",
+                    "{{limit}} {{tool}}",
+                ),
+            ),
+        ),
+        PanelSpec(
             "Queued tasks no live runner can run, by tool",
             "Queued tasks whose tool (at its version) no live runner loads: they wait, told so in their "
             "statusMessage (alert McpTasksToolWithoutRunner). Start a worker with the tool's pack.",

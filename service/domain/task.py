@@ -47,6 +47,8 @@ class FailureReason(enum.StrEnum):
     INVALID_INPUT = "invalid_input"  # the client's answer to a question was not usable
     RUNNER_STOPPED = "runner_stopped"  # the process running it stopped and it may not run again
     UNSTORABLE = "unstorable"  # the result could not be stored
+    RUNTIME_LIMIT = "runtime_limit"  # it ran longer than its tool's runtime limit
+    INPUT_TIMEOUT = "input_timeout"  # no answer came to its question in time
 
 
 @frozen
@@ -124,6 +126,19 @@ class Task:
     rerunnable: bool | None = None
     # With the runner's owner name, the fencing token of the lease this copy was read under.
     lease_epoch: int = 0
+    # When a runner first started it (kept across takeovers: the runtime limit counts from it).
+    started_at: datetime | None = None
+
+
+def ttl_reported_ms(task: Task, now: datetime) -> int:
+    """The task's ttl as both wires report it, from its creation to when it will be deleted: the
+    granted ttl is retention after the last change, so it grows by the task's age while the task
+    works (createdAt + ttl stays a retention period ahead) and stands once it ends or waits for
+    input (createdAt + ttl is then its expiry). The age counts in whole seconds: the value moves
+    at most once a second, a task just created reports what it was granted, and it never names
+    a later expiry than the real one (docs/decisions.md, "Retention after the end")."""
+    anchor = now if task.status is TaskStatus.WORKING else task.last_updated_at
+    return task.ttl_ms + 1000 * max(0, int((anchor - task.created_at).total_seconds()))
 
 
 def new_task_id() -> str:

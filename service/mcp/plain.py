@@ -156,7 +156,10 @@ class PlainCallContext(ToolContextBase):
             try:
                 return await asyncio.wait_for(fut, timeout=self._inflight.input_timeout_s)
             except TimeoutError:
-                raise refused(FailureReason.INTERNAL, "no answer from the client in time") from None
+                raise refused(
+                    FailureReason.INPUT_TIMEOUT,
+                    f"no answer from the client within {self._inflight.input_timeout_s:g} s: the call stopped waiting",
+                ) from None
         finally:
             self._inflight.pending.pop(key, None)
             if not fut.done():

@@ -16,7 +16,7 @@ from service.domain.events import (
     log_wanted,
 )
 from service.domain.inputs import InputKind, PendingInput
-from service.domain.task import FailureReason, Outcome, OutcomeKind, Task, TaskStatus
+from service.domain.task import FailureReason, Outcome, OutcomeKind, Task, TaskStatus, ttl_reported_ms
 from service.mcp import jsonrpc
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS
 from service.mcp.refusal import Refusal
@@ -63,13 +63,14 @@ def v2025_status(task: Task) -> TaskStatus:
 
 
 def task_to_wire(task: Task) -> dict[str, Any]:
-    """The Task object (T-CREATE-6, T-TTL-1/2/4, D-11: ttl is always an integer)."""
+    """The Task object (T-CREATE-6, T-TTL-1/2/4, D-11: ttl is always an integer, the actual one:
+    a working task's grows, docs/decisions.md "Retention after the end")."""
     out: dict[str, Any] = {
         "taskId": task.task_id,
         "status": v2025_status(task).value,
         "createdAt": iso(task.created_at),
         "lastUpdatedAt": iso(task.last_updated_at),
-        "ttl": task.ttl_ms,
+        "ttl": ttl_reported_ms(task, datetime.now(UTC)),
         "pollInterval": task.poll_interval_ms,
     }
     if task.status_message:

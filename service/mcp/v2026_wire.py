@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from service import __version__
 from service.domain.inputs import PendingInput
-from service.domain.task import OutcomeKind, Task, TaskStatus
+from service.domain.task import OutcomeKind, Task, TaskStatus, ttl_reported_ms
 from service.mcp import jsonrpc
 from service.mcp.v2025_wire import INPUT_METHODS, error_object, iso
 
@@ -43,13 +44,14 @@ def complete(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def task_fields(task: Task) -> dict[str, Any]:
-    """The Task object: ``ttlMs`` and ``pollIntervalMs`` as integers (X-TTL-1, X-TTL-7)."""
+    """The Task object: ``ttlMs`` and ``pollIntervalMs`` as integers (X-TTL-1, X-TTL-7); ``ttlMs``
+    the current value, which grows while the task works (X-TTL-2, "Retention after the end")."""
     out: dict[str, Any] = {
         "taskId": task.task_id,
         "status": task.status.value,  # a tool error is completed here (X-STATE-4): the stored status
         "createdAt": iso(task.created_at),
         "lastUpdatedAt": iso(task.last_updated_at),
-        "ttlMs": task.ttl_ms,
+        "ttlMs": ttl_reported_ms(task, datetime.now(UTC)),
         "pollIntervalMs": task.poll_interval_ms,
     }
     if task.status_message:

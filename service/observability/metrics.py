@@ -102,6 +102,18 @@ task_start_delay = Histogram(
     "mcp_tasks_task_start_delay_seconds", "From creation to a runner starting the task", ["tool"], buckets=TASK_BUCKETS
 )
 task_run_seconds = Histogram("mcp_tasks_task_run_seconds", "Run time of a task's tool", ["tool"], buckets=TASK_BUCKETS)
+tool_runtime_limit_seconds = Gauge(
+    "mcp_tasks_tool_runtime_limit_seconds",
+    "The runtime limit of each tool's tasks, counted from their first start (the tool's own, else and at most "
+    "MCP_TASKS_MAX_RUNTIME_S), as this runner enforces it",
+    ["tool"], multiprocess_mode="max",
+)  # fmt: skip
+task_limit_failures = Counter(
+    "mcp_tasks_task_limit_failures_total",
+    "Tasks failed by a limit: runtime (the tool ran past its runtime limit) or input (no answer to a question "
+    "within MCP_TASKS_INPUT_TIMEOUT_S)",
+    ["tool", "limit"],
+)  # fmt: skip
 cap_refusals = Counter("mcp_tasks_cap_refusals_total", "Task creations refused by a concurrency cap", ["scope"])
 rate_limited = Counter("mcp_tasks_rate_limited_total", "Requests refused by a rate limit", ["scope"])
 rate_limit_storage_errors = Counter("mcp_tasks_rate_limit_storage_errors_total", "Rate-limit storage failures")

@@ -15,9 +15,11 @@ from typing import Any
 
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
-from service.domain.task import Task, Wire
+from service.domain.task import FailureReason, Task, Wire
+from service.observability import metrics
 from service.store.events import EventHub, TaskLog, TaskProgress
 from service.store.runners import RunnerStore
+from service.tools.api import refused
 from service.tools.context import ProgressNote, ToolContextBase
 
 # A status message keeps this many characters of a tool's progress message.
@@ -42,8 +44,11 @@ def progress_text(progress: float, total: float | None, message: str | None) -> 
 class TaskSink:
     """Bound to one task and the runner that holds its lease."""
 
-    def __init__(self, task: Task, *, owner: str, store: RunnerStore, hub: EventHub, poll_s: float) -> None:
+    def __init__(
+        self, task: Task, *, owner: str, store: RunnerStore, hub: EventHub, poll_s: float, input_timeout_s: float,
+    ) -> None:  # fmt: skip
         self._task = task
+        self._input_timeout_s = input_timeout_s
         self._owner = owner
         self._store = store
         self._hub = hub
@@ -89,17 +94,28 @@ class TaskSink:
             await self._hub.publish(out)
 
     async def ask(self, question: PendingInput) -> InputResponse:
-        """Store the question (input_required), wait for its answer; the answer makes it working again."""
+        """Store the question (input_required), wait for its answer; the answer makes it working
+        again. No answer within the input timeout fails the call (MCP_TASKS_INPUT_TIMEOUT_S)."""
         t = self._task
         async with self._hub.subscribe(("task", t.tenant_id, t.task_id)) as events:
             if not await self._store.ask(t, self._owner, question):
                 raise asyncio.CancelledError  # cancelled or lease lost under us
+            give_up = time.monotonic() + self._input_timeout_s
             while True:
                 response = await self._store.response(t.tenant_id, t.task_id, question.key)
                 if response is not None:
                     return response
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    metrics.labelled(metrics.task_limit_failures, t.tool, "input").inc()
+                    raise refused(
+                        FailureReason.INPUT_TIMEOUT,
+                        f"No answer to the task's question came within {self._input_timeout_s:g} s "
+                        "(MCP_TASKS_INPUT_TIMEOUT_S): the task stopped waiting. Start it again and answer "
+                        "when it asks.",
+                    )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(events.get(), timeout=self._poll_s)
+                    await asyncio.wait_for(events.get(), timeout=min(self._poll_s, left))
 
 
 class TaskRunContext(ToolContextBase):

@@ -42,7 +42,7 @@ from service.runtime.fencing import LeaseTimes
 from service.runtime.inline import InlineCall
 from service.runtime.ledger import Ledger
 from service.runtime.records import Outage, RunRecords
-from service.runtime.runs import Runs
+from service.runtime.runs import RunLimits, Runs
 from service.store.db import Database
 from service.store.events import Event, EventHub, Resync, TaskCancelRequested, TaskCreated, TaskDeleted
 from service.store.requests import Lease
@@ -56,7 +56,7 @@ class Runner:
 
     def __init__(
         self, db: Database, hub: EventHub, executor: Executor, *, concurrency: int, lease_ms: int, poll_s: float,
-        tenant_share: int | None = None,
+        tenant_share: int | None = None, limits: RunLimits | None = None,
     ) -> None:  # fmt: skip
         self.store = RunnerStore(db)
         self.hub = hub
@@ -71,7 +71,7 @@ class Runner:
         self.outage = Outage(poll_s)
         self.records = RunRecords(self.store, self.owner, self.outage)
         self.runs = Runs(self.ledger, executor, self.records, self.store, hub, owner=self.owner, poll_s=poll_s,
-                         times=self.times, settled=self._settled)  # fmt: skip
+                         times=self.times, settled=self._settled, limits=limits or RunLimits())  # fmt: skip
         self._background: set[asyncio.Task[Any]] = set()
         self._giving_back: asyncio.Task[Any] | None = None  # the fenced runs' hand-back, one at a time
         self._wake = asyncio.Event()
@@ -193,6 +193,9 @@ class Runner:
 
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
+        for name, spec in self.registry.tools.items():
+            limit_s = spec.runtime_limit_s(self.runs.limits.max_runtime_s)
+            metrics.tool_runtime_limit_seconds.labels(name).set(limit_s)
         sent = time.monotonic()
         await self._publish()
         self.ledger.published(sent)

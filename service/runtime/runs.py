@@ -11,11 +11,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from service.concurrency import eager
 from service.domain.errors import Unavailable
-from service.domain.task import Task
+from service.domain.task import FailureReason, Outcome, Task
+from service.domain.values import frozen
 from service.observability import metrics
 from service.runtime.commands import Run, TaskKey
 from service.runtime.context import TaskRunContext, TaskSink
@@ -30,12 +32,31 @@ from service.store.runners import RunnerStore
 log = logging.getLogger(__name__)
 
 
+@frozen
+class RunLimits:
+    """How long a run may take (docs/decisions.md, "A runtime limit"): its tool, counted from the
+    task's first start across takeovers (MCP_TASKS_MAX_RUNTIME_S: the default, and the ceiling of
+    a tool's own), and each wait for an answer to a question (MCP_TASKS_INPUT_TIMEOUT_S)."""
+
+    max_runtime_s: float = 86_400.0
+    input_timeout_s: float = 3_600.0
+
+
+def over_limit(tool: str, limit_s: float) -> Outcome:
+    return Outcome.failure(
+        FailureReason.RUNTIME_LIMIT,
+        f"The task ran longer than the runtime limit of tool {tool!r} ({limit_s:g} s, counted from its first "
+        "start) and was stopped. Split the work into smaller calls, or ask the operator about the limit "
+        "(MCP_TASKS_MAX_RUNTIME_S).",
+    )
+
+
 class Runs:
     """The jobs of one runner's runs, each under the runner's owner name."""
 
     def __init__(
         self, ledger: Ledger, executor: Executor, records: RunRecords, store: RunnerStore, hub: EventHub, *,
-        owner: str, poll_s: float, times: LeaseTimes, settled: Callable[[], None],
+        owner: str, poll_s: float, times: LeaseTimes, settled: Callable[[], None], limits: RunLimits,
     ) -> None:  # fmt: skip
         """``settled``: called after each change of the ledger (the runner then claims if due)."""
         self.ledger = ledger
@@ -46,11 +67,13 @@ class Runs:
         self.owner = owner
         self.poll_s = poll_s
         self.times = times
+        self.limits = limits
         self._settled = settled
         self.jobs: dict[TaskKey, tuple[Run, asyncio.Future[None]]] = {}  # each run and the job running it
 
     def sink(self, task: Task) -> TaskSink:
-        return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s)
+        return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s,
+                        input_timeout_s=self.limits.input_timeout_s)  # fmt: skip
 
     def launch(self, run: Run, call: InlineCall | None, capabilities: dict[str, Any] | None) -> None:
         """The run's first step is taken now (``eager``): a cancel can then only land inside
@@ -79,12 +102,7 @@ class Runs:
                     capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
                 caps = capabilities
             self.ledger.tool_called(run)
-            if call is None:
-                outcome = await self.executor.run(
-                    task.tool, task.arguments, TaskRunContext(task, self.sink(task), caps)
-                )
-            else:
-                outcome = await call.job  # cancelling us cancels it
+            outcome = await self._call(task, call, caps)
             if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
                 raise asyncio.CancelledError
             self.ledger.tool_ended(run)
@@ -100,6 +118,43 @@ class Runs:
             await self.records.unstorable(task, ref)
         finally:
             self._ended(run)
+
+    async def _call(self, task: Task, call: InlineCall | None, caps: dict[str, Any]) -> Outcome:
+        """The tool's outcome, or a failure once it runs past its runtime limit: counted from the
+        task's first start (a takeover does not restart it), the tool is cancelled when what is left
+        runs out. A tool that swallows its cancel and returns still fails: the limit holds. (A timer,
+        not ``asyncio.timeout``: the first step runs before this run has a task, see ``eager``.)"""
+        spec = self.executor.registry.tools.get(task.tool)
+        limit_s = spec.runtime_limit_s(self.limits.max_runtime_s) if spec is not None else self.limits.max_runtime_s
+        ran_s = (datetime.now(UTC) - task.started_at).total_seconds() if task.started_at is not None else 0.0
+        if call is not None:
+            tool: asyncio.Future[Outcome] = call.job
+        else:
+            ctx = TaskRunContext(task, self.sink(task), caps)
+            tool = eager.start(self.executor.run(task.tool, task.arguments, ctx), name=f"tool-{task.task_id[:8]}")
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            tool.cancel()
+
+        timer = None if tool.done() else asyncio.get_running_loop().call_later(max(0.0, limit_s - ran_s), expire)
+        try:
+            outcome = await tool  # cancelling us cancels it
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not expired or (current is not None and current.cancelling()):
+                raise  # stopped by the ledger (cancel, fence, shutdown): its rules apply
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if not expired:
+            return outcome
+        metrics.labelled(metrics.task_limit_failures, task.tool, "runtime").inc()
+        log.warning("task %s of tool %r ran past its runtime limit of %g s: stopped, failed",
+                    task.task_id[:8], task.tool, limit_s)  # fmt: skip
+        return over_limit(task.tool, limit_s)
 
     def _ended(self, run: Run) -> None:
         if (entry := self.jobs.get(run.key)) is not None and entry[0] is run:

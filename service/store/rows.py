@@ -61,6 +61,7 @@ def task_from_row(
         wire=row["wire"],
         rerunnable=row.get("rerunnable"),
         lease_epoch=row.get("lease_epoch") or 0,  # a runner's copy always has it (claims read every column)
+        started_at=row.get("started_at"),
     )
 
 

@@ -35,6 +35,13 @@ class ToolSpec:
     # one (arguments or meaning changed): a runner claims a task only with the version it was
     # accepted for (docs/decisions.md, "Tool versions"). None: any runner with the tool will do.
     version: str | None = None
+    # The most one task of this tool may run, in seconds, counted from its first start across
+    # takeovers; None: the operator's MCP_TASKS_MAX_RUNTIME_S, which is also the ceiling.
+    max_runtime_s: float | None = None
+
+    def runtime_limit_s(self, ceiling_s: float) -> float:
+        """The limit its tasks run under, given the operator's default and ceiling."""
+        return ceiling_s if self.max_runtime_s is None else min(self.max_runtime_s, ceiling_s)
 
     def to_wire(self, *, with_execution: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -145,9 +152,15 @@ class ToolPack:
         title: str | None = None,
         annotations: dict[str, Any] | None = None,
         version: str | None = None,
+        max_runtime_s: float | None = None,
     ) -> Callable[[ToolFn], ToolFn]:
+        """``max_runtime_s``: the most one task of the tool may run (the operator's
+        MCP_TASKS_MAX_RUNTIME_S when None, and never above it: a pack that declares more is refused
+        at start)."""
         if version is not None and not version.strip():
             raise ValueError("a tool's version is a non-empty string, or None for an unversioned tool")
+        if max_runtime_s is not None and not max_runtime_s > 0:
+            raise ValueError("a tool's max_runtime_s is a number of seconds above 0, or None for the operator's")
 
         def register(fn: ToolFn) -> ToolFn:
             model: type[pydantic.BaseModel] | None = None
@@ -167,6 +180,7 @@ class ToolPack:
                     annotations=annotations,
                     model=model,
                     version=version,
+                    max_runtime_s=max_runtime_s,
                 )
             )
             return fn
@@ -217,8 +231,9 @@ class Registry:
                 self.prompts[prompt.name] = prompt
 
     @classmethod
-    def load(cls, references: list[str]) -> Registry:
-        """``module`` (its ``pack`` attribute) or ``module:attr``, as in MCP_TASKS_TOOLS."""
+    def load(cls, references: list[str], *, max_runtime_s: float | None = None) -> Registry:
+        """``module`` (its ``pack`` attribute) or ``module:attr``, as in MCP_TASKS_TOOLS.
+        ``max_runtime_s``: the operator's ceiling (MCP_TASKS_MAX_RUNTIME_S), checked for every tool."""
         packs: list[ToolPack] = []
         for ref in references:
             module_name, _, attr = ref.partition(":")
@@ -230,7 +245,21 @@ class Registry:
             if not isinstance(pack, ToolPack):
                 raise ValueError(f"tool pack {ref!r} has no ToolPack named {attr or 'pack'!r}")
             packs.append(pack)
-        return cls(packs)
+        registry = cls(packs)
+        if max_runtime_s is not None:
+            registry.check_runtime_limits(max_runtime_s)
+        return registry
+
+    def check_runtime_limits(self, ceiling_s: float) -> None:
+        """Refuse a tool that declares a runtime limit above the operator's ceiling: it would be
+        cut short of what its pack promises, so the operator decides (raise the ceiling, or the pack
+        declares less)."""
+        for spec in self.tools.values():
+            if spec.max_runtime_s is not None and spec.max_runtime_s > ceiling_s:
+                raise ValueError(
+                    f"tool {spec.name!r} declares max_runtime_s={spec.max_runtime_s:g}, above the ceiling "
+                    f"MCP_TASKS_MAX_RUNTIME_S={ceiling_s:g}: raise MCP_TASKS_MAX_RUNTIME_S or lower the tool's limit"
+                )
 
     def get(self, name: str) -> ToolSpec:
         spec = self.tools.get(name)

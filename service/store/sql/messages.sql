@@ -1,8 +1,9 @@
 -- name: ask_input
 -- A running task is about to ask its client: input_required, only while the runner holds its lease
 -- (no row back: cancelled, expired or taken over: another owner or epoch). The row lock orders
--- concurrent questions.
-UPDATE tasks SET status = 'input_required', status_message = 'waiting for input', last_updated_at = clock_timestamp()
+-- concurrent questions. A task waiting for input is kept its TTL from its last change.
+UPDATE tasks SET status = 'input_required', status_message = 'waiting for input', last_updated_at = clock_timestamp(),
+                 expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond'
 WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND lease_epoch = $4 AND task_status_active(status)
 RETURNING task_id;
 
@@ -77,7 +78,10 @@ WHERE tenant_id = $1 AND task_id = $2 AND answered_at IS NULL
 -- No question left open ($3 = 0): the task is working again (XD-10); returns its session.
 UPDATE tasks SET status = CASE WHEN $3 = 0 THEN 'working'::task_status ELSE status END,
                  status_message = CASE WHEN $3 = 0 THEN NULL ELSE status_message END,
-                 last_updated_at = clock_timestamp()
+                 last_updated_at = clock_timestamp(),
+                 -- working again: no expiry while it works; still waiting: its TTL from this change
+                 expires_at = CASE WHEN $3 = 0 THEN 'infinity'::timestamptz
+                                   ELSE clock_timestamp() + ttl_ms * interval '1 millisecond' END
 WHERE tenant_id = $1 AND task_id = $2 AND task_status_active(status)
 RETURNING session_id;
 

@@ -30,9 +30,11 @@ LIMIT $5;
 
 -- name: cancel_task
 -- Cancel wins: only an active task moves, and its lease is dropped so a late completion finds nothing.
+-- Kept its TTL from now (retention after the end).
 UPDATE tasks
 SET status = 'cancelled', status_message = $4, last_updated_at = clock_timestamp(),
-    finished_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
+    finished_at = clock_timestamp(), expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond',
+    lease_owner = NULL, lease_expires_at = NULL
 WHERE tenant_id = $1 AND task_id = $2 AND subject = $3
   AND task_status_active(status) AND expires_at > clock_timestamp()
 RETURNING *;
@@ -178,8 +180,8 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
 -- sent (its request has them), nor the expiry and lease times, which no caller reads.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
-       rerunnable, lease_epoch
-FROM task_create($1);
+       rerunnable, lease_epoch, started_at
+FROM task_create_v2($1);
 
 -- name: task_get
 -- Gets in one read-only statement: a row per item found, with its place (o), nothing for an item
@@ -201,12 +203,12 @@ FROM task_retrieve($1);
 -- outcome's payload, the arguments and the client's capabilities, which the runner has.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, rerunnable,
-       lease_epoch
-FROM task_finish($1);
+       lease_epoch, started_at
+FROM task_finish_v2($1);
 
 -- name: task_hand_back
 -- Runners give tasks back (shutdown, lost lease): re-queued or failed, audited, woken.
-SELECT * FROM task_hand_back($1);
+SELECT * FROM task_hand_back_v2($1);
 
 -- name: queue_by_tool
 -- Queued (working, unclaimed) and running (claimed) tasks per tool, with the age of the oldest of
