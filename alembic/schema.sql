@@ -1172,10 +1172,11 @@ ALTER FUNCTION task_hand_back(jsonb) SECURITY DEFINER SET search_path = pg_catal
 
 
 -- ===================================================== hot paths: retention after the end ==
--- A task's lifetime follows its work (docs/decisions.md, "Retention after the end"): a working
--- task has no expiry ('infinity': nothing running is deleted for its age, the runtime limit
--- bounds it); one that ends, or waits for input, is kept its TTL from then (ttl_ms is the
--- retention granted). task_create_v2, task_finish_v2 and task_hand_back_v2 set expires_at so;
+-- A task's lifetime follows its work (docs/decisions.md, D-12): a task a runner has started has
+-- no expiry while it works ('infinity': nothing running is deleted for its age, the runtime limit
+-- bounds it); one that ends, waits for input or waits for a runner (created or re-queued without
+-- one) is kept its TTL from then (ttl_ms is the retention granted). task_create_v2,
+-- task_finish_v2 and task_hand_back_v2 set expires_at so, and a claim sets 'infinity';
 -- task_create, task_finish and task_hand_back above stay while release 0.1.0 may run beside this
 -- one (CONTRIBUTING.md, "Change a SQL function"), and a later release drops them.
 CREATE FUNCTION task_create_v2(p_items jsonb) RETURNS SETOF tasks
@@ -1220,7 +1221,9 @@ BEGIN
                                    rerunnable, tool_version)
                 VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.wire,
                         it.tool, it.arguments, it.client_capabilities, it.progress_token, it.ttl_ms,
-                        it.poll_interval_ms, 'infinity'::timestamptz,
+                        it.poll_interval_ms,
+                        CASE WHEN it.lease_owner IS NULL THEN clock_timestamp() + it.ttl_ms * interval '1 millisecond'
+                             ELSE 'infinity'::timestamptz END,
                         it.lease_owner, clock_timestamp() + it.lease_ms * interval '1 millisecond',
                         CASE WHEN it.lease_owner IS NULL THEN 0 ELSE 1 END,
                         CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
@@ -1235,7 +1238,9 @@ BEGIN
                                    rerunnable, tool_version)
                 SELECT p.tenant_id, p.task_id, p.subject, p.issuer, p.client_id, p.session_id, p.wire,
                        p.tool, p.arguments, p.client_capabilities, p.progress_token, p.ttl_ms,
-                       p.poll_interval_ms, 'infinity'::timestamptz,
+                       p.poll_interval_ms,
+                       CASE WHEN p.lease_owner IS NULL THEN clock_timestamp() + p.ttl_ms * interval '1 millisecond'
+                            ELSE 'infinity'::timestamptz END,
                        p.lease_owner, clock_timestamp() + p.lease_ms * interval '1 millisecond',
                        CASE WHEN p.lease_owner IS NULL THEN 0 ELSE 1 END,
                        CASE WHEN p.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
@@ -1383,7 +1388,8 @@ BEGIN
         requeued[i] := false;
         UPDATE tasks
         SET status = 'working', status_message = format('%s (attempt %s)', it.requeue_message, attempts + 1),
-            last_updated_at = clock_timestamp(), expires_at = 'infinity', lease_owner = NULL,
+            last_updated_at = clock_timestamp(), expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond',
+            lease_owner = NULL,
             lease_expires_at = NULL, lease_epoch = lease_epoch + 1
         WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
           AND lease_epoch = it.epoch
@@ -1435,6 +1441,21 @@ BEGIN
     END LOOP;
 END
 $$;
+
+-- Release 0.1.0's statements end or pause a task without setting its expiry: while it runs beside
+-- this release, a task of this release that one of them ends, cancels or makes wait for input
+-- gets its retention from that change here, so that no row is kept forever. This release's own
+-- statements set a finite expiry with any such change, and the trigger's condition skips them.
+CREATE FUNCTION tasks_retention_from_change() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.expires_at := clock_timestamp() + NEW.ttl_ms * interval '1 millisecond';
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER tasks_retention_from_change BEFORE UPDATE OF status ON tasks
+    FOR EACH ROW WHEN (NEW.status <> 'working' AND NEW.expires_at = 'infinity')
+    EXECUTE FUNCTION tasks_retention_from_change();
 
 REVOKE ALL ON FUNCTION task_create_v2(jsonb), task_finish_v2(jsonb), task_hand_back_v2(jsonb) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION task_create_v2(jsonb) TO mcp_tasks_app;

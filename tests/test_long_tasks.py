@@ -138,10 +138,11 @@ async def test_a_task_over_its_runtime_limit_fails_saying_so_and_frees_its_cap_s
         assert (await s.call_tool_as_task("echo", {"text": "the slot is free"}))["task"]["status"] == "working"
 
 
-async def test_a_modern_task_over_its_runtime_limit_fails_with_the_limit_in_its_error(
+async def test_a_modern_task_over_its_runtime_limit_fails_with_the_limit_in_its_error_and_frees_its_slot(
     database_url: str, http: httpx.AsyncClient
 ) -> None:
-    async with serve(make_settings(database_url, max_runtime_s=1.0, task_grace_ms=0)) as running:
+    settings = make_settings(database_url, max_runtime_s=1.0, task_grace_ms=0, max_active_tasks_per_requestor=1)
+    async with serve(settings) as running:
         m = V2026Client(http, running.url)
         created = await m.result("tools/call", {"name": "hang", "arguments": {}})
         failed = await until(lambda: m.result("tasks/get", {"taskId": created["taskId"]}),
@@ -149,6 +150,25 @@ async def test_a_modern_task_over_its_runtime_limit_fails_with_the_limit_in_its_
         assert failed["status"] == "failed"
         assert "runtime limit of tool 'hang' (1 s" in failed["error"]["message"]
         assert failed["statusMessage"] == failed["error"]["message"]
+        again = await m.result("tools/call", {"name": "sleep", "arguments": {"seconds": 0.5}})
+        assert again["resultType"] == "task"  # the one slot was free again
+
+
+@pytest.mark.parametrize(("after", "how"), [(0.1, "returns anyway"), (30.0, "ignores the cancel")])
+async def test_the_runtime_limit_holds_for_a_tool_that_swallows_its_cancel(
+    database_url: str, http: httpx.AsyncClient, after: float, how: str
+) -> None:
+    """`stubborn` catches the cancel and sleeps ``after`` seconds more: it returns a result 0.1 s
+    later, or keeps running past the renewal interval it is given to stop (lease 3 s: 0.375 s)."""
+    async with serve(make_settings(database_url, max_runtime_s=1.0)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("stubborn", {"seconds": 30, "after": after}))["task"]["taskId"]
+        began = asyncio.get_running_loop().time()
+        error = await s.error("tasks/result", {"taskId": task_id})
+        assert "runtime limit of tool 'stubborn' (1 s" in error["message"], how
+        assert asyncio.get_running_loop().time() - began < 10, how
+        assert (await s.result("tasks/get", {"taskId": task_id}))["status"] == "failed"
 
 
 async def test_the_runtime_limit_counts_from_the_first_start_across_a_takeover(
@@ -210,3 +230,74 @@ def test_serve_refuses_such_a_pack_at_start_with_one_line() -> None:
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     assert "tool 'bounded' declares max_runtime_s=1, above the ceiling MCP_TASKS_MAX_RUNTIME_S=0.5" in done.stderr
+
+
+async def test_a_task_answered_works_on_past_its_ttl_and_its_ttl_stands_while_it_waits(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Waiting for input it is kept its ttl from its last change (the value stands); answered, it
+    works again with no expiry, past that ttl, and completes."""
+    settings = make_settings(database_url, default_ttl_ms=1_000, sweep_interval_ms=100, task_grace_ms=0)
+    async with serve(settings) as running:
+        m = V2026Client(http, running.url)
+        created = await m.result("tools/call", {"name": "confirm_then_sleep", "arguments": {"seconds": 2.5}})
+        task_id = created["taskId"]
+        waiting = await until(lambda: m.result("tasks/get", {"taskId": task_id}),
+                              lambda t: t["status"] == "input_required")  # fmt: skip
+        asked = at(waiting["lastUpdatedAt"])
+        assert asked < expiry(waiting, "ttlMs") <= asked + timedelta(milliseconds=1_000)
+        [key] = waiting["inputRequests"]
+        update = {"taskId": task_id, "inputResponses": {key: {"action": "accept", "content": {"ok": True}}}}
+        assert (await m.result("tasks/update", update))["resultType"] == "complete"
+        seen, done = await watch_working(lambda: m.result("tasks/get", {"taskId": task_id}), "ttlMs", 1_000)
+        assert seen[-1] >= 2_000  # worked past its ttl, counted from creation
+        assert done["status"] == "completed"
+        assert done["result"]["content"][0]["text"] == "accept then slept 2.5 s"
+
+
+async def test_a_task_no_runner_starts_is_kept_its_ttl_from_creation_and_reports_it(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Waiting for a runner is not work: a queued task keeps the ttl it was granted, and is gone
+    after it (as when no live runner loads its tool), freeing its cap slot."""
+    settings = make_settings(database_url, runner_concurrency=0, min_ttl_ms=200, sweep_interval_ms=100)
+    async with serve(settings) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        queued = (await s.call_tool_as_task("echo", {"text": "queued"}, {"ttl": 1_000}))["task"]
+        seen: list[tuple[str, int]] = []
+
+        async def read_gone() -> bool:
+            answer = await s.send("tasks/get", {"taskId": queued["taskId"]})
+            if "error" in answer:
+                return True
+            seen.append((answer["result"]["status"], answer["result"]["ttl"]))
+            return False
+
+        await gone_after(read_gone, at(queued["createdAt"]), 1_000)
+        assert set(seen) == {("working", 1_000)}  # read for its whole second, never grown
+
+
+async def test_a_task_a_release_0_1_0_statement_ends_gets_its_retention_from_that_change(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """While 0.1.0 runs beside this release its statements end tasks without setting their expiry
+    (its cancel_task, as here): the trigger gives such a row its retention, so none is kept forever."""
+    async with serve(make_settings(database_url)) as running:
+        s = RpcSession(http, running.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("hang", {}, {"ttl": 60_000}))["task"]["taskId"]
+        conn = await asyncpg.connect(database_url)
+        try:
+            started = await until(lambda: conn.fetchrow("SELECT expires_at = 'infinity' AS unbounded, status::text "
+                                                        "FROM tasks WHERE task_id = $1", task_id),
+                                  lambda row: row["unbounded"])  # fmt: skip
+            assert started["status"] == "working"
+            ended = await conn.fetchrow(
+                "UPDATE tasks SET status = 'cancelled', status_message = 'cancelled by 0.1.0', "
+                "last_updated_at = clock_timestamp(), finished_at = clock_timestamp(), lease_owner = NULL, "
+                "lease_expires_at = NULL WHERE task_id = $1 "
+                "RETURNING expires_at - last_updated_at AS kept", task_id)  # fmt: skip
+        finally:
+            await conn.close()
+    assert timedelta(seconds=59) < ended["kept"] < timedelta(seconds=61)

@@ -49,14 +49,15 @@ async def hang(ctx: ToolContext, key: str = "") -> str:
 
 
 @pack.tool(task_support="optional")
-async def stubborn(ctx: ToolContext, seconds: float = 0.5, key: str = "") -> str:
-    """Ignores cancellation and finishes anyway (for T-CANCEL-6)."""
+async def stubborn(ctx: ToolContext, seconds: float = 0.5, key: str = "", after: float | None = None) -> str:
+    """Ignores cancellation and finishes anyway (for T-CANCEL-6): ``after`` seconds after the
+    cancel (``seconds`` when not given)."""
     _mark(key, "started")
     try:
         await asyncio.sleep(seconds)
     except asyncio.CancelledError:
         _mark(key, "cancelled")
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(seconds if after is None else after)
     _mark(key, "returned")
     return "finished anyway"
 
@@ -126,3 +127,13 @@ async def bounded(ctx: ToolContext, seconds: float = 60.0, key: str = "") -> str
         _mark(key, "cancelled")
         raise
     return f"slept {seconds:g} s"
+
+
+@pack.tool(task_support="optional")
+async def confirm_then_sleep(ctx: ToolContext, seconds: float = 1.0, first: float = 0.2) -> str:
+    """Works ``first`` seconds (long enough to become a task), asks the client to confirm, then
+    works ``seconds`` more."""
+    await asyncio.sleep(first)
+    answer = await ctx.elicit("Go on?", {"type": "object", "properties": {"ok": {"type": "boolean"}}})
+    await asyncio.sleep(seconds)
+    return f"{answer.action} then slept {seconds:g} s"

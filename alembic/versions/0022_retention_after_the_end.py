@@ -1,7 +1,8 @@
-"""Retention after the end: a working task has no expiry, one that ends or waits for input is
-kept its TTL from then (issue 43). task_create_v2, task_finish_v2 and task_hand_back_v2 beside the
-0.1.0 functions, which stay while release 0.1.0 may run beside this one; the service's roles may
-set a task's expires_at (a cancel, a question, an answer).
+"""Retention after the end: a started task has no expiry while it works, one that ends or waits
+(for input, for a runner) is kept its TTL from then (issue 43). task_create_v2, task_finish_v2 and task_hand_back_v2 beside the
+0.1.0 functions, which stay while release 0.1.0 may run beside this one (a trigger gives a task
+they end or pause its retention); the service's roles may set a task's expires_at (a claim, a
+cancel, a question, an answer).
 
 Revision ID: 0022
 Revises: 0021
@@ -21,10 +22,11 @@ depends_on = None
 def upgrade() -> None:
     run_script("""
     -- ===================================================== hot paths: retention after the end ==
-    -- A task's lifetime follows its work (docs/decisions.md, "Retention after the end"): a working
-    -- task has no expiry ('infinity': nothing running is deleted for its age, the runtime limit
-    -- bounds it); one that ends, or waits for input, is kept its TTL from then (ttl_ms is the
-    -- retention granted). task_create_v2, task_finish_v2 and task_hand_back_v2 set expires_at so;
+    -- A task's lifetime follows its work (docs/decisions.md, D-12): a task a runner has started has
+    -- no expiry while it works ('infinity': nothing running is deleted for its age, the runtime limit
+    -- bounds it); one that ends, waits for input or waits for a runner (created or re-queued without
+    -- one) is kept its TTL from then (ttl_ms is the retention granted). task_create_v2,
+    -- task_finish_v2 and task_hand_back_v2 set expires_at so, and a claim sets 'infinity';
     -- task_create, task_finish and task_hand_back above stay while release 0.1.0 may run beside this
     -- one (CONTRIBUTING.md, "Change a SQL function"), and a later release drops them.
     CREATE FUNCTION task_create_v2(p_items jsonb) RETURNS SETOF tasks
@@ -69,7 +71,9 @@ def upgrade() -> None:
                                        rerunnable, tool_version)
                     VALUES (it.tenant_id, it.task_id, it.subject, it.issuer, it.client_id, it.session_id, it.wire,
                             it.tool, it.arguments, it.client_capabilities, it.progress_token, it.ttl_ms,
-                            it.poll_interval_ms, 'infinity'::timestamptz,
+                            it.poll_interval_ms,
+                            CASE WHEN it.lease_owner IS NULL THEN clock_timestamp() + it.ttl_ms * interval '1 millisecond'
+                                 ELSE 'infinity'::timestamptz END,
                             it.lease_owner, clock_timestamp() + it.lease_ms * interval '1 millisecond',
                             CASE WHEN it.lease_owner IS NULL THEN 0 ELSE 1 END,
                             CASE WHEN it.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
@@ -84,7 +88,9 @@ def upgrade() -> None:
                                        rerunnable, tool_version)
                     SELECT p.tenant_id, p.task_id, p.subject, p.issuer, p.client_id, p.session_id, p.wire,
                            p.tool, p.arguments, p.client_capabilities, p.progress_token, p.ttl_ms,
-                           p.poll_interval_ms, 'infinity'::timestamptz,
+                           p.poll_interval_ms,
+                           CASE WHEN p.lease_owner IS NULL THEN clock_timestamp() + p.ttl_ms * interval '1 millisecond'
+                                ELSE 'infinity'::timestamptz END,
                            p.lease_owner, clock_timestamp() + p.lease_ms * interval '1 millisecond',
                            CASE WHEN p.lease_owner IS NULL THEN 0 ELSE 1 END,
                            CASE WHEN p.lease_owner IS NULL THEN NULL ELSE clock_timestamp() END,
@@ -232,7 +238,8 @@ def upgrade() -> None:
             requeued[i] := false;
             UPDATE tasks
             SET status = 'working', status_message = format('%s (attempt %s)', it.requeue_message, attempts + 1),
-                last_updated_at = clock_timestamp(), expires_at = 'infinity', lease_owner = NULL,
+                last_updated_at = clock_timestamp(), expires_at = clock_timestamp() + ttl_ms * interval '1 millisecond',
+                lease_owner = NULL,
                 lease_expires_at = NULL, lease_epoch = lease_epoch + 1
             WHERE tenant_id = it.tenant_id AND task_id = it.task_id AND lease_owner = it.owner
               AND lease_epoch = it.epoch
@@ -285,6 +292,21 @@ def upgrade() -> None:
     END
     $$;
 
+    -- Release 0.1.0's statements end or pause a task without setting its expiry: while it runs beside
+    -- this release, a task of this release that one of them ends, cancels or makes wait for input
+    -- gets its retention from that change here, so that no row is kept forever. This release's own
+    -- statements set a finite expiry with any such change, and the trigger's condition skips them.
+    CREATE FUNCTION tasks_retention_from_change() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        NEW.expires_at := clock_timestamp() + NEW.ttl_ms * interval '1 millisecond';
+        RETURN NEW;
+    END
+    $$;
+    CREATE TRIGGER tasks_retention_from_change BEFORE UPDATE OF status ON tasks
+        FOR EACH ROW WHEN (NEW.status <> 'working' AND NEW.expires_at = 'infinity')
+        EXECUTE FUNCTION tasks_retention_from_change();
+
     REVOKE ALL ON FUNCTION task_create_v2(jsonb), task_finish_v2(jsonb), task_hand_back_v2(jsonb) FROM PUBLIC;
     GRANT EXECUTE ON FUNCTION task_create_v2(jsonb) TO mcp_tasks_app;
     GRANT EXECUTE ON FUNCTION task_finish_v2(jsonb), task_hand_back_v2(jsonb) TO mcp_tasks_runner;
@@ -301,5 +323,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     run_script("""
     REVOKE UPDATE (expires_at) ON tasks FROM mcp_tasks_app, mcp_tasks_runner;
+    DROP TRIGGER tasks_retention_from_change ON tasks;
+    DROP FUNCTION tasks_retention_from_change();
     DROP FUNCTION task_create_v2(jsonb), task_finish_v2(jsonb), task_hand_back_v2(jsonb);
     """)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import secrets
 from dataclasses import field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from service.domain.values import frozen
@@ -128,16 +128,26 @@ class Task:
     lease_epoch: int = 0
     # When a runner first started it (kept across takeovers: the runtime limit counts from it).
     started_at: datetime | None = None
+    # When it will be deleted; None where the copy was read without it. PostgreSQL's 'infinity'
+    # (a started task, while it works) reads as a naive datetime.max.
+    expires_at: datetime | None = None
 
 
 def ttl_reported_ms(task: Task, now: datetime) -> int:
-    """The task's ttl as both wires report it, from its creation to when it will be deleted: the
-    granted ttl is retention after the last change, so it grows by the task's age while the task
-    works (createdAt + ttl stays a retention period ahead) and stands once it ends or waits for
-    input (createdAt + ttl is then its expiry). The age counts in whole seconds: the value moves
-    at most once a second, a task just created reports what it was granted, and it never names
-    a later expiry than the real one (docs/decisions.md, "Retention after the end")."""
-    anchor = now if task.status is TaskStatus.WORKING else task.last_updated_at
+    """The task's ttl as both wires report it, from its creation to when it will be deleted. The
+    granted ttl is retention after the last change once the task stops working (ends, waits for
+    input or for a runner): its expiry is then that change plus the ttl, and the value stands. A
+    started task has no expiry while it works: the value grows by its age, so createdAt + ttl stays
+    a retention period ahead. Ages count in whole seconds: the value moves at most once a second,
+    a task just created reports what it was granted, and it never names a later expiry than the
+    real one (docs/decisions.md, D-12)."""
+    expires = task.expires_at
+    if expires is not None and expires.tzinfo is not None:  # finite: the change it counts from
+        anchor = expires - timedelta(milliseconds=task.ttl_ms)
+    elif expires is None and task.status is not TaskStatus.WORKING:  # read without it
+        anchor = task.last_updated_at
+    else:
+        anchor = now
     return task.ttl_ms + 1000 * max(0, int((anchor - task.created_at).total_seconds()))
 
 

@@ -226,7 +226,8 @@ class Maintenance:
         return moved
 
     async def delete_expired(self) -> int:
-        """D-12: an expired task is deleted whatever its state; its runner is told to stop."""
+        """D-12: expired tasks (ended, or waiting for input or for a runner, a TTL ago) are deleted;
+        a runner whose task waited for input is told to stop."""
         total = 0
         while True:
             deleted = await self.store.delete_expired(BATCH)

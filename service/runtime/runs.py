@@ -42,6 +42,10 @@ class RunLimits:
     input_timeout_s: float = 3_600.0
 
 
+# Tools that ignored their cancel at the runtime limit, left to end on their own (kept referenced).
+_abandoned: set[asyncio.Future[Outcome]] = set()
+
+
 def over_limit(tool: str, limit_s: float) -> Outcome:
     return Outcome.failure(
         FailureReason.RUNTIME_LIMIT,
@@ -120,37 +124,64 @@ class Runs:
             self._ended(run)
 
     async def _call(self, task: Task, call: InlineCall | None, caps: dict[str, Any]) -> Outcome:
-        """The tool's outcome, or a failure once it runs past its runtime limit: counted from the
-        task's first start (a takeover does not restart it), the tool is cancelled when what is left
-        runs out. A tool that swallows its cancel and returns still fails: the limit holds. (A timer,
-        not ``asyncio.timeout``: the first step runs before this run has a task, see ``eager``.)"""
+        """The tool's outcome, or a failure once it runs past its runtime limit. The limit counts
+        from the task's first start (a takeover does not restart it): when what is left runs out
+        the tool is cancelled, and the task fails whether the tool then stops, returns anyway, or
+        ignores the cancel for a renewal interval (it is then left to end on its own, its writes
+        fenced off). A ledger's stop (cancel, fence, shutdown) waits for the tool to stop, then
+        its rules apply. (Timers, not ``asyncio.timeout``: the first step runs before this run has
+        a task of its own, see ``eager``.)"""
         spec = self.executor.registry.tools.get(task.tool)
         limit_s = spec.runtime_limit_s(self.limits.max_runtime_s) if spec is not None else self.limits.max_runtime_s
-        ran_s = (datetime.now(UTC) - task.started_at).total_seconds() if task.started_at is not None else 0.0
+        left_s = limit_s - ((datetime.now(UTC) - task.started_at).total_seconds() if task.started_at else 0.0)
         if call is not None:
             tool: asyncio.Future[Outcome] = call.job
+        elif left_s <= 0:  # taken over past its limit: not started again
+            return self._over_limit(task, limit_s)
         else:
             ctx = TaskRunContext(task, self.sink(task), caps)
             tool = eager.start(self.executor.run(task.tool, task.arguments, ctx), name=f"tool-{task.task_id[:8]}")
+        if tool.done():
+            return tool.result()
+        loop = asyncio.get_running_loop()
+        settled: asyncio.Future[None] = loop.create_future()
         expired = False
+        handles: list[asyncio.TimerHandle] = []
+
+        def settle(_: object = None) -> None:
+            if not settled.done():
+                settled.set_result(None)
 
         def expire() -> None:
             nonlocal expired
-            expired = True
-            tool.cancel()
+            if not tool.done():
+                expired = True
+                tool.cancel()
+                handles.append(loop.call_later(self.times.renew_every, settle))  # how long it gets to stop
 
-        timer = None if tool.done() else asyncio.get_running_loop().call_later(max(0.0, limit_s - ran_s), expire)
+        tool.add_done_callback(settle)
+        handles.append(loop.call_later(max(0.0, left_s), expire))
         try:
-            outcome = await tool  # cancelling us cancels it
+            await settled
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if not expired or (current is not None and current.cancelling()):
-                raise  # stopped by the ledger (cancel, fence, shutdown): its rules apply
+            tool.cancel()
+            await asyncio.wait([tool])
+            raise
         finally:
-            if timer is not None:
-                timer.cancel()
+            for handle in handles:
+                handle.cancel()
+            tool.remove_done_callback(settle)
         if not expired:
-            return outcome
+            return tool.result()
+        if not tool.done():
+            _abandoned.add(tool)
+            tool.add_done_callback(_abandoned.discard)
+            log.warning("tool %r of task %s ignored its cancel at the runtime limit: the task fails, the tool is "
+                        "left to end on its own", task.tool, task.task_id[:8])  # fmt: skip
+        return self._over_limit(task, limit_s)
+
+    @staticmethod
+    def _over_limit(task: Task, limit_s: float) -> Outcome:
         metrics.labelled(metrics.task_limit_failures, task.tool, "runtime").inc()
         log.warning("task %s of tool %r ran past its runtime limit of %g s: stopped, failed",
                     task.task_id[:8], task.tool, limit_s)  # fmt: skip

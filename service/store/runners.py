@@ -170,7 +170,7 @@ class RunnerStore:
                 for r in rows]  # fmt: skip
 
     async def delete_expired(self, limit: int) -> int:
-        """D-12: one batch of expired tasks deleted whatever their state, audited; their runners told."""
+        """D-12: one batch of expired tasks deleted (ended, or waiting a TTL), audited; their runners told."""
         async with self.db.transaction() as conn:
             tasks = [task_from_row(r) for r in await conn.fetch(Q["delete_expired_tasks"], limit)]
             for task in sorted(tasks, key=lambda t: t.tenant_id):  # same lock order on every replica

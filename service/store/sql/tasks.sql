@@ -12,7 +12,7 @@ WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND task_status_activ
 -- First page of an owner's 2025-11-25 tasks, newest first (the extension has no list, X-SEC-4).
 -- Only the columns a listed task shows: no arguments, capabilities or result (issue 14 §4).
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
-       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
+       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, expires_at
 FROM tasks
 WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND wire = '2025-11-25'
 ORDER BY created_at DESC, task_id DESC
@@ -21,7 +21,7 @@ LIMIT $3;
 -- name: list_tasks_after
 -- Next page after the keyset (created_at, task_id) carried by the cursor; the same columns.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
-       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
+       status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, expires_at
 FROM tasks
 WHERE tenant_id = $1 AND subject = $2 AND expires_at > clock_timestamp() AND wire = '2025-11-25'
   AND (created_at, task_id) < ($3, $4)
@@ -62,7 +62,7 @@ RETURNING *;
 UPDATE tasks t
 SET lease_owner = $1, lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond',
     attempts = t.attempts + 1, started_at = coalesce(t.started_at, clock_timestamp()),
-    lease_epoch = t.lease_epoch + 1,
+    lease_epoch = t.lease_epoch + 1, expires_at = 'infinity',  -- started: kept while it works (D-12)
     status_message = CASE WHEN t.status_message LIKE 'queued: no connected worker %' THEN NULL
                           ELSE t.status_message END
 FROM (
@@ -177,17 +177,19 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
 -- name: task_create
 -- Creates in one statement and one commit: one row per item, in order; a row of NULLs where a cap
 -- refused the create. Only the columns a Task holds: not the arguments and capabilities a create
--- sent (its request has them), nor the expiry and lease times, which no caller reads.
+-- sent (its request has them), nor the lease times, which no caller reads (the expiry gives the
+-- reported ttl, docs/decisions.md D-12).
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
-       rerunnable, lease_epoch, started_at
+       rerunnable, lease_epoch, started_at, expires_at
 FROM task_create_v2($1);
 
 -- name: task_get
 -- Gets in one read-only statement: a row per item found, with its place (o), nothing for an item
 -- whose task is unknown, expired or not its subject's.
 SELECT o, tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
-       status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts
+       status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
+       expires_at
 FROM task_get($1, $2, $3);
 
 -- name: task_retrieve
@@ -195,7 +197,7 @@ FROM task_get($1, $2, $3);
 -- item, in order; a row of NULLs where there is no task.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
-       rerunnable, lease_epoch
+       rerunnable, lease_epoch, expires_at
 FROM task_retrieve($1);
 
 -- name: task_finish
@@ -203,7 +205,7 @@ FROM task_retrieve($1);
 -- outcome's payload, the arguments and the client's capabilities, which the runner has.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts, rerunnable,
-       lease_epoch, started_at
+       lease_epoch, started_at, expires_at
 FROM task_finish_v2($1);
 
 -- name: task_hand_back
