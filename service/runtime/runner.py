@@ -196,6 +196,8 @@ class Runner:
         for name, spec in self.registry.tools.items():
             limit_s = spec.runtime_limit_s(self.runs.limits.max_runtime_s)
             metrics.tool_runtime_limit_seconds.labels(name).set(limit_s)
+            for limit in ("runtime", "input"):  # at zero, so that rates exist before the first failure
+                metrics.labelled(metrics.task_limit_failures, name, limit)
         sent = time.monotonic()
         await self._publish()
         self.ledger.published(sent)
