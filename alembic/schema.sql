@@ -552,7 +552,8 @@ CREATE TYPE audit_event_item AS (
 -- sha256(prev_hash || canonical(row)). A finished task's result handed out again is recorded once
 -- per requestor per interval (audit_retrieval_due), decided before any head is locked. Locks: a
 -- tenant's missing head is made before any head is locked, then the heads are locked in tenant
--- order (COLLATE "C"), as every writer takes them. The request role appends only to its
+-- order (COLLATE "C"), as every writer takes them (one tenant's events, as every request appends,
+-- lock that head by key). The request role appends only to its
 -- transaction's tenant's chain (row-level security held it there; this runs as the record's
 -- owner); the runner role appends for any tenant (expiries, finishes, hand-backs). Returns the last
 -- event's seq, NULL when every event was a retrieval only counted.
@@ -571,6 +572,7 @@ DECLARE
     head_seq bigint[];
     head_hash bytea[];
     head_at timestamptz[];
+    head audit_heads;
     e audit_events;
     chain audit_events[] := '{}';
     h integer := 0;
@@ -581,7 +583,7 @@ BEGIN
         RAISE EXCEPTION 'audit_append_events: one tenant for every event' USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF current_setting('role') = 'mcp_tasks_app'
-       AND EXISTS (SELECT 1 FROM unnest(p_tenants) AS t WHERE t IS DISTINCT FROM current_setting('app.tenant_id', true)) THEN
+       AND NOT coalesce(current_setting('app.tenant_id', true) = ALL (p_tenants), false) THEN
         RAISE EXCEPTION 'audit_append_events: not the transaction''s tenant' USING ERRCODE = 'insufficient_privilege';
     END IF;
     FOR i IN 1 .. n LOOP
@@ -601,23 +603,35 @@ BEGIN
     IF m = 0 THEN
         RETURN NULL;
     END IF;
-    -- The events by tenant (in tenant order), each tenant's in their order; the tenants in order.
-    SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C")
-        INTO at_order, tenants
-    FROM unnest(kept_tenants) WITH ORDINALITY AS x(t, o);
-    -- A tenant's first event: its head is made before any head is locked, in tenant order.
-    IF (SELECT count(*) FROM audit_heads WHERE tenant_id = ANY (tenants)) < cardinality(tenants) THEN
-        INSERT INTO audit_heads (tenant_id, seq, hash)
-        SELECT t, 0, decode(repeat('00', 32), 'hex') FROM unnest(tenants) AS t ORDER BY t COLLATE "C"
-        ON CONFLICT (tenant_id) DO NOTHING;
+    IF kept_tenants[1] = ALL (kept_tenants) THEN  -- one tenant (every request's append): its head by key
+        SELECT * INTO head FROM audit_heads WHERE tenant_id = kept_tenants[1] FOR UPDATE;
+        IF NOT FOUND THEN  -- the tenant's first event
+            INSERT INTO audit_heads (tenant_id, seq, hash) VALUES (kept_tenants[1], 0, decode(repeat('00', 32), 'hex'))
+                ON CONFLICT (tenant_id) DO NOTHING;
+            SELECT * INTO head FROM audit_heads WHERE tenant_id = kept_tenants[1] FOR UPDATE;
+        END IF;
+        at_order := array(SELECT generate_series(1, m));
+        head_tenant := ARRAY[head.tenant_id]; head_seq := ARRAY[head.seq];
+        head_hash := ARRAY[head.hash]; head_at := ARRAY[head.at];
+    ELSE
+        -- The events by tenant (in tenant order), each tenant's in their order; the tenants in order.
+        SELECT array_agg(x.o ORDER BY x.t COLLATE "C", x.o), array_agg(DISTINCT x.t COLLATE "C" ORDER BY x.t COLLATE "C")
+            INTO at_order, tenants
+        FROM unnest(kept_tenants) WITH ORDINALITY AS x(t, o);
+        -- A tenant's first event: its head is made before any head is locked, in tenant order.
+        IF (SELECT count(*) FROM audit_heads WHERE tenant_id = ANY (tenants)) < cardinality(tenants) THEN
+            INSERT INTO audit_heads (tenant_id, seq, hash)
+            SELECT t, 0, decode(repeat('00', 32), 'hex') FROM unnest(tenants) AS t ORDER BY t COLLATE "C"
+            ON CONFLICT (tenant_id) DO NOTHING;
+        END IF;
+        -- The heads, locked in tenant order (rows are locked as the sort returns them), read field by
+        -- field: a row array would be converted through text, its time by the session's DateStyle.
+        SELECT array_agg(l.tenant_id ORDER BY l.tenant_id COLLATE "C"), array_agg(l.seq ORDER BY l.tenant_id COLLATE "C"),
+               array_agg(l.hash ORDER BY l.tenant_id COLLATE "C"), array_agg(l.at ORDER BY l.tenant_id COLLATE "C")
+            INTO head_tenant, head_seq, head_hash, head_at
+        FROM (SELECT tenant_id, seq, hash, at FROM audit_heads WHERE tenant_id = ANY (tenants)
+              ORDER BY tenant_id COLLATE "C" FOR UPDATE) l;
     END IF;
-    -- The heads, locked in tenant order (rows are locked as the sort returns them), read field by
-    -- field: a row array would be converted through text, its time by the session's DateStyle.
-    SELECT array_agg(l.tenant_id ORDER BY l.tenant_id COLLATE "C"), array_agg(l.seq ORDER BY l.tenant_id COLLATE "C"),
-           array_agg(l.hash ORDER BY l.tenant_id COLLATE "C"), array_agg(l.at ORDER BY l.tenant_id COLLATE "C")
-        INTO head_tenant, head_seq, head_hash, head_at
-    FROM (SELECT tenant_id, seq, hash, at FROM audit_heads WHERE tenant_id = ANY (tenants)
-          ORDER BY tenant_id COLLATE "C" FOR UPDATE) l;
     -- The chain step, for every event.
     FOREACH k IN ARRAY at_order LOOP
         IF h = 0 OR e.tenant_id <> kept_tenants[k] THEN  -- the next tenant's chain
@@ -645,11 +659,15 @@ BEGIN
     ELSE
         INSERT INTO audit_events SELECT * FROM unnest(chain);
     END IF;
-    -- Each head by key (ANY), whatever plan a join of the heads with an array would get.
-    UPDATE audit_heads
-    SET seq = head_seq[array_position(head_tenant, tenant_id)], hash = head_hash[array_position(head_tenant, tenant_id)],
-        at = head_at[array_position(head_tenant, tenant_id)]
-    WHERE tenant_id = ANY (head_tenant);
+    IF h = 1 THEN
+        UPDATE audit_heads SET seq = e.seq, hash = e.hash, at = e.at WHERE tenant_id = e.tenant_id;
+    ELSE
+        -- Each head by key (ANY), whatever plan a join of the heads with an array would get.
+        UPDATE audit_heads
+        SET seq = head_seq[array_position(head_tenant, tenant_id)], hash = head_hash[array_position(head_tenant, tenant_id)],
+            at = head_at[array_position(head_tenant, tenant_id)]
+        WHERE tenant_id = ANY (head_tenant);
+    END IF;
     RETURN e.seq;
 END
 $$;

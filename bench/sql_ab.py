@@ -64,7 +64,7 @@ class Variant:
         self.runner = await asyncpg.connect(dsn, server_settings={"role": "mcp_tasks_runner"})
         self.app_pid = await self.app.fetchval("SELECT pg_backend_pid()")
         self.runner_pid = await self.runner.fetchval("SELECT pg_backend_pid()")
-        await self.runner.execute(Q["publish_runner"], "runner-1", 1, "{}", 3_600_000)
+        await self.runner.execute(Q["publish_runner"], "runner-1", "{}", 3_600_000)
 
     def _migrate(self, dsn: str) -> None:
         env = {**os.environ, "MCP_TASKS_DATABASE_URL": dsn}
@@ -91,9 +91,7 @@ class Variant:
     async def round(self, owners: list[tuple[str, str]], counted: bool) -> None:
         items = sorted((create(t, s) for t, s in owners), key=lambda i: (i["tenant_id"], i["subject"], i["task_id"]))
         ids = [[i[k] for i in items] for k in ("tenant_id", "task_id", "subject")]
-        rows, c = await self._timed(
-            self.app, self.app_pid, "SELECT task_id FROM task_create($1::jsonb)", json.dumps(items)
-        )
+        rows, c = await self._timed(self.app, self.app_pid, Q["task_create"], json.dumps(items))
         assert all(row["task_id"] for row in rows), "a create was refused"
         rows, g = await self._timed(self.app, self.app_pid, Q["task_get"], *ids)
         assert len(rows) == len(items), "a get found nothing"
@@ -103,14 +101,10 @@ class Variant:
               "detail": {"outcome": "result"}, "epoch": 0} for i in items),
             key=lambda f: (f["tenant_id"], f["task_id"]),
         )  # fmt: skip
-        rows, f = await self._timed(
-            self.runner, self.runner_pid, "SELECT task_id FROM task_finish($1::jsonb)", json.dumps(finishes)
-        )
+        rows, f = await self._timed(self.runner, self.runner_pid, Q["task_finish"], json.dumps(finishes))
         assert all(row["task_id"] for row in rows), "a finish was refused"
         lookups = [{**i, "detail": None} for i in items]
-        rows, r = await self._timed(
-            self.app, self.app_pid, "SELECT task_id FROM task_retrieve($1::jsonb)", json.dumps(lookups)
-        )
+        rows, r = await self._timed(self.app, self.app_pid, Q["task_retrieve"], json.dumps(lookups))
         assert all(row["task_id"] for row in rows), "a retrieve found nothing"
         if counted:
             for step, ns in zip(STEPS, (c, g, f, r), strict=True):
