@@ -21,6 +21,7 @@ from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import open_embedded
 from service.store.events import EventHub
 from service.store.tasks import service_key
+from service.store.usage import PlainCallTally
 from service.tasks.cursor import CursorCodec
 from service.tasks.request_state import RequestStateCodec
 from service.tasks.service import TaskPolicy, TaskService
@@ -172,7 +173,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         )
         await runner.start()
     engine = Engine(executor, runner)
-    tasks = TaskService(db, hub, engine, policy, CursorCodec(cursor_key), RequestStateCodec(state_key))
+    plain_calls = PlainCallTally()
+    tasks = TaskService(db, hub, engine, policy, CursorCodec(cursor_key), RequestStateCodec(state_key), plain_calls)
     maintenance = Maintenance(
         runner_db,
         registry,
@@ -181,6 +183,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         pools={"app": db, "runner": runner_db},
         audit_retention_days=settings.audit_retention_days,
         analyze=not autovacuum_on,
+        plain_calls=plain_calls,
     )
     await maintenance.start()
     return Core(

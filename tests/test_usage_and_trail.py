@@ -1,5 +1,6 @@
 """Issue 45, items 5 and 6: `mcp-tasks usage` and `mcp-tasks audit trail` against the audit record a
-real hosted server wrote for two tenants (each with a subject named alice)."""
+real hosted server wrote for two tenants (each with a subject named alice), and the plain calls it
+counted on both wires."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import asyncpg
 import pytest
 
 from tests.conftest import http_client, make_settings, run_issuer, serve
+from tests.ext import V2026Client
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
 from tests.test_durability import ROOT
@@ -54,7 +56,9 @@ async def _until_expired(database_url: str, task_id: str) -> None:
 @pytest.fixture(scope="module")
 async def record(admin_dsn: str, template_db: str) -> Any:
     """One record for the module: tenant A ran five tasks (completed, tool error, failed, cancelled,
-    expired while waiting for input), tenant B one, and B asked for one of A's tasks."""
+    expired while waiting for input) and two plain calls (2025-11-25, 2025-06-18), tenant B one task
+    and one plain call (2026-07-28), and B asked for one of A's tasks. The server stops before the
+    tests read (its last maintenance pass writes the plain calls)."""
     from tests.conftest import fresh_database
 
     started = datetime.now(UTC).isoformat()
@@ -76,6 +80,14 @@ async def record(admin_dsn: str, template_db: str) -> Any:
             b_echo = (await b.call_tool_as_task("echo", {"text": "y"}))["task"]["taskId"]
             await b.result("tasks/result", {"taskId": b_echo})
             await b.error("tasks/get", {"taskId": ids["echo"]})  # B probes A's task: a denial in B's chain
+            # Plain calls: answered inside their requests, on each wire.
+            await a.result("tools/call", {"name": "echo", "arguments": {"text": "plain"}})
+            older = RpcSession(http, server.url, token=a.token)
+            await older.initialize("2025-06-18")
+            await older.result("tools/call", {"name": "echo", "arguments": {"text": "plain"}})
+            modern = V2026Client(http, server.url, token=b.token)
+            answered = await modern.result("tools/call", {"name": "echo", "arguments": {"text": "plain"}})
+            assert answered["resultType"] == "complete", answered  # ended inside its request
             await _until_expired(url, ids["expiring"])
         yield url, ids, started
 
@@ -89,6 +101,8 @@ async def test_usage_counts_each_tenants_tasks_by_how_they_ended(record: Any) ->
     assert (a["created"], a["completed"], a["failed"], a["cancelled"], a["expired"]) == (5, 2, 1, 1, 1)
     assert a["task_seconds"] > 0
     assert (rows["t-b"]["created"], rows["t-b"]["completed"]) == (1, 1)
+    # Plain calls, per tenant (the hours the range touches): A's on 2025-11-25 and 2025-06-18, B's on 2026-07-28.
+    assert (a["plain_calls"], rows["t-b"]["plain_calls"]) == (2, 1)
 
 
 async def test_usage_by_tool_as_csv_and_an_empty_range(record: Any) -> None:
@@ -98,6 +112,7 @@ async def test_usage_by_tool_as_csv_and_an_empty_range(record: Any) -> None:
     table = list(csv.DictReader(io.StringIO(by_tool.stdout)))
     assert {r["tool"] for r in table} == {"echo", "fail", "crash", "hang", "confirm"}
     assert sum(int(r["created"]) for r in table) == 5
+    assert {r["tool"]: int(r["plain_calls"]) for r in table if int(r["plain_calls"])} == {"echo": 2}
     empty = await asyncio.to_thread(mcp, url, "usage", "--since", "2099-01-01T00:00:00+00:00", "--csv")
     assert (empty.returncode, empty.stdout.splitlines()[1:]) == (0, [])  # the header only
     bad = await asyncio.to_thread(mcp, url, "usage", "--since", "last tuesday")
@@ -150,3 +165,28 @@ async def test_a_login_without_the_services_roles_reads_no_trail(record: Any, ad
     assert done.returncode == 1
     assert done.stdout == ""
     assert done.stderr.count("\n") == 1
+
+
+async def test_plain_calls_a_flush_could_not_write_wait_for_the_next_and_processes_add_up(database_url: str) -> None:
+    """A process's counts outlive a flush that fails (the database gone): the next flush writes
+    them, and two processes' counts of one tenant, tool and hour add up in one row."""
+    from service.store.db import RUNNER_ROLE, Database
+    from service.store.usage import PlainCallTally, UsageStore
+
+    one, other = PlainCallTally(), PlainCallTally()
+    for _ in range(3):
+        one.count("t-a", "echo")
+    other.count("t-a", "echo")
+    gone = Database(database_url, pool_size=1, role=RUNNER_ROLE)
+    await gone.open()
+    await gone.close()
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the closed pool raises
+        await one.flush(gone)
+    db = Database(database_url, pool_size=2, role=RUNNER_ROLE)
+    await db.open()
+    try:
+        assert (await one.flush(db), await other.flush(db), await one.flush(db)) == (3, 1, 0)
+        report = await UsageStore(db).report("t-a", None, None)
+    finally:
+        await db.close()
+    assert [(u.tool, u.plain_calls, u.created) for u in report] == [("echo", 4, 0)]

@@ -1,5 +1,5 @@
 """Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions,
-purge exported audit events past their retention, give a new deployment's tables their first
+purge exported audit events past their retention, write the plain calls counted since the last pass, give a new deployment's tables their first
 statistics at once, and keep the planner's statistics when the server's autovacuum does not."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from service.runtime.handback import count_handed_back, hand_back
 from service.store.audit import AuditStore
 from service.store.db import Database
 from service.store.runners import RunnerStore
+from service.store.usage import PlainCallTally
 from service.tools.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Maintenance:
         pools: dict[str, Database] | None = None,
         audit_retention_days: int | None = None,
         analyze: bool = False,
+        plain_calls: PlainCallTally | None = None,
     ) -> None:
         """``analyze``: the server's autovacuum is off, so each pass analyses the tables that
         changed enough (without statistics the planner may read every task of a tenant to find
@@ -56,6 +58,7 @@ class Maintenance:
         self.audit = AuditStore(db)
         self.audit_retention_days = audit_retention_days
         self.analyze = analyze
+        self.plain_calls = plain_calls
         self._audit_purged_at: float | None = None
         self.pools = pools or {"runner": db}
         self.registry = registry
@@ -82,6 +85,10 @@ class Maintenance:
         await cancel_and_wait(*running)
         if not self._task.cancelled():
             self._task.exception()  # collected: a failure of the loop itself was logged by it
+        try:  # the plain calls answered since the last pass
+            await self.flush_plain_calls()
+        except Exception as exc:
+            log.warning("the plain calls counted since the last maintenance pass are lost: %s", exc)
 
     async def _pause(self, seconds: float) -> bool:
         """Wait ``seconds``, or less if the loop is stopping; is it?"""
@@ -109,6 +116,7 @@ class Maintenance:
                 return
 
     async def run_once(self) -> None:
+        await self.flush_plain_calls()
         await self.reap_lost_leases()
         await self.delete_expired()
         await self.flag_tasks_without_runner()
@@ -128,6 +136,10 @@ class Maintenance:
                 log.exception("the first analysis of the service's tables failed")
         if self.analyze:
             await self.analyze_stale()
+
+    async def flush_plain_calls(self) -> int:
+        """Usage: the plain calls this process answered since the last pass, added to the record's side."""
+        return 0 if self.plain_calls is None else await self.plain_calls.flush(self.pools["runner"])
 
     async def analyze_young(self) -> list[str]:
         """A new deployment's first statistics, autovacuum or not: until its first

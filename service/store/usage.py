@@ -1,10 +1,12 @@
 """Reading the audit record for operators: usage per tenant (``mcp-tasks usage``) and the trail of
-one task or one subject (``mcp-tasks audit trail``). Queries: ``sql/usage.sql``, ``sql/audit_trail.sql``."""
+one task or one subject (``mcp-tasks audit trail``); the plain calls that usage counts beside the
+record. Queries: ``sql/usage.sql``, ``sql/audit_trail.sql``."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from service.store.db import Database
@@ -13,7 +15,8 @@ from service.store.queries import Q
 
 @dataclass(frozen=True)
 class Usage:
-    """One tenant's (and tool's) tasks in a time range: created in it, and ended in it by how."""
+    """One tenant's (and tool's) tasks in a time range: created in it, and ended in it by how; and its
+    plain calls in the hours the range touches."""
 
     tenant_id: str
     tool: str
@@ -23,6 +26,7 @@ class Usage:
     cancelled: int
     expired: int
     task_seconds: float
+    plain_calls: int
 
 
 class UsageStore:
@@ -36,9 +40,40 @@ class UsageStore:
             rows = await conn.fetch(Q["usage_report"], tenant_id, since, until)
         return [
             Usage(r["tenant_id"], r["tool"], r["created"], r["completed"], r["failed"], r["cancelled"], r["expired"],
-                  r["task_seconds"])
+                  r["task_seconds"], r["plain_calls"])
             for r in rows
         ]  # fmt: skip
+
+
+class PlainCallTally:
+    """Plain calls (answered inside their request, never a task) counted in memory per tenant, tool
+    and hour (UTC), and added to ``usage_plain_calls`` by ``flush`` (each maintenance pass, and at
+    shutdown): a row per call would cost more than the call. Counts a flush could not write stay
+    for the next one."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, str, datetime]] = Counter()
+
+    def count(self, tenant_id: str, tool: str) -> None:
+        hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+        self._counts[(tenant_id, tool, hour)] += 1
+
+    async def flush(self, db: Database) -> int:
+        """Add the counts so far (``db``: a pool of the runner role); returns the calls written."""
+        taken, self._counts = self._counts, Counter()
+        if not taken:
+            return 0
+        keys = sorted(taken)
+        try:
+            async with db.transaction() as conn:
+                await conn.execute(
+                    Q["usage_add_plain_calls"], [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+                    [taken[k] for k in keys],
+                )  # fmt: skip
+        except BaseException:
+            self._counts.update(taken)
+            raise
+        return sum(taken.values())
 
 
 class AuditTrailStore:

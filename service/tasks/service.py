@@ -36,6 +36,7 @@ from service.store.events import (
     EventHub,
 )
 from service.store.tasks import TaskStore
+from service.store.usage import PlainCallTally
 from service.tasks.cursor import CursorCodec
 from service.tasks.plain import PlainSlots
 from service.tasks.request_state import RequestStateCodec
@@ -87,8 +88,10 @@ class TaskService:
         policy: TaskPolicy,
         cursors: CursorCodec,
         request_states: RequestStateCodec,
+        plain_calls: PlainCallTally | None = None,
     ) -> None:
         self.store = TaskStore(db)
+        self.plain_calls = plain_calls or PlainCallTally()  # for usage: the maintenance pass writes them
         self.request_states = request_states
         self.hub = hub
         # The runtime: it runs every tool, and new tasks go straight to a free slot of this
@@ -128,6 +131,7 @@ class TaskService:
         """A plain call (no task): one of the requestor's active-task slots held while it runs
         (from memory as a rule), its first step taken now. Beyond the cap: CapacityExceeded."""
         release = self.plain.take(caller) or await self.plain.hold(caller, tool)
+        self.plain_calls.count(caller.principal.tenant_id, tool)
         job = self.engine.start_plain(tool, arguments, ctx)
         if job.done():
             release()
@@ -244,6 +248,7 @@ class TaskService:
         if round_.end is CallEnd.NEEDS_INPUT:
             return CallResult(questions=round_.questions, used=round_.used)
         if round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED:
+            self.plain_calls.count(caller.principal.tenant_id, spec.name)
             return CallResult(outcome=round_.outcome)
         task_id = new_task_id()
         slot = engine.hand_over(call, caller.principal.tenant_id, task_id)
