@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # before a command's own handling (imports, settings): nothing was started
         print("\nmcp-tasks: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # any command's reader went away (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout at exit
+        sys.exit(141)
 
 
 def _main(argv: list[str]) -> None:

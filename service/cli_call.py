@@ -167,13 +167,23 @@ async def follow_v2026(client: V2026Client, state: CommandState, poll_ms: int, r
         await asyncio.sleep(poll_ms / 1000)
 
 
+def show_progress(message: dict[str, Any]) -> None:
+    """A progress notification, one line on stderr (other notifications are not shown)."""
+    if message.get("method") == "notifications/progress":
+        p = message["params"]
+        total = f"/{p['total']:g}" if "total" in p else ""
+        print(f"  progress {p['progress']:g}{total} {p.get('message', '')}", file=sys.stderr)
+
+
 async def _call_v2026(args: argparse.Namespace, arguments: dict[str, Any], state: CommandState) -> int:
     async with V2026Client(args.url, token=args.token) as client:
-        params: dict[str, Any] = {"name": args.tool, "arguments": arguments}
-        result = await client.request("tools/call", params)
+        # A progress token, so that the tool reports progress: the part inside the request streams
+        # it (XD-18); once the call is a task, the task's status message carries it (X-NOTIF-8).
+        params: dict[str, Any] = {"name": args.tool, "arguments": arguments, "_meta": {"progressToken": "cli"}}
+        result = await client.request("tools/call", params, on_message=show_progress)
         while result.get("resultType") == "input_required":
             answers = {key: await ask(req, state) for key, req in (result.get("inputRequests") or {}).items()}
-            result = await client.request("tools/call", {**params, "inputResponses": answers})
+            result = await client.request("tools/call", {**params, "inputResponses": answers}, on_message=show_progress)
         if result.get("resultType") != "task":
             return print_result(result)
         state.task_id, state.status = result["taskId"], result["status"]
@@ -195,9 +205,7 @@ async def _call_v2025(args: argparse.Namespace, arguments: dict[str, Any], state
         async for message in client.stream("tasks/result", {"taskId": state.task_id}):
             method = message.get("method")
             if method == "notifications/progress":
-                p = message["params"]
-                total = f"/{p['total']:g}" if "total" in p else ""
-                print(f"  progress {p['progress']:g}{total} {p.get('message', '')}", file=sys.stderr)
+                show_progress(message)
             elif method == "notifications/tasks/status":
                 state.status = message["params"]["status"]
                 print(f"  status {state.status}", file=sys.stderr)

@@ -216,7 +216,8 @@ class V2026Client:
         meta = {"io.modelcontextprotocol/protocolVersion": V2026_VERSION,
                 "io.modelcontextprotocol/clientCapabilities": self.capabilities,
                 "io.modelcontextprotocol/clientInfo": {"name": "mcp-tasks-cli", "version": "1"}}  # fmt: skip
-        return {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": {**params, "_meta": meta}}
+        return {"jsonrpc": "2.0", "id": next(self._ids), "method": method,
+                "params": {**params, "_meta": {**params.get("_meta", {}), **meta}}}  # fmt: skip
 
     def _headers(self, method: str, params: dict[str, Any]) -> dict[str, str]:
         h = {"Mcp-Method": method}
@@ -225,16 +226,21 @@ class V2026Client:
             h["Mcp-Name"] = name
         return h
 
-    async def request(self, method: str, params: dict[str, Any], *, retry_for_s: float = 60.0) -> dict[str, Any]:
+    async def request(
+        self, method: str, params: dict[str, Any], *, retry_for_s: float = 60.0,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """One request; "unavailable, retry shortly" answers (503, -32001) are retried with backoff
         for up to ``retry_for_s``, and so are lost connections for requests that change nothing
-        (everything but tools/call, which a lost answer might already have run)."""
+        (everything but tools/call, which a lost answer might already have run). An answer sent as
+        a stream (a tools/call with a progress token, XD-18) gives its notifications to
+        ``on_message`` before the result."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry_for_s
         delay = 0.25
         while True:
             try:
-                return await self._request_once(method, params)
+                return await self._request_once(method, params, on_message)
             except McpClientError as exc:
                 if not exc.retryable or loop.time() + delay > deadline:
                     raise
@@ -244,10 +250,21 @@ class V2026Client:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
-    async def _request_once(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        r = await self.http.post(self.url, content=orjson.dumps(self._body(method, params)),
-                                 headers=self._headers(method, params))  # fmt: skip
-        message = _json_answer(r.status_code, await r.aread(), r.reason_phrase)
+    async def _request_once(
+        self, method: str, params: dict[str, Any], on_message: Callable[[dict[str, Any]], None] | None
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"error": {"code": "protocol", "message": "a stream that ended without an answer"}}
+        async with self.http.stream("POST", self.url, content=orjson.dumps(self._body(method, params)),
+                                    headers=self._headers(method, params)) as r:  # fmt: skip
+            if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+                async for sent in sse_messages(r):
+                    if "result" in sent or "error" in sent:
+                        message = sent
+                        break
+                    if on_message is not None:
+                        on_message(sent)
+            else:
+                message = _json_answer(r.status_code, await r.aread(), r.reason_phrase)
         if "error" in message:
             raise McpClientError(dict(message["error"]))
         result: dict[str, Any] = message["result"]

@@ -118,6 +118,36 @@ async def test_tasks_list_get_and_cancel_find_the_task_call_made(database_url: s
     assert (result.returncode, result.stdout.strip()) == (0, "slept 1s")
 
 
+@pytest.mark.parametrize("argv", [["config"], ["config", "--json"]])
+def test_any_command_with_a_closed_stdout_is_exit_141_without_a_traceback(
+    argv: list[str], state_home: dict[str, str]
+) -> None:
+    """`mcp-tasks config | head` and the like: every command, not only the client ones."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "service", *argv], cwd=ROOT, env=state_home, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+async def test_call_shows_the_progress_of_its_task_on_the_default_wire(
+    database_url: str, state_home: dict[str, str]
+) -> None:
+    """Issue 45, point 1: `call` speaks 2026-07-28, where a task sends no progress (X-NOTIF-8); the
+    task's status message carries it, and `call` shows each one it sees."""
+    async with mcp_tasks("serve", database_url) as (_proc, url):
+        made = await run(state_home, "call", "sleep", "--arg", "seconds=3", "--url", url)
+        quick = await run(state_home, "call", "count", "--arg", "n=3", "--arg", "interval_ms=20", "--url", url)
+    assert (made.returncode, json.loads(made.stdout)["content"][0]["text"]) == (0, "slept 3s"), made.stderr
+    assert re.search(r"status working \d+ % — slept \d of 3s", made.stderr), made.stderr
+    # A call that ends inside its request streams its progress there (XD-18).
+    assert quick.returncode == 0, quick.stderr
+    assert "progress 3/3 counted 3 of 3" in quick.stderr, quick.stderr
+
+
 async def test_tools_lists_each_tool_with_its_task_support_and_arguments(
     database_url: str, state_home: dict[str, str]
 ) -> None:
