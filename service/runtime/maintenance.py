@@ -1,6 +1,7 @@
 """Maintenance loop: reap tasks of dead runners, delete expired tasks in batches, drop idle sessions,
-purge exported audit events past their retention, write the plain calls counted since the last pass, give a new deployment's tables their first
-statistics at once, and keep the planner's statistics when the server's autovacuum does not."""
+purge exported audit events past their retention, write the plain calls counted since the last
+pass, give a new deployment's tables their first statistics at once, and keep the planner's
+statistics when the server's autovacuum does not."""
 
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ class Maintenance:
             await self.analyze_stale()
 
     async def flush_plain_calls(self) -> int:
-        """Usage: the plain calls this process answered since the last pass, added to the record's side."""
+        """Usage: the plain calls this process answered since the last pass, added to usage_plain_calls."""
         return 0 if self.plain_calls is None else await self.plain_calls.flush(self.pools["runner"])
 
     async def analyze_young(self) -> list[str]:

@@ -7,8 +7,9 @@
 
 -- name: usage_report
 -- Per (tenant, tool): tasks created in [$2, $3), tasks that ended in it by how, and their seconds
--- from create to end; plain calls in the hours (UTC) that [$2, $3) touches; $1 one tenant or all. The create row of a task that ended is looked up over
--- the whole chain (a task may have started before $2), so this reads the tenants' chains up to $3.
+-- from create to end; plain calls in the hours (UTC) that [$2, $3) touches; $1 one tenant or all.
+-- The create row of a task that ended is looked up over the whole chain (a task may have started
+-- before $2), so this reads the tenants' chains up to $3.
 WITH events AS (
     SELECT tenant_id, seq, at, action, outcome, task_id, detail
     FROM audit_events
