@@ -22,13 +22,19 @@ def _settings() -> Any:
 
 
 def _load_tools(settings: Any) -> None:
-    """Import the tool packs now, so a wrong MCP_TASKS_TOOLS is a message, not a start-up traceback."""
+    """Import the tool packs and read the upstreams file now, so a wrong MCP_TASKS_TOOLS or
+    MCP_TASKS_UPSTREAMS_FILE is a message, not a start-up traceback."""
+    from service.core import load_upstreams
     from service.tools.registry import Registry
 
     try:
-        Registry.load(settings.tool_packs, max_runtime_s=settings.max_runtime_s)
+        registry = Registry.load(settings.tool_packs, max_runtime_s=settings.max_runtime_s)
     except ValueError as exc:
         sys.exit(f"mcp-tasks: MCP_TASKS_TOOLS: {exc}")
+    try:
+        load_upstreams(settings, registry)
+    except ValueError as exc:  # the file's UpstreamConfigError: names the upstream and the key
+        sys.exit(f"mcp-tasks: MCP_TASKS_UPSTREAMS_FILE: {exc}")
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -102,6 +102,13 @@ class Settings(BaseSettings):
     # ("16"). Unset: 50% in hosted mode, all of them in single-user mode (one principal).
     runner_tenant_share: str | None = None
     tools: str = "service.tools.demo"
+    # Upstream MCP servers whose tools this service runs (README, "Put an existing MCP server behind
+    # the service"): a TOML file of [[upstream]] tables; unset: none.
+    upstreams_file: str | None = None
+    # An upstream down this long has its tools taken off tools/list until it is back.
+    upstream_down_grace_s: float = Field(default=60.0, ge=0, le=86_400)
+    # The largest result an upstream tool may answer with (its JSON); above it the call fails.
+    max_result_bytes: int = Field(default=4_194_304, ge=1_024, le=1_073_741_824)
 
     # 2026-07-28: how long a call that may become a task runs inside its request first (XD-5).
     task_grace_ms: int = Field(default=500, ge=0, le=60_000)

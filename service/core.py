@@ -7,7 +7,7 @@ import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from service.config import Settings
 from service.observability import metrics
@@ -28,6 +28,10 @@ from service.tasks.service import TaskPolicy, TaskService
 from service.tasks.sessions import SessionService
 from service.tasks.signals import Signals
 from service.tools.registry import Registry
+
+if TYPE_CHECKING:
+    from service.upstream.config import UpstreamConfig
+    from service.upstream.manager import Upstreams
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class Core:
     maintenance: Maintenance
     stop_database: Callable[[], None] | None = None
     drain_deadline: float | None = None
+    upstreams: Upstreams | None = None
 
     def begin_drain(self, grace_s: float) -> float:
         """A shutdown began: readiness goes false, runners claim nothing more; returns the deadline
@@ -83,6 +88,8 @@ class Core:
         if self.runner is not None:
             deadline = self.begin_drain(self.settings.shutdown_grace_s)
             await self.runner.stop(deadline)
+        if self.upstreams is not None:
+            await self.upstreams.stop()
         await self.hub.stop()
         await self.runner_db.close()
         await self.db.close()
@@ -132,8 +139,33 @@ async def resolve_database(settings: Settings) -> tuple[str, Callable[[], None] 
     return dsn, stop
 
 
+def load_upstreams(settings: Settings, registry: Registry) -> list[UpstreamConfig]:
+    """The upstreams file, checked (an UpstreamConfigError names the upstream and the key)."""
+    if not settings.upstreams_file:
+        return []
+    from service.upstream import config
+
+    upstreams = config.load(settings.upstreams_file)
+    config.check_no_clash(upstreams, registry.tools)
+    return upstreams
+
+
+async def start_upstreams(settings: Settings, registry: Registry, configs: list[UpstreamConfig]) -> Upstreams | None:
+    """Follow the upstreams (the MCP SDK is imported only when there are some)."""
+    if not configs:
+        return None
+    from service.upstream.manager import Upstreams
+
+    upstreams = Upstreams(
+        configs, registry, grace_s=settings.upstream_down_grace_s, max_result_bytes=settings.max_result_bytes
+    )
+    await upstreams.start()
+    return upstreams
+
+
 async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     registry = Registry.load(settings.tool_packs, max_runtime_s=settings.max_runtime_s)
+    upstream_configs = load_upstreams(settings, registry)
     dsn, stop_database = await resolve_database(settings)
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
@@ -158,6 +190,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     )
     poll_s = settings.poll_interval_ms / 1000
     state_key = await service_key(db, "mrtr-request-state")
+    upstreams = await start_upstreams(settings, registry, upstream_configs)
     executor = Executor(registry)
     runner = None
     if run_tasks and settings.runner_concurrency > 0:
@@ -199,4 +232,5 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         runner,
         maintenance,
         stop_database,
+        upstreams=upstreams,
     )

@@ -191,17 +191,21 @@ class Runner:
 
     # ---- the loops ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        metrics.runner_slots.set(self.concurrency)
+    def _tool_metrics(self) -> None:
         for name, spec in self.registry.tools.items():
             limit_s = spec.runtime_limit_s(self.runs.limits.max_runtime_s)
             metrics.tool_runtime_limit_seconds.labels(name).set(limit_s)
             for limit in ("runtime", "input"):  # at zero, so that rates exist before the first failure
                 metrics.labelled(metrics.task_limit_failures, name, limit)
+
+    async def start(self) -> None:
+        metrics.runner_slots.set(self.concurrency)
+        self._tool_metrics()
         sent = time.monotonic()
         await self._publish()
         self.ledger.published(sent)
         self.hub.listeners.append(self._on_event)
+        self.registry.listeners.append(self._tools_changed)
         self._loops = [
             asyncio.create_task(self._claim_loop(), name="runner-claim"),
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
@@ -214,6 +218,22 @@ class Runner:
         tools = {name: {"version": spec.version, "rerunnable": spec.rerunnable}
                  for name, spec in self.registry.tools.items()}  # fmt: skip
         await self.store.publish(self.owner, tools, self.lease_ms)
+
+    def _tools_changed(self) -> None:
+        """An upstream's tools came, went or changed: claim by the new set, and say so."""
+        self._tools = {name: self.registry.tools[name].version for name in sorted(self.registry.tools)}
+        self._tool_metrics()
+        self._spawn(self._publish_tools())
+
+    async def _publish_tools(self) -> None:
+        for attempt in range(5):
+            try:
+                await self._publish()
+                break
+            except Exception as exc:  # a database blip: again, a poll interval later
+                log.warning("runner could not publish its changed tools (attempt %d of 5): %s", attempt + 1, exc)
+                await asyncio.sleep(self.poll_s)
+        self._wake.set()  # queued tasks of a tool that just came may be claimable now
 
     async def _publish_afresh(self) -> None:
         """Our row had lapsed and every run it covered was stopped: publish it afresh, for new work."""

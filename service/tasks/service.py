@@ -204,6 +204,7 @@ class TaskService:
             lease=slot.lease if slot is not None else None,
             rerunnable=spec.rerunnable,
             tool_version=spec.version,
+            origin=spec.origin,
         )
         created = self._enqueue_create(request)
         if slot is not None:
@@ -277,7 +278,7 @@ class TaskService:
             session_id=None, client_capabilities=client_capabilities, progress_token=None,
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=self._requestor_cap(caller), max_per_tenant=p.max_active_per_tenant, lease=lease,
-            rerunnable=spec.rerunnable, tool_version=spec.version,
+            rerunnable=spec.rerunnable, tool_version=spec.version, origin=spec.origin,
         )  # fmt: skip
 
     async def _queue_for_call(

@@ -38,6 +38,9 @@ class ToolSpec:
     # The most one task of this tool may run, in seconds, counted from its first start across
     # takeovers; None: the operator's MCP_TASKS_MAX_RUNTIME_S, which is also the ceiling.
     max_runtime_s: float | None = None
+    # Where the tool lives when not in a pack, for the audit record: {"upstream": name,
+    # "upstream_tool": its name there} (service.upstream).
+    origin: dict[str, str] | None = None
 
     def runtime_limit_s(self, ceiling_s: float) -> float:
         """The limit its tasks run under, given the operator's default and ceiling."""
@@ -215,10 +218,14 @@ class ToolPack:
 
 
 class Registry:
-    """All loaded packs, by name."""
+    """All loaded packs, by name, and the tools of other sources (upstream MCP servers), which
+    come and go while the process runs: ``set_tools`` replaces a source's tools, and each of
+    ``listeners`` is called after a change (the runner publishes what it can run again)."""
 
     def __init__(self, packs: list[ToolPack]) -> None:
         self.tools: dict[str, ToolSpec] = {}
+        self.listeners: list[Callable[[], None]] = []
+        self._sources: dict[str, frozenset[str]] = {}  # source → the names of its tools
         self.resources: list[ResourceSpec] = []
         self.prompts: dict[str, PromptSpec] = {}
         for pack in packs:
@@ -260,6 +267,20 @@ class Registry:
                     f"tool {spec.name!r} declares max_runtime_s={spec.max_runtime_s:g}, above the ceiling "
                     f"MCP_TASKS_MAX_RUNTIME_S={ceiling_s:g}: raise MCP_TASKS_MAX_RUNTIME_S or lower the tool's limit"
                 )
+
+    def set_tools(self, source: str, specs: list[ToolSpec]) -> None:
+        """``source``'s tools are now ``specs`` (none: it has none now). A new dict, so that a
+        reader walking the old one is not disturbed."""
+        old = self._sources.get(source, frozenset())
+        tools = {name: spec for name, spec in self.tools.items() if name not in old}
+        for spec in specs:
+            if spec.name in tools:
+                raise ValueError(f"tool {spec.name!r} of {source} is already defined")
+            tools[spec.name] = spec
+        self.tools = tools
+        self._sources[source] = frozenset(spec.name for spec in specs)
+        for listener in self.listeners:
+            listener()
 
     def get(self, name: str) -> ToolSpec:
         spec = self.tools.get(name)

@@ -1,0 +1,210 @@
+"""One call of an upstream tool, as the client the MCP spec asks for: a timeout on every request
+(``timeout_s``, whatever the upstream reports), an idle timeout that anything the upstream sends
+for the call resets (``idle_timeout_s``; not counted while the call waits for our client's answer),
+``notifications/cancelled`` sent when we stop waiting, and a late answer ignored. The upstream's
+progress goes to the tool context, its questions to our client, its answer becomes the outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Final
+
+import orjson
+import pydantic
+from mcp import types
+from mcp.shared.exceptions import McpError
+
+from service.tools.api import InputNotSupported, ToolContext, ToolFailure
+from service.upstream.config import UpstreamConfig
+from service.upstream.connection import Connection, describe
+
+# The upstream's answer keeps these keys of a CallToolResult (its _meta is the upstream's own).
+RESULT_KEYS: Final = ("content", "structuredContent", "isError")
+
+
+class UpstreamFailure(ToolFailure):
+    """The call failed because of the upstream (not a tool error it answered with): counts
+    against its circuit breaker when ``breaks``."""
+
+    def __init__(self, message: str, *, breaks: bool, lost: bool = False) -> None:
+        super().__init__(message)
+        self.breaks = breaks
+        self.lost = lost  # the session is gone
+
+
+class CallAsker:
+    """One call's side of the upstream's questions: each asks our client through the tool context."""
+
+    def __init__(self, ctx: ToolContext, loop: asyncio.AbstractEventLoop) -> None:
+        self.ctx = ctx
+        self.loop = loop
+        self.last = loop.time()
+        self.asking = 0
+        self.failure: ToolFailure | None = None  # a question that ended our call (no answer in time, ...)
+        self.pending: set[asyncio.Task[Any]] = set()
+
+    def touched(self) -> None:
+        self.last = self.loop.time()
+
+    async def _ask(self, question: Any) -> Any:
+        """Run one question as a task of ours (the SDK's callback runs in the session's task, which
+        our cancel does not reach): cancelled when the call ends."""
+        self.asking += 1
+        inner = asyncio.ensure_future(question)
+        self.pending.add(inner)
+        try:
+            await asyncio.wait({inner})
+        finally:
+            self.pending.discard(inner)
+            self.asking -= 1
+            self.touched()
+        if inner.cancelled():
+            return types.ErrorData(code=types.INVALID_REQUEST, message="the call was cancelled")
+        exc = inner.exception()
+        if isinstance(exc, InputNotSupported):
+            return types.ErrorData(code=types.METHOD_NOT_FOUND, message=str(exc))
+        if isinstance(exc, ToolFailure):
+            self.failure = exc
+            return types.ErrorData(code=types.INVALID_REQUEST, message=exc.message)
+        if exc is not None:
+            raise exc
+        return inner.result()
+
+    async def elicit(self, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
+        if not isinstance(params, types.ElicitRequestFormParams):
+            return types.ErrorData(code=types.INVALID_PARAMS, message="only form elicitation is relayed")
+
+        async def ask() -> types.ElicitResult:
+            answer = await self.ctx.elicit(params.message, params.requestedSchema)
+            return types.ElicitResult(action=answer.action, content=answer.content)
+
+        result: types.ElicitResult | types.ErrorData = await self._ask(ask())
+        return result
+
+    async def sample(self, params: types.CreateMessageRequestParams) -> types.CreateMessageResult | types.ErrorData:
+        async def ask() -> types.CreateMessageResult:
+            wire = params.model_dump(by_alias=True, exclude_none=True, mode="json")
+            wire.pop("_meta", None)
+            return types.CreateMessageResult.model_validate(await self.ctx.sample(wire))
+
+        result: types.CreateMessageResult | types.ErrorData = await self._ask(ask())
+        return result
+
+    async def roots(self) -> types.ListRootsResult | types.ErrorData:
+        async def ask() -> types.ListRootsResult:
+            return types.ListRootsResult.model_validate({"roots": await self.ctx.list_roots()})
+
+        result: types.ListRootsResult | types.ErrorData = await self._ask(ask())
+        return result
+
+    def end(self) -> None:
+        for task in self.pending:
+            task.cancel()
+
+
+async def call(
+    conn: Connection, config: UpstreamConfig, tool: str, arguments: dict[str, Any], ctx: ToolContext, *,
+    max_result_bytes: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The upstream's CallToolResult as a dict; an ``UpstreamFailure`` for anything else."""
+    session = conn.session
+    assert session is not None
+    loop = asyncio.get_running_loop()
+    asker = CallAsker(ctx, loop)
+    label = f"upstream {config.name!r} (tool {tool!r})"
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        asker.touched()
+        await ctx.progress(progress, total, message)
+
+    request = types.ClientRequest(
+        types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
+    )
+    # The id the SDK gives this request, for notifications/cancelled: the session's next one, read
+    # just before the request is sent in this same step (nothing awaits in between).
+    request_id = session._request_id
+    sent = asyncio.ensure_future(session.send_request(request, types.CallToolResult, progress_callback=on_progress))
+    conn.askers[request_id] = asker
+    started = loop.time()
+    try:
+        while not sent.done():
+            if asker.failure is not None:
+                raise asker.failure
+            now = loop.time()
+            total_left = started + config.timeout_s - now
+            idle_left = config.idle_timeout_s if asker.asking else asker.last + config.idle_timeout_s - now
+            if total_left <= 0:
+                raise UpstreamFailure(
+                    f"{label} did not answer within timeout_s={config.timeout_s:g} s: the call was cancelled",
+                    breaks=False,
+                )
+            if idle_left <= 0:
+                raise UpstreamFailure(
+                    f"{label} sent nothing for idle_timeout_s={config.idle_timeout_s:g} s (no progress, no "
+                    "message): the call was cancelled",
+                    breaks=True,
+                )
+            ended = asyncio.ensure_future(conn.ended.wait())
+            try:
+                await asyncio.wait(
+                    {sent, ended}, timeout=min(total_left, idle_left), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                ended.cancel()
+            if conn.ended.is_set() and not sent.done():
+                raise UpstreamFailure(f"{label} closed the connection during the call ({conn.error})", breaks=True)
+        result = _result(sent, label)
+    except UpstreamFailure as exc:
+        if exc.lost:
+            conn.lost(exc.message)
+        raise
+    except BaseException:
+        if not sent.done():
+            sent.cancel()
+            await _cancel_upstream(conn, request_id)
+        raise
+    finally:
+        conn.askers.pop(request_id, None)
+        asker.end()
+        if not sent.done():
+            sent.cancel()
+    size = len(orjson.dumps(result))
+    if size > max_result_bytes:
+        raise UpstreamFailure(
+            f"{label} answered with {size} bytes, above MCP_TASKS_MAX_RESULT_BYTES={max_result_bytes}: the result "
+            "was not kept",
+            breaks=False,
+        )
+    return result
+
+
+def _result(sent: asyncio.Future[types.CallToolResult], label: str) -> dict[str, Any]:
+    try:
+        answer = sent.result()
+    except McpError as exc:
+        if exc.error.code == types.CONNECTION_CLOSED:
+            raise UpstreamFailure(f"{label} closed the connection during the call", breaks=True, lost=True) from None
+        raise UpstreamFailure(
+            f"{label} answered with error {exc.error.code}: {exc.error.message[:500]}", breaks=False
+        ) from None
+    except pydantic.ValidationError:
+        raise UpstreamFailure(f"{label} answered with something that is not a CallToolResult", breaks=True) from None
+    except (asyncio.CancelledError, ToolFailure):
+        raise
+    except Exception as exc:
+        raise UpstreamFailure(f"{label} could not be called: {describe(exc)}", breaks=True) from None
+    wire = answer.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return {k: wire[k] for k in RESULT_KEYS if k in wire}
+
+
+async def _cancel_upstream(conn: Connection, request_id: int) -> None:
+    """Tell the upstream we stopped waiting (its answer, if one comes, is dropped by the SDK)."""
+    session = conn.session
+    if session is None or conn.ended.is_set():
+        return
+    note = types.ClientNotification(
+        types.CancelledNotification(params=types.CancelledNotificationParams(requestId=request_id, reason="cancelled"))
+    )
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(session.send_notification(note)), 2)

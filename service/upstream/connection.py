@@ -1,0 +1,181 @@
+"""One MCP session with an upstream, through the official MCP Python SDK's client.
+
+The SDK's transports are anyio context managers, which must be left by the task that entered them:
+a ``Connection`` holds its session open in a task of its own, and calls are made on it from any
+task. What the upstream asks of its client (elicitation, sampling, roots) goes to the ``Asker`` of
+the call in flight: a Streamable HTTP call has a session of its own (``per_call``), a stdio server
+has one session, and a question reaches its call when that call is the only one in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any, Final, Protocol
+
+import httpx
+from mcp import ClientSession, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.context import RequestContext
+
+from service.upstream.config import UpstreamConfig
+
+CLIENT_INFO: Final = types.Implementation(name="mcp-task-service", version="0.1.0")
+CONNECT_TIMEOUT_S: Final = 10.0
+NO_CALL: Final = "this question cannot be told apart from another call's (several calls share the stdio session)"
+
+
+class Asker(Protocol):
+    """Where one call's upstream questions go (its tool context, wrapped)."""
+
+    async def elicit(self, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData: ...
+
+    async def sample(self, params: types.CreateMessageRequestParams) -> types.CreateMessageResult | types.ErrorData: ...
+
+    async def roots(self) -> types.ListRootsResult | types.ErrorData: ...
+
+    def touched(self) -> None:
+        """The upstream sent something for this call (it is alive)."""
+
+
+class ConnectFailed(Exception):
+    """The session could not be opened: the message says what happened, in one line."""
+
+
+def _error(message: str) -> types.ErrorData:
+    return types.ErrorData(code=types.INVALID_REQUEST, message=message)
+
+
+class Connection:
+    """One session. ``askers``: the calls in flight on it, by id. ``pool``: the upstream's HTTP
+    connection pool, shared by its sessions."""
+
+    def __init__(
+        self, config: UpstreamConfig, *, headers: dict[str, str], pool: httpx.AsyncBaseTransport | None = None,
+        on_notification: Callable[[types.ServerNotification], Awaitable[None]] | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self._headers = headers
+        self._pool = pool
+        self._on_notification = on_notification
+        self.askers: dict[int, Asker] = {}
+        self.session: ClientSession | None = None
+        self.server_info: types.InitializeResult | None = None
+        self.ended = asyncio.Event()
+        self.error: str | None = None
+        self._stop = asyncio.Event()
+        self._ready: asyncio.Future[None] | None = None
+        self._holder: asyncio.Task[None] | None = None
+
+    async def open(self, timeout_s: float = CONNECT_TIMEOUT_S) -> ClientSession:
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self._holder = asyncio.create_task(self._hold(), name=f"upstream-{self.config.name}")
+        try:  # (wait_for, not timeout(): a plain call's first step runs outside a task, service.concurrency.eager)
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+        except TimeoutError:
+            await self.close()
+            raise ConnectFailed(f"no answer to initialize within {timeout_s:g} s") from None
+        except ConnectFailed:
+            await self.close()
+            raise
+        assert self.session is not None
+        return self.session
+
+    def lost(self, error: str) -> None:
+        """A request found the transport gone (the server exited, the stream broke): end the session."""
+        self.error = self.error or error
+        self._stop.set()
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._holder is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._holder, timeout=5)
+
+    async def _hold(self) -> None:
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                read, write = await self._transport(stack)
+                session = await stack.enter_async_context(
+                    ClientSession(
+                        read, write, client_info=CLIENT_INFO, elicitation_callback=self._elicit,
+                        sampling_callback=self._sample, list_roots_callback=self._roots,
+                        logging_callback=self._logged, message_handler=self._message,
+                        read_timeout_seconds=timedelta(days=1),
+                    )
+                )  # fmt: skip
+                self.server_info = await session.initialize()
+                self.session = session
+                assert self._ready is not None
+                self._ready.set_result(None)
+                await self._stop.wait()
+        except BaseException as exc:
+            self.error = self.error or describe(exc)
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(ConnectFailed(self.error))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self.ended.set()
+
+    async def _transport(self, stack: contextlib.AsyncExitStack) -> tuple[Any, Any]:
+        c = self.config
+        if c.url:
+            # A client per session (its own headers) over the upstream's one connection pool; the SDK
+            # leaves a client it was given open, and the pool outlives it.
+            client = httpx.AsyncClient(
+                headers=self._headers, timeout=httpx.Timeout(30.0, read=None), transport=self._pool
+            )
+            read, write, _ = await stack.enter_async_context(streamable_http_client(c.url, http_client=client))
+            return read, write
+        params = StdioServerParameters(
+            command=c.command[0], args=list(c.command[1:]), env=dict(c.env) or None, cwd=c.cwd
+        )
+        return await stack.enter_async_context(stdio_client(params, errlog=sys.stderr))
+
+    def _asker(self) -> Asker | None:
+        if len(self.askers) == 1:
+            return next(iter(self.askers.values()))
+        return None
+
+    async def _elicit(self, context: RequestContext[ClientSession, Any], params: types.ElicitRequestParams) -> Any:
+        asker = self._asker()
+        return await asker.elicit(params) if asker is not None else _error(NO_CALL)
+
+    async def _sample(
+        self, context: RequestContext[ClientSession, Any], params: types.CreateMessageRequestParams
+    ) -> Any:
+        asker = self._asker()
+        return await asker.sample(params) if asker is not None else _error(NO_CALL)
+
+    async def _roots(self, context: RequestContext[ClientSession, Any]) -> Any:
+        asker = self._asker()
+        return await asker.roots() if asker is not None else _error(NO_CALL)
+
+    async def _logged(self, params: types.LoggingMessageNotificationParams) -> None:
+        asker = self._asker()
+        if asker is not None:
+            asker.touched()
+
+    async def _message(self, message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and self._on_notification is not None:
+            await self._on_notification(message)
+
+
+def describe(exc: BaseException) -> str:
+    """What ended a transport, in one line: the innermost exception of anyio's groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code} from {exc.request.url}"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect ({str(exc) or 'connection refused'})"
+    if isinstance(exc, asyncio.CancelledError):
+        return "closed"
+    text = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,225 @@
+"""One upstream MCP server as this process sees it: whether it is up, its tools, its breaker, and
+its calls.
+
+A control session follows the server (connected with backoff, its tool list read at connect, on
+``notifications/tools/list_changed`` and every ``REFRESH_S``). A call to a Streamable HTTP upstream
+opens a session of its own (so the upstream's questions reach the right call); a stdio server's
+one process and session carry every call of this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+import httpx
+from mcp import types
+
+from service.tools.api import ToolContext
+from service.upstream.auth import Credentials, UpstreamAuthError
+from service.upstream.breaker import Breaker
+from service.upstream.calls import UpstreamFailure, call
+from service.upstream.config import UpstreamConfig
+from service.upstream.connection import ConnectFailed, Connection
+
+log = logging.getLogger(__name__)
+
+REFRESH_S: Final = 60.0
+PING_S: Final = 10.0
+PING_TIMEOUT_S: Final = 10.0
+BACKOFF_S: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class Upstream:
+    """``on_tools``: called with the upstream's exposed tools whenever they change (an empty list
+    once it has been down for ``grace_s``)."""
+
+    def __init__(
+        self, config: UpstreamConfig, *, on_tools: Callable[[Upstream], None], grace_s: float,
+        max_result_bytes: int, breaker: Breaker | None = None,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.credentials = Credentials(config.auth)
+        self.breaker = breaker or Breaker()
+        self.tools: dict[str, types.Tool] = {}
+        self.listed = False  # whether ``tools`` is what the server said (vs. dropped after the grace)
+        self.up = False
+        self.down_since: float | None = time.time()
+        self.last_error: str | None = None
+        self._on_tools = on_tools
+        self._grace_s = grace_s
+        self._max_result_bytes = max_result_bytes
+        self._pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=config.max_concurrency + 2))
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._control: Connection | None = None
+        self._refresh = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+        self.tried = asyncio.Event()  # its first connection came up or failed
+
+    # ---- following the server --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.create_task(self._follow(), name=f"upstream-{self.config.name}-follow")
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(BaseException):
+                await self._loop
+        if self._control is not None:
+            await self._control.close()
+        await self._pool.aclose()
+
+    async def _follow(self) -> None:
+        failures = 0
+        while True:
+            try:
+                conn = await self._connect(on_notification=self._notified)
+            except (ConnectFailed, UpstreamAuthError) as exc:
+                self._went_down(str(exc))
+                delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+                failures += 1
+                await self._wait_down(delay)
+                continue
+            failures = 0
+            self._control = conn
+            try:
+                await self._list(conn)
+                self._came_up()
+                await self._watch(conn)
+            except Exception as exc:  # a listing the server answered badly: down, try again
+                conn.error = f"tools/list failed: {exc}"
+            finally:
+                self._control = None
+                await conn.close()
+            self._went_down(conn.error or "the session ended")
+            await self._wait_down(BACKOFF_S[0])
+
+    async def _watch(self, conn: Connection) -> None:
+        """Until the session ends: re-list on list_changed and every REFRESH_S, ping every PING_S
+        (a server that went away between calls is noticed then)."""
+        assert conn.session is not None
+        loop = asyncio.get_running_loop()
+        listed = loop.time()
+        while not conn.ended.is_set():
+            ended = asyncio.ensure_future(conn.ended.wait())
+            changed = asyncio.ensure_future(self._refresh.wait())
+            try:
+                await asyncio.wait({ended, changed}, timeout=PING_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ended.cancel()
+                changed.cancel()
+            if conn.ended.is_set():
+                return
+            if self._refresh.is_set() or loop.time() - listed >= REFRESH_S:
+                self._refresh.clear()
+                await self._list(conn)
+                listed = loop.time()
+            else:
+                await asyncio.wait_for(conn.session.send_ping(), PING_TIMEOUT_S)
+
+    async def _wait_down(self, delay: float) -> None:
+        """Wait before the next try; past the grace, the tools leave the list."""
+        await asyncio.sleep(delay)
+        if self.tools and self.down_since is not None and time.time() - self.down_since >= self._grace_s:
+            self.tools, self.listed = {}, False
+            self._on_tools(self)
+
+    async def _notified(self, note: types.ServerNotification) -> None:
+        if isinstance(note.root, types.ToolListChangedNotification):
+            self._refresh.set()
+
+    async def _list(self, conn: Connection) -> None:
+        assert conn.session is not None
+        tools: dict[str, types.Tool] = {}
+        cursor: str | None = None
+        while True:
+            page = await conn.session.list_tools(params=types.PaginatedRequestParams(cursor=cursor))
+            tools |= {t.name: t for t in page.tools if self.config.exposes(t.name)}
+            cursor = page.nextCursor
+            if not cursor:
+                break
+        if tools != self.tools or not self.listed:
+            self.tools, self.listed = tools, True
+            self._on_tools(self)
+
+    def _came_up(self) -> None:
+        if not self.up:
+            log.info("upstream %s is up (%d tools)", self.config.name, len(self.tools))
+        self.up, self.down_since, self.last_error = True, None, None
+        self.tried.set()
+
+    def _went_down(self, error: str) -> None:
+        if self.up or self.last_error is None:
+            log.warning("upstream %s is down: %s", self.config.name, error)
+        if self.up or self.down_since is None:
+            self.down_since = time.time()
+        self.up, self.last_error = False, error
+        self.tried.set()
+
+    async def _connect(self, **kw: Any) -> Connection:
+        headers = await self.credentials.headers()
+        conn = Connection(self.config, headers=headers, pool=self._pool, **kw)
+        await conn.open()
+        return conn
+
+    # ---- calls -------------------------------------------------------------------------------
+
+    async def run(self, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        """Call the upstream's tool for one of our calls or tasks."""
+        name = self.config.name
+        retry_in = self.breaker.refuses()
+        if retry_in is not None:
+            raise UpstreamFailure(
+                f"upstream {name!r} is failing (circuit open): calls are refused for {retry_in:.0f} s more; "
+                f"try again then (last error: {self.last_error or self.breaker.last_error})",
+                breaks=False,
+            )
+        async with self._slots:
+            try:
+                result = await self._run(tool, arguments, ctx)
+            except UpstreamFailure as exc:
+                if exc.breaks:
+                    self.breaker.failed(exc.message)
+                else:  # it answered: alive
+                    self.breaker.succeeded()
+                raise
+            except BaseException:  # our cancel, our client's failure: says nothing of the upstream
+                self.breaker.settled()
+                raise
+        self.breaker.succeeded()
+        return result
+
+    async def _run(self, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        c = self.config
+        if c.transport == "stdio":
+            conn = self._control
+            if conn is None or conn.ended.is_set():
+                raise UpstreamFailure(  # fast already: not the breaker's to count
+                    f"upstream {c.name!r} is down ({self.last_error or 'starting'}): try again later", breaks=False
+                )
+            return await call(conn, c, tool, arguments, ctx, max_result_bytes=self._max_result_bytes)
+        try:
+            conn = await self._connect()
+        except (ConnectFailed, UpstreamAuthError) as exc:
+            raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
+        try:
+            return await call(conn, c, tool, arguments, ctx, max_result_bytes=self._max_result_bytes)
+        finally:
+            await asyncio.shield(conn.close())
+
+    def status(self) -> dict[str, Any]:
+        """What ``mcp-tasks upstreams`` shows for this process's view."""
+        return {
+            "name": self.config.name,
+            "transport": self.config.transport,
+            "state": "up" if self.up else "down",
+            "down_since": self.down_since,
+            "circuit": self.breaker.state(),
+            "tools": sorted(self.tools),
+            "last_error": self.last_error or self.breaker.last_error,
+        }

@@ -1,0 +1,369 @@
+"""Upstream MCP servers as durable tasks (issue 41): real upstream servers written with the official
+MCP Python SDK (tests/upstream_server.py), started as subprocesses over Streamable HTTP and stdio,
+behind a real `serve`; both of our wires call their tools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import orjson
+import pytest
+
+from service.upstream.config import UpstreamConfigError, check_no_clash, load
+from tests.conftest import RunningServer, free_port, make_settings, serve
+from tests.ext import V2026Client
+from tests.rpc import RpcSession
+from tests.test_durability import ROOT
+
+UPSTREAM = [sys.executable, "-m", "tests.upstream_server"]
+
+
+@contextlib.contextmanager
+def http_upstream(marks: Path, port: int | None = None) -> Iterator[str]:
+    """The test upstream over Streamable HTTP; its URL once it answers."""
+    port = port or free_port()
+    proc = subprocess.Popen([*UPSTREAM, "http", str(port), "--marks", str(marks)], cwd=ROOT)
+    try:
+        url = f"http://127.0.0.1:{port}/mcp"
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(url, timeout=0.5)
+                break
+            if proc.poll() is not None:
+                raise RuntimeError("the test upstream exited at start")
+            import time
+
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def upstreams_file(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "upstreams.toml"
+    path.write_text(body)
+    return str(path)
+
+
+def stdio_table(marks: Path, name: str = "local", extra: str = "") -> str:
+    command = ", ".join(f'"{part}"' for part in [*UPSTREAM, "stdio", "--marks", str(marks)])
+    return f'[[upstream]]\nname = "{name}"\ncommand = [{command}]\ncwd = "{ROOT}"\n{extra}\n'
+
+
+@contextlib.asynccontextmanager
+async def service(tmp_path: Path, database_url: str, body: str, **overrides: Any) -> AsyncIterator[RunningServer]:
+    settings = make_settings(database_url, upstreams_file=upstreams_file(tmp_path, body), **overrides)
+    async with serve(settings) as running:
+        yield running
+
+
+async def until(check: Any, timeout: float = 20) -> Any:
+    async with asyncio.timeout(timeout):
+        while True:
+            value = await check()
+            if value:
+                return value
+            await asyncio.sleep(0.05)
+
+
+async def task_outcome(s: RpcSession, task_id: str) -> dict[str, Any]:
+    async def finished() -> dict[str, Any] | None:
+        task = await s.result("tasks/get", {"taskId": task_id})
+        return task if task["status"] in ("completed", "failed", "cancelled") else None
+
+    task: dict[str, Any] = await until(finished)
+    return task
+
+
+@pytest.fixture
+def marks(tmp_path: Path) -> Path:
+    path = tmp_path / "marks"
+    path.mkdir()
+    return path
+
+
+# ---- the file --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "names"),
+    [
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\ncolour = "red"\n', ["'a'", "colour", "unknown key"]),
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\n[[upstream]]\nname = "a"\nurl = "http://y/mcp"\n',
+         ["'a'", "name", "two upstreams"]),
+        ('[[upstream]]\nname = "A b"\nurl = "http://x/mcp"\n', ["name", "[a-z0-9-]+"]),
+        ('[[upstream]]\nname = "a"\n', ["'a'", "url", "exactly one"]),
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\ntimeout_s = -1\n', ["'a'", "timeout_s"]),
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\ntask_support = "sometimes"\n', ["'a'", "task_support"]),
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\n[upstream.auth]\nbearer_env = "NO_SUCH_VAR_41"\n',
+         ["'a'", "auth.bearer_env", "NO_SUCH_VAR_41"]),
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\n[upstream.auth]\nclient_credentials = '
+         '{ token_url = "http://t/token", client_id = "c", client_secret_env = "NO_SUCH_SECRET_41" }\n',
+         ["'a'", "client_secret_env", "NO_SUCH_SECRET_41"]),
+        ('[[upstream]]\nname = "a"\ncommand = ["x"]\n[upstream.forward]\ntenant_header = "X-Tenant"\n',
+         ["'a'", "forward", "HTTP upstream"]),
+        ('[[upstream]]\nname = "a"\nurl = "http://x/mcp"\n[upstream.forward]\ntenant_header = "Authorization"\n',
+         ["'a'", "forward.tenant_header"]),
+        ("[[upstream]\n", ["not valid TOML"]),
+    ],
+)  # fmt: skip
+def test_a_bad_file_is_refused_with_one_line_naming_the_upstream_and_the_key(
+    tmp_path: Path, body: str, names: list[str]
+) -> None:
+    with pytest.raises(UpstreamConfigError) as caught:
+        load(upstreams_file(tmp_path, body), environ={})
+    message = str(caught.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message
+
+
+def test_an_upstream_named_over_a_pack_tool_is_refused() -> None:
+    upstreams = load_text('[[upstream]]\nname = "demo"\nurl = "http://x/mcp"\n')
+    with pytest.raises(UpstreamConfigError, match=r"'demo'.*demo\.echo"):
+        check_no_clash(upstreams, ["demo.echo", "sleep"])
+
+
+def load_text(body: str) -> Any:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return load(upstreams_file(Path(d), body), environ={})
+
+
+def test_serve_with_a_bad_file_stops_with_one_line(tmp_path: Path) -> None:
+    path = upstreams_file(tmp_path, '[[upstream]]\nname = "up"\nurl = "http://x/mcp"\nretries = 3\n')
+    env = {**os.environ, "MCP_TASKS_UPSTREAMS_FILE": path, "MCP_TASKS_DATABASE_URL": "postgresql://unused/x"}
+    done = subprocess.run([sys.executable, "-m", "service", "serve"], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("mcp-tasks: MCP_TASKS_UPSTREAMS_FILE:")
+    assert "'up'" in done.stderr
+    assert "retries" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# ---- calls over Streamable HTTP ----------------------------------------------------------------
+
+
+async def test_an_http_upstreams_tools_are_listed_and_run_as_tasks_on_both_wires(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    with http_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "up"\nurl = "{url}"\nexclude = ["big"]\n'
+        async with service(tmp_path, database_url, body) as server:
+            s = RpcSession(http, server.url)
+            await s.initialize()
+            tools = {t["name"]: t for t in (await s.result("tools/list"))["tools"]}
+            assert {"up.echo", "up.slow", "up.ask", "up.hang"} <= set(tools)
+            assert "up.big" not in tools  # excluded
+            assert tools["up.echo"]["inputSchema"]["required"] == ["text"]
+            assert tools["up.echo"]["description"] == "Return the text."
+            assert tools["up.echo"]["execution"] == {"taskSupport": "optional"}
+
+            task = (await s.call_tool_as_task("up.echo", {"text": "over http"}))["task"]
+            assert (await task_outcome(s, task["taskId"]))["status"] == "completed"
+            result = await s.result("tasks/result", {"taskId": task["taskId"]})
+            assert result["content"] == [{"type": "text", "text": "over http"}]
+            conn = await asyncpg.connect(database_url)
+            try:  # the audit record names the upstream and its tool
+                rows = await conn.fetch("SELECT action, detail FROM audit_events WHERE task_id = $1", task["taskId"])
+            finally:
+                await conn.close()
+            create = orjson.loads(next(r["detail"] for r in rows if r["action"] == "create"))
+            assert create["tool"] == "up.echo"
+            assert (create["upstream"], create["upstream_tool"]) == ("up", "echo")
+            assert {r["action"] for r in rows} >= {"create", "complete", "retrieve"}
+
+            plain = await s.result("tools/call", {"name": "up.echo", "arguments": {"text": "plain"}})
+            assert plain["content"][0]["text"] == "plain"
+
+            c = V2026Client(http, server.url)
+            listed = {t["name"] for t in (await c.result("tools/list"))["tools"]}
+            assert "up.echo" in listed
+            created = await c.result("tools/call", {"name": "up.slow", "arguments": {"seconds": 1.5}})
+            assert created["resultType"] == "task"
+            task_id = created["task"]["taskId"] if "task" in created else created["taskId"]
+
+            async def progressed() -> dict[str, Any] | None:
+                got = await c.result("tasks/get", {"taskId": task_id})
+                return got if "%" in (got.get("statusMessage") or "") else None
+
+            assert "step" in (await until(progressed))["statusMessage"]  # upstream progress → statusMessage
+
+            async def done() -> dict[str, Any] | None:
+                got = await c.result("tasks/get", {"taskId": task_id})
+                return got if got["status"] == "completed" else None
+
+            finished = await until(done)
+            assert finished["result"]["content"][0]["text"] == "slept 1.5s"
+
+
+async def test_upstream_elicitation_becomes_input_required_and_the_answer_goes_back(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    with http_upstream(marks) as url:
+        async with service(tmp_path, database_url, f'[[upstream]]\nname = "up"\nurl = "{url}"\n') as server:
+            s = RpcSession(http, server.url)
+            await s.initialize()
+            task_id = (await s.call_tool_as_task("up.ask", {"prompt": "Ship it?"}))["task"]["taskId"]
+
+            async def waiting() -> bool:
+                return bool((await s.result("tasks/get", {"taskId": task_id}))["status"] == "input_required")
+
+            await until(waiting)
+            final: dict[str, Any] = {}
+            async for msg in s.stream("tasks/result", {"taskId": task_id}):
+                if msg.get("method") == "elicitation/create":
+                    assert msg["params"]["message"] == "Ship it?"
+                    assert msg["params"]["requestedSchema"]["required"] == ["ok"]
+                    await s.reply(msg["id"], {"action": "accept", "content": {"ok": True}})
+                elif "result" in msg:
+                    final = msg["result"]
+            assert final["content"][0]["text"] == "ok=True"
+
+
+async def test_cancel_reaches_the_upstream_and_an_idle_upstream_fails_the_task(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    with http_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "up"\nurl = "{url}"\nidle_timeout_s = 1.5\n'
+        async with service(tmp_path, database_url, body) as server:
+            s = RpcSession(http, server.url)
+            await s.initialize()
+            task_id = (await s.call_tool_as_task("up.hang", {}))["task"]["taskId"]
+            await until(lambda: _exists(marks / "hang-1.started"))
+            await s.result("tasks/cancel", {"taskId": task_id})
+            await until(lambda: _exists(marks / "hang-1.cancelled"))  # notifications/cancelled arrived
+
+            idle = (await s.call_tool_as_task("up.hang", {}))["task"]["taskId"]
+            failed = await task_outcome(s, idle)
+            assert failed["status"] == "failed"
+            assert "upstream 'up'" in failed["statusMessage"]
+            assert "idle_timeout_s=1.5" in failed["statusMessage"]
+            await until(lambda: _exists(marks / "hang-2.cancelled"))
+
+
+async def test_timeout_s_holds_whatever_the_upstream_reports(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    with http_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "up"\nurl = "{url}"\ntimeout_s = 1\nidle_timeout_s = 60\n'
+        async with service(tmp_path, database_url, body) as server:
+            s = RpcSession(http, server.url)
+            await s.initialize()
+            task_id = (await s.call_tool_as_task("up.slow", {"seconds": 30}))["task"]["taskId"]
+            failed = await task_outcome(s, task_id)
+            assert failed["status"] == "failed"
+            assert "timeout_s=1" in failed["statusMessage"]
+
+
+async def test_upstream_errors_and_oversized_results_fail_with_a_message_naming_the_upstream(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    with http_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "up"\nurl = "{url}"\n'
+        async with service(tmp_path, database_url, body, max_result_bytes=64 * 1024) as server:
+            s = RpcSession(http, server.url)
+            await s.initialize()
+            tool_error = await s.result("tools/call", {"name": "up.fail", "arguments": {"message": "no good"}})
+            assert tool_error["isError"] is True
+            assert "no good" in tool_error["content"][0]["text"]
+
+            refused = (await s.call_tool_as_task("up.fail", {"message": "not today"}))["task"]["taskId"]
+            assert "not today" in (await task_outcome(s, refused))["statusMessage"]  # the upstream's own words
+
+            big = (await s.call_tool_as_task("up.big", {"kib": 100}))["task"]["taskId"]
+            failed = await task_outcome(s, big)
+            assert failed["status"] == "failed"
+            assert "MCP_TASKS_MAX_RESULT_BYTES" in failed["statusMessage"]
+
+
+async def test_an_upstream_down_at_start_is_picked_up_when_it_comes_up(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    port = free_port()
+    body = f'[[upstream]]\nname = "late"\nurl = "http://127.0.0.1:{port}/mcp"\n'
+    async with service(tmp_path, database_url, body) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        names = [t["name"] for t in (await s.result("tools/list"))["tools"]]
+        assert not any(n.startswith("late.") for n in names)
+        with http_upstream(marks, port):
+
+            async def listed() -> bool:
+                return any(t["name"] == "late.echo" for t in (await s.result("tools/list"))["tools"])
+
+            await until(listed, timeout=30)
+            task_id = (await s.call_tool_as_task("late.echo", {"text": "hi"}))["task"]["taskId"]
+            assert (await task_outcome(s, task_id))["status"] == "completed"
+
+
+# ---- stdio ------------------------------------------------------------------------------------
+
+
+async def test_a_stdio_upstream_runs_tasks_relays_progress_and_its_death_fails_the_call(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    async with service(tmp_path, database_url, stdio_table(marks)) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        names = {t["name"] for t in (await s.result("tools/list"))["tools"]}
+        assert {"local.echo", "local.slow", "local.die"} <= names
+        task_id = (await s.call_tool_as_task("local.echo", {"text": "over stdio"}))["task"]["taskId"]
+        assert (await task_outcome(s, task_id))["status"] == "completed"
+
+        seen = []
+        async for msg in s.stream("tools/call", {"name": "local.slow", "arguments": {"seconds": 0.6},
+                                                 "_meta": {"progressToken": "p1"}}):  # fmt: skip
+            seen.append(msg)
+        progress = [m["params"] for m in seen if m.get("method") == "notifications/progress"]
+        assert progress
+        assert progress[-1]["progressToken"] == "p1"
+        assert progress[-1]["progress"] == progress[-1]["total"]
+        assert progress[-1]["message"].startswith("step ")
+        assert seen[-1]["result"]["content"][0]["text"] == "slept 0.6s"
+
+        died = (await s.call_tool_as_task("local.die", {}))["task"]["taskId"]
+        failed = await task_outcome(s, died)
+        assert failed["status"] == "failed"
+        assert "upstream 'local'" in failed["statusMessage"]
+        assert "closed the connection" in failed["statusMessage"]
+
+        async def restarted() -> bool:  # the process is started again and serves the next call
+            again = (await s.call_tool_as_task("local.echo", {"text": "again"}))["task"]["taskId"]
+            return bool((await task_outcome(s, again))["status"] == "completed")
+
+        await until(restarted, timeout=30)
+
+
+async def _exists(path: Path) -> bool:
+    return path.exists()
+
+
+def test_without_upstreams_the_mcp_sdk_is_never_imported(database_url: str) -> None:
+    """The SDK is the upstreams' client only: a service without them does not load it (the import
+    contract checks the code; this checks a started core)."""
+    code = (
+        "import asyncio, sys\n"
+        "from service.core import open_core\n"
+        "from tests.conftest import make_settings\n"
+        "async def main():\n"
+        f"    core = await open_core(make_settings({database_url!r}))\n"
+        "    await core.close()\n"
+        "asyncio.run(main())\n"
+        "print(sorted(m for m in sys.modules if m == 'mcp' or m.startswith('mcp.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
