@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -19,10 +20,11 @@ import orjson
 import pytest
 
 from service.upstream.config import UpstreamConfigError, check_no_clash, load
-from tests.conftest import RunningServer, free_port, make_settings, serve
+from tests.conftest import RunningServer, free_port, make_settings, run_issuer, serve
 from tests.ext import V2026Client
+from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
-from tests.test_durability import ROOT
+from tests.test_durability import ROOT, mcp_tasks
 
 UPSTREAM = [sys.executable, "-m", "tests.upstream_server"]
 
@@ -165,7 +167,7 @@ async def test_an_http_upstreams_tools_are_listed_and_run_as_tasks_on_both_wires
             s = RpcSession(http, server.url)
             await s.initialize()
             tools = {t["name"]: t for t in (await s.result("tools/list"))["tools"]}
-            assert {"up.echo", "up.slow", "up.ask", "up.hang"} <= set(tools)
+            assert {"up.echo", "up.sleep", "up.confirm", "up.hang"} <= set(tools)
             assert "up.big" not in tools  # excluded
             assert tools["up.echo"]["inputSchema"]["required"] == ["text"]
             assert tools["up.echo"]["description"] == "Return the text."
@@ -191,7 +193,7 @@ async def test_an_http_upstreams_tools_are_listed_and_run_as_tasks_on_both_wires
             c = V2026Client(http, server.url)
             listed = {t["name"] for t in (await c.result("tools/list"))["tools"]}
             assert "up.echo" in listed
-            created = await c.result("tools/call", {"name": "up.slow", "arguments": {"seconds": 1.5}})
+            created = await c.result("tools/call", {"name": "up.sleep", "arguments": {"seconds": 1.5}})
             assert created["resultType"] == "task"
             task_id = created["task"]["taskId"] if "task" in created else created["taskId"]
 
@@ -216,7 +218,7 @@ async def test_upstream_elicitation_becomes_input_required_and_the_answer_goes_b
         async with service(tmp_path, database_url, f'[[upstream]]\nname = "up"\nurl = "{url}"\n') as server:
             s = RpcSession(http, server.url)
             await s.initialize()
-            task_id = (await s.call_tool_as_task("up.ask", {"prompt": "Ship it?"}))["task"]["taskId"]
+            task_id = (await s.call_tool_as_task("up.confirm", {"prompt": "Ship it?"}))["task"]["taskId"]
 
             async def waiting() -> bool:
                 return bool((await s.result("tasks/get", {"taskId": task_id}))["status"] == "input_required")
@@ -262,7 +264,7 @@ async def test_timeout_s_holds_whatever_the_upstream_reports(
         async with service(tmp_path, database_url, body) as server:
             s = RpcSession(http, server.url)
             await s.initialize()
-            task_id = (await s.call_tool_as_task("up.slow", {"seconds": 30}))["task"]["taskId"]
+            task_id = (await s.call_tool_as_task("up.sleep", {"seconds": 30}))["task"]["taskId"]
             failed = await task_outcome(s, task_id)
             assert failed["status"] == "failed"
             assert "timeout_s=1" in failed["statusMessage"]
@@ -319,12 +321,12 @@ async def test_a_stdio_upstream_runs_tasks_relays_progress_and_its_death_fails_t
         s = RpcSession(http, server.url)
         await s.initialize()
         names = {t["name"] for t in (await s.result("tools/list"))["tools"]}
-        assert {"local.echo", "local.slow", "local.die"} <= names
+        assert {"local.echo", "local.sleep", "local.die"} <= names
         task_id = (await s.call_tool_as_task("local.echo", {"text": "over stdio"}))["task"]["taskId"]
         assert (await task_outcome(s, task_id))["status"] == "completed"
 
         seen = []
-        async for msg in s.stream("tools/call", {"name": "local.slow", "arguments": {"seconds": 0.6},
+        async for msg in s.stream("tools/call", {"name": "local.sleep", "arguments": {"seconds": 0.6},
                                                  "_meta": {"progressToken": "p1"}}):  # fmt: skip
             seen.append(msg)
         progress = [m["params"] for m in seen if m.get("method") == "notifications/progress"]
@@ -367,3 +369,150 @@ def test_without_upstreams_the_mcp_sdk_is_never_imported(database_url: str) -> N
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_two_tenants_are_told_apart_upstream_and_never_see_each_others_tasks(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upstream gets our credentials, never the caller's token, and the forward headers name
+    each caller; tasks of the same upstream tool stay with their tenant."""
+    monkeypatch.setenv("UPSTREAM_TOKEN_41", "ours-not-theirs")
+    body = (
+        '[[upstream]]\nname = "up"\nurl = "{url}"\n[upstream.auth]\nbearer_env = "UPSTREAM_TOKEN_41"\n'
+        '[upstream.forward]\ntenant_header = "X-Tenant"\nsubject_header = "X-Subject"\n'
+    )
+    async with run_issuer(LocalIssuer()) as issuer:
+        with http_upstream(marks) as url:
+            overrides = {"auth": "oauth", "oauth_issuer": issuer.url}
+            async with service(tmp_path, database_url, body.format(url=url), **overrides) as server:
+                seen: dict[str, dict[str, Any]] = {}
+                tasks: dict[str, str] = {}
+                sessions: dict[str, RpcSession] = {}
+                for tenant, subject in (("acme", "alice"), ("globex", "bob é")):
+                    token = issuer.mint(server.url, tenant_id=tenant, sub=subject)
+                    s = sessions[tenant] = RpcSession(http, server.url, token=token)
+                    await s.initialize()
+                    task_id = (await s.call_tool_as_task("up.whoami", {}))["task"]["taskId"]
+                    assert (await task_outcome(s, task_id))["status"] == "completed"
+                    seen[tenant] = (await s.result("tasks/result", {"taskId": task_id}))["structuredContent"]
+                    tasks[tenant] = task_id
+                    assert token not in str(seen[tenant])
+                assert seen["acme"] == {"authorization": "Bearer ours-not-theirs", "x-tenant": "acme",
+                                        "x-subject": "alice"}  # fmt: skip
+                assert seen["globex"]["x-subject"] == "bob%20%C3%A9"  # not visible ASCII: percent-encoded
+                other = await sessions["globex"].error("tasks/get", {"taskId": tasks["acme"]})
+                assert other["code"] == -32602  # another tenant's task: not found
+                listed = await sessions["globex"].result("tasks/list")
+                assert [t["taskId"] for t in listed["tasks"]] == [tasks["globex"]]
+
+
+async def test_the_circuit_opens_on_a_dead_upstream_and_closes_when_it_answers_again(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    port = free_port()
+    body = (
+        f'[[upstream]]\nname = "flaky"\nurl = "http://127.0.0.1:{port}/mcp"\ncircuit_failures = 2\ncircuit_open_s = 2\n'
+    )
+    with http_upstream(marks, port):
+        running = service(tmp_path, database_url, body, upstream_down_grace_s=3600)
+        server = await running.__aenter__()
+    try:  # the upstream is gone; its tools stay listed within the grace
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        messages = []
+        for _ in range(3):
+            task_id = (await s.call_tool_as_task("flaky.echo", {"text": "x"}))["task"]["taskId"]
+            failed = await task_outcome(s, task_id)
+            assert failed["status"] == "failed"
+            messages.append(failed["statusMessage"])
+        assert all("could not be reached" in m for m in messages[:2]), messages
+        assert "circuit open" in messages[2]
+        assert "try again" in messages[2]
+        metrics = (await http.get(server.url.replace("/mcp", "/metrics"))).text
+        assert 'mcp_tasks_upstream_calls_total{outcome="refused",upstream="flaky"} 1.0' in metrics
+        assert 'mcp_tasks_upstream_calls_total{outcome="error",upstream="flaky"} 2.0' in metrics
+        with http_upstream(marks, port):
+            await asyncio.sleep(2)  # circuit_open_s: then one call is let through, and it closes the circuit
+
+            async def served() -> bool:
+                task_id = (await s.call_tool_as_task("flaky.echo", {"text": "back"}))["task"]["taskId"]
+                return bool((await task_outcome(s, task_id))["status"] == "completed")
+
+            await until(served)
+            metrics = (await http.get(server.url.replace("/mcp", "/metrics"))).text
+            assert 'mcp_tasks_upstream_circuit_open{upstream="flaky"} 0.0' in metrics
+    finally:
+        await running.__aexit__(None, None, None)
+
+
+async def test_sigkill_mid_call_fails_a_plain_upstreams_task_and_reruns_a_rerunnable_ones(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """Our process dies while the upstream works: the task of an upstream not marked rerunnable
+    fails with a message saying so; one marked rerunnable is called again by the next runner."""
+    with http_upstream(marks) as url:
+        body = (
+            f'[[upstream]]\nname = "once"\nurl = "{url}"\n'
+            f'[[upstream]]\nname = "again"\nurl = "{url}"\nrerunnable = true\n'
+        )
+        env = {"MCP_TASKS_UPSTREAMS_FILE": upstreams_file(tmp_path, body), "MCP_TASKS_LEASE_MS": "3000"}
+        async with mcp_tasks("serve", database_url, **env) as (proc, url_a):
+            s = RpcSession(http, url_a)
+            await s.initialize()
+            once = (await s.call_tool_as_task("once.sleep", {"seconds": 600}))["task"]["taskId"]
+            again = (await s.call_tool_as_task("again.sleep", {"seconds": 4}))["task"]["taskId"]
+            await until(lambda: _count(marks, "sleep-*.started", 2))
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(proc.wait)
+        async with mcp_tasks("serve", database_url, **env) as (_proc, url_b):
+            s = RpcSession(http, url_b)
+            await s.initialize()
+            failed = await task_outcome(s, once)
+            assert failed["status"] == "failed"
+            assert "'once.sleep'" in failed["statusMessage"]
+            assert "stopped before the task finished" in failed["statusMessage"]
+            assert (await task_outcome(s, again))["status"] == "completed"
+            assert len(list(marks.glob("sleep-*.started"))) == 3  # the rerunnable one, called again
+
+
+async def _count(marks: Path, pattern: str, n: int) -> bool:
+    return len(list(marks.glob(pattern))) >= n
+
+
+async def test_a_2026_call_of_an_upstream_tool_that_asks_becomes_a_task_and_the_upstream_runs_it_once(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """An upstream tool cannot be run again with the answers (MRTR): a declaring call that asks
+    becomes a task first, and the question waits in input_required (X-INPUT-*); a call that cannot
+    become a task is refused with a message saying how to call it."""
+    with http_upstream(marks) as url:
+        async with service(tmp_path, database_url, f'[[upstream]]\nname = "up"\nurl = "{url}"\n') as server:
+            c = V2026Client(http, server.url)
+            created = await c.result("tools/call", {"name": "up.confirm", "arguments": {"prompt": "Ship it?"}})
+            assert created["resultType"] == "task"
+            task_id = created["task"]["taskId"] if "task" in created else created["taskId"]
+
+            async def asking() -> dict[str, Any] | None:
+                got = await c.result("tasks/get", {"taskId": task_id})
+                return got if got["status"] == "input_required" else None
+
+            waiting = await until(asking)
+            (key, question), *others = waiting["inputRequests"].items()
+            assert not others
+            assert question["method"] == "elicitation/create"
+            assert question["params"]["message"] == "Ship it?"
+            await c.result("tasks/update", {"taskId": task_id,
+                                            "inputResponses": {key: {"action": "accept", "content": {"ok": True}}}})  # fmt: skip
+
+            async def done() -> dict[str, Any] | None:
+                got = await c.result("tasks/get", {"taskId": task_id})
+                return got if got["status"] == "completed" else None
+
+            assert (await until(done))["result"]["content"][0]["text"] == "ok=True"
+            assert len(list(marks.glob("confirm-*.started"))) == 1  # one upstream call, never replayed
+
+            plain = V2026Client(http, server.url, capabilities={"elicitation": {"form": {}}})  # not declaring
+            answer = await plain.post("tools/call", {"name": "up.confirm", "arguments": {"prompt": "Again?"}})
+            message = answer.json()
+            text = str(message)
+            assert "call it as a task" in text, message

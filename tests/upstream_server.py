@@ -46,17 +46,17 @@ async def echo(text: str) -> str:
 
 
 @server.tool()
-async def slow(seconds: float, ctx: Context) -> str:  # type: ignore[type-arg]
+async def sleep(seconds: float, ctx: Context) -> str:  # type: ignore[type-arg]
     """Sleep, reporting progress every 0.2 s."""
     n = next(SEQ)
-    mark("slow", n, "started")
+    mark("sleep", n, "started")
     steps = max(1, int(seconds / 0.2))
     try:
         for i in range(1, steps + 1):
             await anyio.sleep(seconds / steps)
             await ctx.report_progress(i, steps, f"step {i} of {steps}")
     except anyio.get_cancelled_exc_class():
-        mark("slow", n, "cancelled")
+        mark("sleep", n, "cancelled")
         raise
     return f"slept {seconds:g}s"
 
@@ -79,9 +79,9 @@ class Answer(BaseModel):
 
 
 @server.tool()
-async def ask(prompt: str, ctx: Context) -> str:  # type: ignore[type-arg]
+async def confirm(prompt: str, ctx: Context) -> str:  # type: ignore[type-arg]
     """Ask the client (form elicitation) and return the answer."""
-    mark("ask", next(SEQ), "started")
+    mark("confirm", next(SEQ), "started")
     answer = await ctx.elicit(prompt, Answer)
     if answer.action != "accept":
         return f"action={answer.action}"
@@ -100,6 +100,14 @@ async def die() -> str:
     mark("die", next(SEQ), "started")
     await anyio.sleep(0.2)
     os._exit(3)
+
+
+@server.tool()
+async def whoami(ctx: Context) -> dict[str, str | None]:  # type: ignore[type-arg]
+    """The headers that say who calls (and with what credentials)."""
+    request = ctx.request_context.request
+    headers = request.headers if request is not None else {}
+    return {name: headers.get(name) for name in ("authorization", "x-tenant", "x-subject")}
 
 
 @server.tool()

@@ -139,7 +139,9 @@ class PlainCallContext(ToolContextBase):
         progress_token: str | int | None,
         client_capabilities: dict[str, Any],
     ) -> None:
-        super().__init__(task_id=None, progress_token=progress_token, client_capabilities=client_capabilities)
+        super().__init__(
+            task_id=None, progress_token=progress_token, client_capabilities=client_capabilities, caller=owner
+        )
         self._inflight = inflight
         self._owner = owner
         self._outbox = outbox

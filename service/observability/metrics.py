@@ -114,6 +114,42 @@ task_limit_failures = Counter(
     "within MCP_TASKS_INPUT_TIMEOUT_S)",
     ["tool", "limit"],
 )  # fmt: skip
+# Upstream MCP servers (service.upstream): labelled by the upstream's name from the operator's file.
+upstream_up = Gauge(
+    "mcp_tasks_upstream_up", "1 while this process's control session with the upstream is open, else 0",
+    ["upstream"], multiprocess_mode="min",
+)  # fmt: skip
+upstream_calls = Counter(
+    "mcp_tasks_upstream_calls_total",
+    "Calls of upstream tools by outcome: ok, tool_error (the upstream answered isError), error (it failed the "
+    "call: unreachable, closed, silent, timed out, garbage, an error answer), refused (circuit open or down), "
+    "cancelled (by our side)",
+    ["upstream", "outcome"],
+)  # fmt: skip
+upstream_call_seconds = Histogram(
+    "mcp_tasks_upstream_call_seconds", "Time of a call to an upstream tool, session set-up included", ["upstream"],
+    buckets=TASK_BUCKETS,
+)  # fmt: skip
+upstream_in_flight = Gauge(
+    "mcp_tasks_upstream_calls_in_flight", "Calls to the upstream in flight from this process", ["upstream"],
+    multiprocess_mode="livesum",
+)  # fmt: skip
+upstream_circuit_open = Gauge(
+    "mcp_tasks_upstream_circuit_open", "1 while this process's circuit breaker refuses calls to the upstream",
+    ["upstream"], multiprocess_mode="max",
+)  # fmt: skip
+UPSTREAM_OUTCOMES: Final = ("ok", "tool_error", "error", "refused", "cancelled")
+
+
+def upstream_configured(name: str) -> None:
+    """Every series of an upstream at zero from the start, so that rates and alerts see it."""
+    upstream_up.labels(name).set(0)
+    upstream_circuit_open.labels(name).set(0)
+    upstream_in_flight.labels(name)
+    for outcome in UPSTREAM_OUTCOMES:
+        upstream_calls.labels(name, outcome)
+
+
 cap_refusals = Counter("mcp_tasks_cap_refusals_total", "Task creations refused by a concurrency cap", ["scope"])
 rate_limited = Counter("mcp_tasks_rate_limited_total", "Requests refused by a rate limit", ["scope"])
 rate_limit_storage_errors = Counter("mcp_tasks_rate_limit_storage_errors_total", "Rate-limit storage failures")

@@ -128,6 +128,7 @@ class TaskRunContext(ToolContextBase):
             task_id=task.task_id,
             progress_token=task.progress_token,
             client_capabilities=task.client_capabilities if client_capabilities is None else client_capabilities,
+            caller=(task.tenant_id, task.subject),
         )
         self._sink = sink
 

@@ -55,10 +55,12 @@ class Engine:
     def start_call(
         self, tool: str, arguments: dict[str, Any], *, responses: dict[str, InputResponse],
         progress_token: str | int | None, client_capabilities: dict[str, Any],
-        on_event: Callable[[TaskEvent], None] | None = None,
+        on_event: Callable[[TaskEvent], None] | None = None, caller: tuple[str, str] | None = None,
+        may_become_task: bool = False,
     ) -> InlineCall:  # fmt: skip
         return self.executor.start_call(tool, arguments, responses=responses, progress_token=progress_token,
-                                        client_capabilities=client_capabilities, on_event=on_event)  # fmt: skip
+                                        client_capabilities=client_capabilities, on_event=on_event,
+                                        caller=caller, may_become_task=may_become_task)  # fmt: skip
 
     @staticmethod
     async def ask_first(

@@ -38,12 +38,14 @@ class Executor:
     def start_call(
         self, tool: str, arguments: dict[str, Any], *, responses: dict[str, InputResponse],
         progress_token: str | int | None, client_capabilities: dict[str, Any],
-        on_event: Callable[[TaskEvent], None] | None = None,
+        on_event: Callable[[TaskEvent], None] | None = None, caller: tuple[str, str] | None = None,
+        may_become_task: bool = False,
     ) -> InlineCall:  # fmt: skip
         """A call running inside its request, its questions answered from ``responses`` until it
-        becomes a task (if it does)."""
+        becomes a task (if it does). ``caller``: (tenant, subject)."""
+        spec = self.registry.tools.get(tool)
         ctx = InlineCallContext(
             responses=responses, progress_token=progress_token, client_capabilities=client_capabilities,
-            on_event=on_event,
+            on_event=on_event, caller=caller, replays=spec is None or spec.replays, may_become_task=may_become_task,
         )  # fmt: skip
         return InlineCall(asyncio.create_task(run_tool(self.registry, tool, arguments, ctx), name=f"call-{tool}"), ctx)

@@ -46,8 +46,13 @@ class InlineCallContext(ToolContextBase):
         progress_token: str | int | None,
         client_capabilities: dict[str, Any],
         on_event: Callable[[TaskEvent], None] | None = None,
+        caller: tuple[str, str] | None = None,
+        replays: bool = True,
+        may_become_task: bool = False,
     ) -> None:
-        super().__init__(task_id=None, progress_token=progress_token, client_capabilities=client_capabilities)
+        super().__init__(
+            task_id=None, progress_token=progress_token, client_capabilities=client_capabilities, caller=caller
+        )
         self._on_event = on_event
         self._responses = responses
         self._asked = 0
@@ -61,6 +66,10 @@ class InlineCallContext(ToolContextBase):
         self.asked_unanswered = asyncio.Event()
         # The keys whose answers the run took: only those travel on in the next round's requestState.
         self.used: set[str] = set()
+        # A tool that cannot be run again (``ToolSpec.replays``) asks as a task: set when it wants to.
+        self._replays = replays
+        self._may_become_task = may_become_task
+        self.wants_task = asyncio.Event()
 
     def begin_conversion(self) -> None:
         """The call is about to become a task: questions from now on wait for it, and its progress
@@ -80,7 +89,7 @@ class InlineCallContext(ToolContextBase):
         return self._sink.progress_status if self._sink is not None else None
 
     def _next_key(self, wanted: str | None) -> str:
-        if self._sink is not None or self._converting:
+        if self._sink is not None or self._converting or not self._replays:
             return super()._next_key(wanted)  # a task's keys are the service's: unique for its life
         self._asked += 1
         # The same question gets the same key when the run is retried: the tool's name for it, or
@@ -94,6 +103,15 @@ class InlineCallContext(ToolContextBase):
             self._on_event(event)
 
     async def _ask(self, question: PendingInput) -> InputResponse:
+        if self._sink is None and not self._converting and not self._replays:
+            if not self._may_become_task:
+                raise refused(
+                    FailureReason.TOOL,
+                    "this tool asked for input, and a call that cannot become a task could only get the answer "
+                    "by running it again: call it as a task (declare the tasks extension) to answer it",
+                )
+            self.wants_task.set()  # the round ends as running: the call becomes a task, then asks
+            await self._attached.wait()
         if self._sink is None and self._converting:
             await self._attached.wait()  # the create failing cancels the job instead
         if self._sink is not None:
@@ -152,13 +170,16 @@ class RoundResult(Generic[T]):
 
 async def run_round(job: asyncio.Future[T], ctx: InlineCallContext, *, grace_s: float | None) -> RoundResult[T]:
     """Wait for the call's first end: done, a question without an answer (the job is cancelled),
-    or still running after ``grace_s`` (None: no grace; wait for the other two)."""
+    or still running after ``grace_s`` (None: no grace; wait for the other two) or sooner, when a
+    tool that cannot be run again wants to ask (as the task the call becomes)."""
     asking: asyncio.Future[Any] = asyncio.ensure_future(ctx.asked_unanswered.wait())
-    waiting: set[asyncio.Future[Any]] = {job, asking}
+    wanting: asyncio.Future[Any] = asyncio.ensure_future(ctx.wants_task.wait())
+    waiting: set[asyncio.Future[Any]] = {job, asking, wanting}
     try:
         await asyncio.wait(waiting, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         asking.cancel()
+        wanting.cancel()
     if ctx.unanswered:
         # Questions asked together (asyncio.gather) reach us one loop turn apart: collect them all.
         for _ in range(5):

@@ -242,7 +242,9 @@ class TaskService:
         # become a task is counted as the task it becomes.
         release = await self.plain.hold(caller, spec.name) if mode is CallMode.SYNC else None
         call = engine.start_call(spec.name, valid, responses=responses, progress_token=progress_token,
-                                 client_capabilities=client_capabilities, on_event=on_event)  # fmt: skip
+                                 client_capabilities=client_capabilities, on_event=on_event,
+                                 caller=caller.principal.owner_key,
+                                 may_become_task=mode is not CallMode.SYNC)  # fmt: skip
         if release is not None:
             call.job.add_done_callback(lambda _job: release())
         round_ = await call.round(None if mode is CallMode.SYNC else grace_s)

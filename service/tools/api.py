@@ -81,6 +81,12 @@ class ToolContext(Protocol):
     def task_id(self) -> str | None: ...
 
     @property
+    def caller(self) -> tuple[str, str] | None:
+        """Who the call is for: (tenant, subject) as the audit records them; None where no one is
+        known. An upstream may be told (``[upstream.forward]``); a pack's tool may scope by it."""
+        ...
+
+    @property
     def reports_progress(self) -> bool:
         """Whether ``progress`` reaches anyone now: the client sent a progress token with the call
         (2026-07-28: while the call runs inside that request, XD-18), or the call is a 2026-07-28

@@ -54,8 +54,10 @@ class ToolContextBase(abc.ABC):
     """Implements the tool authors' ``ToolContext`` for one call."""
 
     def __init__(
-        self, *, task_id: str | None, progress_token: str | int | None, client_capabilities: dict[str, Any]
-    ) -> None:
+        self, *, task_id: str | None, progress_token: str | int | None, client_capabilities: dict[str, Any],
+        caller: tuple[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self._caller = caller
         self._task_id = task_id
         self._token = progress_token
         self._caps = client_capabilities
@@ -64,6 +66,10 @@ class ToolContextBase(abc.ABC):
     @property
     def task_id(self) -> str | None:
         return self._task_id
+
+    @property
+    def caller(self) -> tuple[str, str] | None:
+        return self._caller
 
     @property
     def reports_progress(self) -> bool:

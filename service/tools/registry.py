@@ -41,6 +41,10 @@ class ToolSpec:
     # Where the tool lives when not in a pack, for the audit record: {"upstream": name,
     # "upstream_tool": its name there} (service.upstream).
     origin: dict[str, str] | None = None
+    # Whether a call inside its request (2026-07-28) may answer its questions by running again from
+    # the start with the answers (MRTR). False for an upstream's tool: running it again would call
+    # the upstream again, so such a call becomes a task before it asks (service.runtime.inline).
+    replays: bool = True
 
     def runtime_limit_s(self, ceiling_s: float) -> float:
         """The limit its tasks run under, given the operator's default and ceiling."""

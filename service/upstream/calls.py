@@ -27,10 +27,11 @@ class UpstreamFailure(ToolFailure):
     """The call failed because of the upstream (not a tool error it answered with): counts
     against its circuit breaker when ``breaks``."""
 
-    def __init__(self, message: str, *, breaks: bool, lost: bool = False) -> None:
+    def __init__(self, message: str, *, breaks: bool, lost: bool = False, refused: bool = False) -> None:
         super().__init__(message)
         self.breaks = breaks
         self.lost = lost  # the session is gone
+        self.refused = refused  # not sent: the upstream is down
 
 
 class CallAsker:

@@ -21,7 +21,7 @@ SEPARATOR: Final = "."
 TOP_KEYS: Final = frozenset({"upstream"})
 KEYS: Final = frozenset(
     {"name", "url", "command", "env", "cwd", "tools", "exclude", "task_support", "rerunnable", "timeout_s",
-     "idle_timeout_s", "max_concurrency", "auth", "forward"}
+     "idle_timeout_s", "max_concurrency", "circuit_failures", "circuit_open_s", "auth", "forward"}
 )  # fmt: skip
 AUTH_KEYS: Final = frozenset({"bearer_env", "bearer_file", "client_credentials"})
 CLIENT_CREDENTIALS_KEYS: Final = frozenset({"token_url", "client_id", "client_secret_env", "scope"})
@@ -74,6 +74,9 @@ class UpstreamConfig:
     timeout_s: float = 3_600.0
     idle_timeout_s: float = 300.0
     max_concurrency: int = 16
+    # The breaker opens after this many calls in a row fail because of the upstream, for circuit_open_s.
+    circuit_failures: int = 5
+    circuit_open_s: float = 30.0
     auth: Bearer | ClientCredentials | None = None
     forward: Forward = field(default_factory=Forward)
 
@@ -103,7 +106,8 @@ class UpstreamConfig:
         out |= {
             "tools": list(self.tools), "exclude": list(self.exclude), "task_support": self.task_support,
             "rerunnable": self.rerunnable, "timeout_s": self.timeout_s, "idle_timeout_s": self.idle_timeout_s,
-            "max_concurrency": self.max_concurrency,
+            "max_concurrency": self.max_concurrency, "circuit_failures": self.circuit_failures,
+            "circuit_open_s": self.circuit_open_s,
         }  # fmt: skip
         if isinstance(self.auth, Bearer):
             out["auth"] = f"bearer from ${self.auth.env}" if self.auth.env else f"bearer from file {self.auth.file}"
@@ -191,6 +195,12 @@ class _Table:
             raise self.fail(key, f"must be a number above {low:g} and at most {high:g}")
         return float(value)
 
+    def whole(self, key: str, default: int) -> int:
+        value = self.table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 10_000:
+            raise self.fail(key, "must be a whole number from 1 to 10000")
+        return value
+
     def keys(self, allowed: frozenset[str], what: str) -> None:
         unknown = sorted(set(self.table) - allowed)
         if unknown:
@@ -226,14 +236,14 @@ def _upstream(table: Any, where: str, env: Mapping[str, str]) -> UpstreamConfig:
     rerunnable = table.get("rerunnable", False)
     if not isinstance(rerunnable, bool):
         raise t.fail("rerunnable", "must be true or false")
-    concurrency = t.number("max_concurrency", 16, low=0, high=10_000)
-    if concurrency != int(concurrency):
-        raise t.fail("max_concurrency", "must be a whole number")
+    concurrency = t.whole("max_concurrency", 16)
+    failures = t.whole("circuit_failures", 5)
     return UpstreamConfig(
         name=name, url=url, command=command, env=dict(env_table), cwd=Path(cwd) if cwd else None,
         tools=t.strings("tools", ("*",)), exclude=t.strings("exclude", ()), task_support=support,
         rerunnable=rerunnable, timeout_s=t.number("timeout_s", 3_600, low=0, high=31_536_000),
-        idle_timeout_s=t.number("idle_timeout_s", 300, low=0, high=31_536_000), max_concurrency=int(concurrency),
+        idle_timeout_s=t.number("idle_timeout_s", 300, low=0, high=31_536_000), max_concurrency=concurrency,
+        circuit_failures=failures, circuit_open_s=t.number("circuit_open_s", 30, low=0, high=86_400),
         auth=_auth(table.get("auth"), t.where, env), forward=_forward(table.get("forward"), t.where, url),
     )  # fmt: skip
 

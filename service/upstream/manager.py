@@ -39,7 +39,7 @@ def tool_spec(upstream: Upstream, tool: types.Tool) -> ToolSpec:
         name=config.prefix + name, fn=run, description=tool.description or "", input_schema=wire["inputSchema"],
         task_support=config.task_support, rerunnable=config.rerunnable, output_schema=wire.get("outputSchema"),
         title=tool.title, annotations=wire.get("annotations") or None, version=tool_version(tool),
-        origin={"upstream": config.name, "upstream_tool": name},
+        origin={"upstream": config.name, "upstream_tool": name}, replays=False,
     )  # fmt: skip
 
 

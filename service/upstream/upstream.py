@@ -15,10 +15,12 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any, Final
+from urllib.parse import quote
 
 import httpx
 from mcp import types
 
+from service.observability import metrics
 from service.tools.api import ToolContext
 from service.upstream.auth import Credentials, UpstreamAuthError
 from service.upstream.breaker import Breaker
@@ -29,6 +31,7 @@ from service.upstream.connection import ConnectFailed, Connection
 log = logging.getLogger(__name__)
 
 REFRESH_S: Final = 60.0
+VISIBLE: Final = frozenset(chr(c) for c in range(0x20, 0x7F))
 PING_S: Final = 10.0
 PING_TIMEOUT_S: Final = 10.0
 BACKOFF_S: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -40,11 +43,11 @@ class Upstream:
 
     def __init__(
         self, config: UpstreamConfig, *, on_tools: Callable[[Upstream], None], grace_s: float,
-        max_result_bytes: int, breaker: Breaker | None = None,
+        max_result_bytes: int,
     ) -> None:  # fmt: skip
         self.config = config
         self.credentials = Credentials(config.auth)
-        self.breaker = breaker or Breaker()
+        self.breaker = Breaker(threshold=config.circuit_failures, open_s=config.circuit_open_s)
         self.tools: dict[str, types.Tool] = {}
         self.listed = False  # whether ``tools`` is what the server said (vs. dropped after the grace)
         self.up = False
@@ -63,6 +66,7 @@ class Upstream:
     # ---- following the server --------------------------------------------------------------
 
     def start(self) -> None:
+        metrics.upstream_configured(self.config.name)
         self._loop = asyncio.create_task(self._follow(), name=f"upstream-{self.config.name}-follow")
 
     async def stop(self) -> None:
@@ -150,6 +154,7 @@ class Upstream:
     def _came_up(self) -> None:
         if not self.up:
             log.info("upstream %s is up (%d tools)", self.config.name, len(self.tools))
+        metrics.upstream_up.labels(self.config.name).set(1)
         self.up, self.down_since, self.last_error = True, None, None
         self.tried.set()
 
@@ -158,14 +163,29 @@ class Upstream:
             log.warning("upstream %s is down: %s", self.config.name, error)
         if self.up or self.down_since is None:
             self.down_since = time.time()
+        metrics.upstream_up.labels(self.config.name).set(0)
         self.up, self.last_error = False, error
         self.tried.set()
 
-    async def _connect(self, **kw: Any) -> Connection:
-        headers = await self.credentials.headers()
+    async def _connect(self, *, forward: dict[str, str] | None = None, **kw: Any) -> Connection:
+        """A session with our credentials (never the caller's token: no pass-through) and, for a
+        call, the ``[upstream.forward]`` headers naming its caller."""
+        headers = {**(forward or {}), **await self.credentials.headers()}
         conn = Connection(self.config, headers=headers, pool=self._pool, **kw)
-        await conn.open()
+        try:
+            await conn.open()
+        except ConnectFailed as exc:
+            if "HTTP 401" in str(exc):  # a token it no longer takes: fetch a new one next time
+                self.credentials.forget()
+            raise
         return conn
+
+    def _forwarded(self, ctx: ToolContext) -> dict[str, str]:
+        forward, caller = self.config.forward, ctx.caller
+        if caller is None:
+            return {}
+        pairs = ((forward.tenant_header, caller[0]), (forward.subject_header, caller[1]))
+        return {header: header_value(value) for header, value in pairs if header}
 
     # ---- calls -------------------------------------------------------------------------------
 
@@ -174,23 +194,35 @@ class Upstream:
         name = self.config.name
         retry_in = self.breaker.refuses()
         if retry_in is not None:
+            metrics.upstream_calls.labels(name, "refused").inc()
             raise UpstreamFailure(
-                f"upstream {name!r} is failing (circuit open): calls are refused for {retry_in:.0f} s more; "
-                f"try again then (last error: {self.last_error or self.breaker.last_error})",
+                f"upstream {name!r} is failing (circuit open): calls are refused for {max(1, round(retry_in))} s "
+                f"more; try again then (last error: {self.breaker.last_error or self.last_error})",
                 breaks=False,
             )
+        outcome = "cancelled"
+        started = time.monotonic()
         async with self._slots:
+            in_flight = metrics.upstream_in_flight.labels(name)
+            in_flight.inc()
             try:
                 result = await self._run(tool, arguments, ctx)
+                outcome = "tool_error" if result.get("isError") else "ok"
             except UpstreamFailure as exc:
+                outcome = "refused" if exc.refused else "error"
                 if exc.breaks:
                     self.breaker.failed(exc.message)
-                else:  # it answered: alive
+                elif not exc.refused:  # it answered: alive
                     self.breaker.succeeded()
                 raise
             except BaseException:  # our cancel, our client's failure: says nothing of the upstream
                 self.breaker.settled()
                 raise
+            finally:
+                in_flight.dec()
+                metrics.upstream_calls.labels(name, outcome).inc()
+                metrics.upstream_call_seconds.labels(name).observe(time.monotonic() - started)
+                metrics.upstream_circuit_open.labels(name).set(1 if self.breaker.state() == "open" else 0)
         self.breaker.succeeded()
         return result
 
@@ -200,11 +232,13 @@ class Upstream:
             conn = self._control
             if conn is None or conn.ended.is_set():
                 raise UpstreamFailure(  # fast already: not the breaker's to count
-                    f"upstream {c.name!r} is down ({self.last_error or 'starting'}): try again later", breaks=False
+                    f"upstream {c.name!r} is down ({self.last_error or 'starting'}): try again later",
+                    breaks=False,
+                    refused=True,
                 )
             return await call(conn, c, tool, arguments, ctx, max_result_bytes=self._max_result_bytes)
         try:
-            conn = await self._connect()
+            conn = await self._connect(forward=self._forwarded(ctx))
         except (ConnectFailed, UpstreamAuthError) as exc:
             raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
         try:
@@ -223,3 +257,9 @@ class Upstream:
             "tools": sorted(self.tools),
             "last_error": self.last_error or self.breaker.last_error,
         }
+
+
+def header_value(value: str) -> str:
+    """A tenant or subject as a header value: as is when it is visible ASCII, else percent-encoded
+    UTF-8 (docs/decisions.md, "Telling an upstream who calls")."""
+    return value if VISIBLE.issuperset(value) else quote(value, safe="")
