@@ -71,6 +71,7 @@ format: $(STAMP) ## apply ruff's fixes and formatting
 interop: $(STAMP) ## official clients and conformance suites against `mcp-tasks serve`, both wires (installs peers under /tmp/peers)
 	scripts/interop.sh
 	scripts/interop-ext.sh
+	scripts/interop-upstream.sh
 
 faults: $(STAMP) ## fault tests: real replicas behind haproxy, SIGTERM/SIGKILL, killed PostgreSQL connections, Redis down (minutes)
 	$(BIN)/pytest tests/faults -s -q
