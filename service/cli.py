@@ -237,7 +237,7 @@ def _main(argv: list[str]) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """Every command's options but ``bench``'s, which the load generator parses itself."""
-    from service import __version__, cli_call, cli_tasks, cli_tools, cli_usage
+    from service import __version__, cli_call, cli_tasks, cli_tools, cli_upstreams, cli_usage
 
     parser = argparse.ArgumentParser(prog="mcp-tasks", description="A durable, multi-tenant MCP Tasks server.")
     parser.add_argument("--version", action="version", version=f"mcp-tasks {__version__}")
@@ -248,6 +248,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_dev_issuer_parsers(sub)
     _add_audit_parser(sub)
     cli_usage.add_parser(sub)
+    cli_upstreams.add_parser(sub)
     sub.add_parser("bench", help="load-test an MCP Tasks endpoint (ours or another): mcp-tasks bench --help")
     cli_call.add_parser(sub)
     config = sub.add_parser(
@@ -303,7 +304,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
         log_setup.configure(settings.log_level, settings.log_format)
         _load_tools(settings)
     else:
-        quiet = ("token", "audit", "tasks", "call", "tools", "usage")
+        quiet = ("token", "audit", "tasks", "call", "tools", "usage", "upstreams")
         log_setup.configure("WARNING" if args.command in quiet else "INFO", "text")
 
 
@@ -331,6 +332,11 @@ def _run_command(args: argparse.Namespace) -> None:
         from service.cli_records import run_record_command
 
         sys.exit(run_record_command(cli_usage.usage_main(args)))
+    elif args.command == "upstreams":
+        from service.cli_records import run_record_command
+        from service.cli_upstreams import upstreams_main
+
+        sys.exit(run_record_command(upstreams_main(args)))
     elif args.command == "config":
         from service.cli_config import config_main
 

@@ -115,9 +115,30 @@ def config_main(args: argparse.Namespace) -> int:
     if args.json:
         for row in rows:
             print(json.dumps({"variable": row.variable, "value": row.value, "source": row.source, "note": row.note}))
-        return 0
+        return print_upstreams(settings, as_json=True)
     for row in rows:
         value = "" if row.value is None else json.dumps(row.value, default=str)
         source = f"file {path}" if row.source == "file" else row.source
         print(f"{row.variable}={value}  # {source}{': ' + row.note if row.note else ''}")
+    return print_upstreams(settings, as_json=False)
+
+
+def print_upstreams(settings: Settings, *, as_json: bool) -> int:
+    """The upstreams file's effect: each upstream's settings, defaults filled in, secrets shown by
+    where they come from only (1: the file cannot be used, said in one line)."""
+    if not settings.upstreams_file:
+        return 0
+    from service.upstream.config import UpstreamConfigError, load
+
+    try:
+        upstreams = load(settings.upstreams_file)
+    except UpstreamConfigError as exc:
+        print(f"mcp-tasks config: MCP_TASKS_UPSTREAMS_FILE: {exc}", file=sys.stderr)
+        return 1
+    for upstream in upstreams:
+        described = upstream.describe()
+        if as_json:
+            print(json.dumps({"upstream": described}))
+        else:
+            print(f"# upstream {upstream.name}: " + json.dumps(described))
     return 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from service.config import Settings
 from service.observability import metrics
@@ -21,6 +23,7 @@ from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import open_embedded
 from service.store.events import EventHub
 from service.store.tasks import service_key
+from service.store.upstreams import UpstreamStates
 from service.store.usage import PlainCallTally
 from service.tasks.cursor import CursorCodec
 from service.tasks.request_state import RequestStateCodec
@@ -150,15 +153,32 @@ def load_upstreams(settings: Settings, registry: Registry) -> list[UpstreamConfi
     return upstreams
 
 
-async def start_upstreams(settings: Settings, registry: Registry, configs: list[UpstreamConfig]) -> Upstreams | None:
+class UpstreamBoard:
+    """Where this process records what it sees of its upstreams (``mcp-tasks upstreams``)."""
+
+    def __init__(self, db: Database) -> None:
+        self.states = UpstreamStates(db)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+
+    async def publish(self, states: list[dict[str, Any]], live_ms: int) -> None:
+        await self.states.publish(self.owner, states, live_ms)
+
+    async def withdraw(self) -> None:
+        await self.states.withdraw(self.owner)
+
+
+async def start_upstreams(
+    settings: Settings, registry: Registry, configs: list[UpstreamConfig], runner_db: Database
+) -> Upstreams | None:
     """Follow the upstreams (the MCP SDK is imported only when there are some)."""
     if not configs:
         return None
     from service.upstream.manager import Upstreams
 
     upstreams = Upstreams(
-        configs, registry, grace_s=settings.upstream_down_grace_s, max_result_bytes=settings.max_result_bytes
-    )
+        configs, registry, grace_s=settings.upstream_down_grace_s, max_result_bytes=settings.max_result_bytes,
+        board=UpstreamBoard(runner_db),
+    )  # fmt: skip
     await upstreams.start()
     return upstreams
 
@@ -190,7 +210,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     )
     poll_s = settings.poll_interval_ms / 1000
     state_key = await service_key(db, "mrtr-request-state")
-    upstreams = await start_upstreams(settings, registry, upstream_configs)
+    upstreams = await start_upstreams(settings, registry, upstream_configs, runner_db)
     executor = Executor(registry)
     runner = None
     if run_tasks and settings.runner_concurrency > 0:

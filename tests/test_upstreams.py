@@ -516,3 +516,42 @@ async def test_a_2026_call_of_an_upstream_tool_that_asks_becomes_a_task_and_the_
             message = answer.json()
             text = str(message)
             assert "call it as a task" in text, message
+
+
+async def test_the_upstreams_command_shows_what_each_process_sees_and_config_masks_secrets(
+    tmp_path: Path, database_url: str, marks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("UPSTREAM_TOKEN_41", "s3cret-value")
+    dead = free_port()
+    with http_upstream(marks) as url:
+        body = (
+            f'[[upstream]]\nname = "up"\nurl = "{url}"\n[upstream.auth]\nbearer_env = "UPSTREAM_TOKEN_41"\n'
+            f'[[upstream]]\nname = "ghost"\nurl = "http://127.0.0.1:{dead}/mcp"\n'
+        )
+        async with service(tmp_path, database_url, body):
+            env = {**os.environ, "MCP_TASKS_DATABASE_URL": database_url,
+                   "MCP_TASKS_UPSTREAMS_FILE": str(tmp_path / "upstreams.toml")}  # fmt: skip
+
+            def run(*argv: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run([sys.executable, "-m", "service", *argv], env=env, capture_output=True,
+                                      text=True, timeout=60, cwd=ROOT)  # fmt: skip
+
+            async def both_reported() -> dict[str, Any] | None:
+                done = await asyncio.to_thread(run, "upstreams", "--json")
+                assert done.returncode == 0, done.stderr
+                rows = {r["upstream"]: r for r in map(orjson.loads, done.stdout.splitlines())}
+                return (
+                    rows if rows.get("up", {}).get("state") == "up" and rows.get("ghost", {}).get("process") else None
+                )
+
+            rows = await until(both_reported)
+            assert "echo" in rows["up"]["tools"]
+            assert rows["up"]["circuit"] == "closed"
+            assert rows["ghost"]["state"] == "down"
+            assert rows["ghost"]["down_since"]
+            assert "cannot connect" in rows["ghost"]["last_error"]
+            shown = await asyncio.to_thread(run, "config")
+            assert shown.returncode == 0, shown.stderr
+            assert "s3cret-value" not in shown.stdout
+            assert "bearer from $UPSTREAM_TOKEN_41" in shown.stdout
+            assert '"timeout_s": 3600.0' in shown.stdout  # defaults filled in

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, Final
 from urllib.parse import quote
 
@@ -62,6 +63,8 @@ class Upstream:
         self._refresh = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self.tried = asyncio.Event()  # its first connection came up or failed
+        self.on_change: Callable[[], None] = lambda: None
+        self._circuit_seen = "closed"  # up, down, its tools or its circuit changed
 
     # ---- following the server --------------------------------------------------------------
 
@@ -132,6 +135,7 @@ class Upstream:
         if self.tools and self.down_since is not None and time.time() - self.down_since >= self._grace_s:
             self.tools, self.listed = {}, False
             self._on_tools(self)
+            self.on_change()
 
     async def _notified(self, note: types.ServerNotification) -> None:
         if isinstance(note.root, types.ToolListChangedNotification):
@@ -150,6 +154,7 @@ class Upstream:
         if tools != self.tools or not self.listed:
             self.tools, self.listed = tools, True
             self._on_tools(self)
+            self.on_change()
 
     def _came_up(self) -> None:
         if not self.up:
@@ -157,6 +162,7 @@ class Upstream:
         metrics.upstream_up.labels(self.config.name).set(1)
         self.up, self.down_since, self.last_error = True, None, None
         self.tried.set()
+        self.on_change()
 
     def _went_down(self, error: str) -> None:
         if self.up or self.last_error is None:
@@ -166,6 +172,7 @@ class Upstream:
         metrics.upstream_up.labels(self.config.name).set(0)
         self.up, self.last_error = False, error
         self.tried.set()
+        self.on_change()
 
     async def _connect(self, *, forward: dict[str, str] | None = None, **kw: Any) -> Connection:
         """A session with our credentials (never the caller's token: no pass-through) and, for a
@@ -222,7 +229,11 @@ class Upstream:
                 in_flight.dec()
                 metrics.upstream_calls.labels(name, outcome).inc()
                 metrics.upstream_call_seconds.labels(name).observe(time.monotonic() - started)
-                metrics.upstream_circuit_open.labels(name).set(1 if self.breaker.state() == "open" else 0)
+                circuit = self.breaker.state()
+                metrics.upstream_circuit_open.labels(name).set(1 if circuit == "open" else 0)
+                if circuit != self._circuit_seen:
+                    self._circuit_seen = circuit
+                    self.on_change()
         self.breaker.succeeded()
         return result
 
@@ -248,11 +259,12 @@ class Upstream:
 
     def status(self) -> dict[str, Any]:
         """What ``mcp-tasks upstreams`` shows for this process's view."""
+        since = self.down_since
         return {
             "name": self.config.name,
             "transport": self.config.transport,
             "state": "up" if self.up else "down",
-            "down_since": self.down_since,
+            "down_since": None if since is None else datetime.fromtimestamp(since, UTC).isoformat(timespec="seconds"),
             "circuit": self.breaker.state(),
             "tools": sorted(self.tools),
             "last_error": self.last_error or self.breaker.last_error,
