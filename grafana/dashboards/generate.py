@@ -343,6 +343,45 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
             width=6,
         ),
     ],
+    "Upstream MCP servers": [
+        PanelSpec(
+            "Upstreams up",
+            "1 while at least one process has a session with the upstream (MCP_TASKS_UPSTREAMS_FILE); "
+            "`mcp-tasks upstreams` shows each process's view and last error.",
+            (Query("max by (upstream) (mcp_tasks_upstream_up)", "{{upstream}}"),),
+            kind="stat",
+            width=6,
+        ),
+        PanelSpec(
+            "Upstream calls by outcome",
+            "ok; tool_error (the upstream answered isError); error (unreachable, closed, silent past "
+            "idle_timeout_s, past timeout_s, garbage, an error answer); refused (circuit open or down); cancelled.",
+            (
+                Query(
+                    f"sum by (upstream, outcome) (rate(mcp_tasks_upstream_calls_total[{RATE}]))",
+                    "{{upstream}} {{outcome}}",
+                ),
+            ),
+            "ops",
+            width=6,
+        ),
+        PanelSpec(
+            "Upstream call time",
+            "A call to the upstream, its session's set-up included (p50, p95).",
+            _quantiles("mcp_tasks_upstream_call_seconds", "upstream", (0.5, 0.95)),
+            "s",
+            width=6,
+        ),
+        PanelSpec(
+            "Upstream calls in flight and open circuits",
+            "Calls in flight (at most max_concurrency per process), and processes whose breaker refuses calls.",
+            (
+                Query("sum by (upstream) (mcp_tasks_upstream_calls_in_flight)", "{{upstream}} in flight"),
+                Query("sum by (upstream) (mcp_tasks_upstream_circuit_open)", "{{upstream}} circuits open"),
+            ),
+            width=6,
+        ),
+    ],
     "Processes": [
         PanelSpec(
             "Versions running",

@@ -26,12 +26,13 @@ SAMPLES: dict[str, Any] = {
     "oauth_audience": "https://tasks.example.com/mcp", "oauth_introspection_url": "https://id.example.com/introspect",
     "oauth_client_id": "mcp-tasks", "default_ttl_ms": 600_000, "max_ttl_ms": 3_600_000, "metrics_port": 9100,
     "runner_tenant_share": "50%",
-    "audit_retention_days": 400,
+    "audit_retention_days": 400, "upstreams_file": "/etc/mcp-tasks/upstreams.toml",
 }  # fmt: skip
 MINIMAL = values_of(CHART / "ci" / "minimal-values.yaml")
 WORKERS = values_of(CHART / "ci" / "workers-values.yaml")
 OPERATOR = values_of(CHART / "ci" / "operator-values.yaml")
 EXISTING = values_of(CHART / "ci" / "existing-secret-values.yaml")
+UPSTREAMS = values_of(CHART / "ci" / "upstreams-values.yaml")
 
 
 def _merged(base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -273,3 +274,31 @@ def _leaf_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
         else:
             keys.append(path)
     return keys
+
+
+def test_the_upstreams_file_and_its_secrets_reach_serve_and_workers(tmp_path: Path) -> None:
+    """The file becomes a ConfigMap mounted where MCP_TASKS_UPSTREAMS_FILE points, in serve and in
+    the workers; its secrets come from Secrets by name; and what the pods read loads (issue 41)."""
+    from service.upstream.config import load
+
+    objects = render(UPSTREAMS)
+    toml = one(objects, "ConfigMap", "rel-mcp-task-service-upstreams")["data"]["upstreams.toml"]
+    for name in ("rel-mcp-task-service", "rel-mcp-task-service-worker"):
+        pod = one(objects, "Deployment", name)["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        path = env["MCP_TASKS_UPSTREAMS_FILE"]["value"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts[str(Path(path).parent)]]["configMap"]["name"] == "rel-mcp-task-service-upstreams"
+        assert volumes[mounts["/etc/mcp-tasks/secrets/crm-mcp-token"]]["secret"]["secretName"] == "crm-mcp-token"
+        assert env["BILLING_CLIENT_SECRET"]["valueFrom"]["secretKeyRef"] == {
+            "name": "billing-mcp",
+            "key": "client-secret",
+        }
+    (tmp_path / "token").write_text("t")
+    file = tmp_path / "upstreams.toml"
+    file.write_text(toml.replace("/etc/mcp-tasks/secrets/crm-mcp-token/token", str(tmp_path / "token")))
+    assert [u.name for u in load(file, environ={"BILLING_CLIENT_SECRET": "x"})] == ["crm", "billing"]
+    with pytest.raises(helm.HelmError, match="not both"):
+        render(_merged(UPSTREAMS, upstreams__existingConfigMap="mine"))

@@ -87,12 +87,14 @@ async def _admin(dsn: str, sql: str) -> None:
         await conn.close()
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30, *, answered: bool = False) -> None:
+    """Until ``url`` answers 200 (``answered``: anything; an MCP endpoint answers a bare GET 4xx)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
+            status = httpx.get(url, timeout=2).status_code
+            if answered or status == 200:
                 return
         time.sleep(0.2)
     raise AssertionError(f"{url} not ready in {timeout}s")
@@ -103,7 +105,7 @@ def stack(admin_dsn: str) -> Iterator[Stack]:
     db_name = f"mcp_tasks_ops_{secrets.token_hex(4)}"
     asyncio.run(_admin(admin_dsn, f'CREATE DATABASE "{db_name}"'))
     work = Path(tempfile.mkdtemp(prefix="mcp-tasks-live-", dir="/var/tmp"))
-    ports = {k: free_port() for k in ("issuer", "serve", "serve_metrics", "worker_metrics", "prometheus")}
+    ports = {k: free_port() for k in ("issuer", "serve", "serve_metrics", "worker_metrics", "prometheus", "upstream")}
     url = f"http://127.0.0.1:{ports['serve']}/mcp"
     issuer = f"http://127.0.0.1:{ports['issuer']}"
     database_url = admin_dsn.rsplit("/", 1)[0] + "/" + db_name
@@ -113,7 +115,12 @@ def stack(admin_dsn: str) -> Iterator[Stack]:
         MCP_TASKS_PUBLIC_URL=url, MCP_TASKS_PORT=str(ports["serve"]), MCP_TASKS_METRICS_TENANT_LABEL="true",
         MCP_TASKS_SWEEP_INTERVAL_MS="300", MCP_TASKS_LEASE_MS="3000", MCP_TASKS_RATE_LIMIT="100/minute",
         MCP_TASKS_MAX_ACTIVE_TASKS_PER_REQUESTOR="4", MCP_TASKS_LOG_LEVEL="WARNING", MCP_TASKS_SHUTDOWN_GRACE_S="1",
+        MCP_TASKS_UPSTREAMS_FILE=str(work / "upstreams.toml"),
     )  # fmt: skip
+    # An upstream MCP server (the tests' FastMCP one) whose tools both processes follow.
+    (work / "upstreams.toml").write_text(
+        f'[[upstream]]\nname = "up"\nurl = "http://127.0.0.1:{ports["upstream"]}/mcp"\n'
+    )
     s = Stack(
         work, env, url, issuer,
         serve_metrics=f"http://127.0.0.1:{ports['serve_metrics']}",
@@ -122,6 +129,9 @@ def stack(admin_dsn: str) -> Iterator[Stack]:
     )  # fmt: skip
     try:
         migrate.upgrade(database_url)
+        s.start("upstream", [sys.executable, "-m", "tests.upstream_server", "http", str(ports["upstream"])],
+                {**env, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        _wait_http(f"http://127.0.0.1:{ports['upstream']}/mcp", s.procs["upstream"], answered=True)
         s.start("issuer", [MCP_TASKS, "dev-issuer", "--port", str(ports["issuer"]), "--ephemeral", "--audience", url])
         _wait_http(f"{issuer}/.well-known/oauth-authorization-server", s.procs["issuer"])
         # serve answers and sweeps; the worker runs every task (so killing it loses leases).
@@ -187,7 +197,8 @@ async def _mixed_load(s: Stack) -> None:
                 for rpc, tool_name, args in [
                     (alice, "echo", {"text": "hi"}), (carol, "echo", {"text": "hi"}), (alice, "fail", {"message": "no"}),
                     (carol, "crash", {"message": "boom"}), (alice, "sleep", {"seconds": 0.2}),
-                    (carol, "count", {"n": 3, "interval_ms": 20}),
+                    (carol, "count", {"n": 3, "interval_ms": 20}), (alice, "up.echo", {"text": "hi"}),
+                    (carol, "up.fail", {"message": "no"}),
                 ]:  # fmt: skip
                     task_id = (await rpc.call_tool_as_task(tool_name, args))["task"]["taskId"]
                     await rpc.send("tasks/result", {"taskId": task_id})

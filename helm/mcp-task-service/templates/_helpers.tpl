@@ -86,6 +86,12 @@ app.kubernetes.io/part-of: mcp-task-service
 {{- if and .Values.networkPolicy.enabled (empty $c.metrics_port) -}}
 {{- fail "networkPolicy.enabled keeps /metrics to the monitoring namespace by port: set config.metrics_port (e.g. 9100)" -}}
 {{- end -}}
+{{- if and .Values.upstreams.file .Values.upstreams.existingConfigMap -}}
+{{- fail "give the upstreams as upstreams.file or upstreams.existingConfigMap, not both" -}}
+{{- end -}}
+{{- if and (or .Values.upstreams.file .Values.upstreams.existingConfigMap) $c.upstreams_file -}}
+{{- fail "upstreams.file / upstreams.existingConfigMap set MCP_TASKS_UPSTREAMS_FILE: leave config.upstreams_file null" -}}
+{{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (empty $c.metrics_port) -}}
 {{- fail "metrics.serviceMonitor.enabled scrapes the metrics port: set config.metrics_port (e.g. 9100)" -}}
 {{- end -}}
@@ -102,6 +108,36 @@ app.kubernetes.io/part-of: mcp-task-service
 - name: MCP_TASKS_RATE_LIMIT_STORAGE
   valueFrom:
     secretKeyRef: {name: {{ include "mcp-tasks.secretName" . }}, key: {{ .Values.secrets.keys.rateLimitStorage }}, optional: true}
+{{- if or .Values.upstreams.file .Values.upstreams.existingConfigMap }}
+- name: MCP_TASKS_UPSTREAMS_FILE
+  value: /etc/mcp-tasks/upstreams/upstreams.toml
+{{- end }}
+{{- range $name, $ref := .Values.upstreams.secretEnv }}
+- name: {{ $name }}
+  valueFrom:
+    secretKeyRef: {name: {{ $ref.secret }}, key: {{ $ref.key }}}
+{{- end }}
+{{- end -}}
+
+{{/* The upstreams file and its secret files, mounted in serve and worker (volumeMounts, then volumes). */}}
+{{- define "mcp-tasks.upstreamMounts" -}}
+{{- if or .Values.upstreams.file .Values.upstreams.existingConfigMap }}
+- {name: upstreams, mountPath: /etc/mcp-tasks/upstreams, readOnly: true}
+{{- end }}
+{{- range .Values.upstreams.secretFiles }}
+- {name: {{ printf "upstream-secret-%s" . | trunc 63 | trimSuffix "-" }}, mountPath: /etc/mcp-tasks/secrets/{{ . }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "mcp-tasks.upstreamVolumes" -}}
+{{- if or .Values.upstreams.file .Values.upstreams.existingConfigMap }}
+- name: upstreams
+  configMap: {name: {{ default (printf "%s-upstreams" (include "mcp-tasks.fullname" .)) .Values.upstreams.existingConfigMap }}}
+{{- end }}
+{{- range .Values.upstreams.secretFiles }}
+- name: {{ printf "upstream-secret-%s" . | trunc 63 | trimSuffix "-" }}
+  secret: {secretName: {{ . }}}
+{{- end }}
 {{- end -}}
 
 {{- define "mcp-tasks.topologySpread" -}}
