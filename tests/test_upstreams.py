@@ -315,13 +315,18 @@ async def test_an_upstream_down_at_start_is_picked_up_when_it_comes_up(
 
 
 async def test_a_stdio_upstream_runs_tasks_relays_progress_and_its_death_fails_the_call(
-    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with service(tmp_path, database_url, stdio_table(marks)) as server:
+    monkeypatch.setenv("MCP_TASKS_DATABASE_URL", database_url)  # as a deployed process has it
+    table = stdio_table(marks, extra='env = { GREETING = "hi" }')
+    async with service(tmp_path, database_url, table) as server:
         s = RpcSession(http, server.url)
         await s.initialize()
         names = {t["name"] for t in (await s.result("tools/list"))["tools"]}
         assert {"local.echo", "local.sleep", "local.die"} <= names
+        for name, seen in (("GREETING", "hi"), ("MCP_TASKS_DATABASE_URL", "")):  # its table's, never ours
+            got = await s.result("tools/call", {"name": "local.getenv", "arguments": {"name": name}})
+            assert got["content"][0]["text"] == seen
         task_id = (await s.call_tool_as_task("local.echo", {"text": "over stdio"}))["task"]["taskId"]
         assert (await task_outcome(s, task_id))["status"] == "completed"
 

@@ -111,6 +111,12 @@ async def whoami(ctx: Context) -> dict[str, str | None]:  # type: ignore[type-ar
 
 
 @server.tool()
+async def getenv(name: str) -> str:
+    """An environment variable of this process ("" when unset)."""
+    return os.environ.get(name, "")
+
+
+@server.tool()
 async def big(kib: int) -> str:
     """Answer with about ``kib`` KiB of text."""
     return "x" * (kib * 1024)
