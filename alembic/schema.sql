@@ -1619,3 +1619,33 @@ CREATE POLICY upstream_states_runner_only ON upstream_states TO mcp_tasks_runner
 GRANT SELECT ON upstream_states TO mcp_tasks_record;
 CREATE POLICY upstream_states_record_reads ON upstream_states FOR SELECT TO mcp_tasks_record
     USING (current_user = 'mcp_tasks_record');
+
+-- ============================================================================== task notes ==
+-- A run's note to the run that may follow it after a takeover (a tool's ToolContext.remember):
+-- one small JSON object per task, written by the runner holding the task's lease (the write names
+-- owner and epoch), read when a run starts. An upstream MCP server's task id lives here, so that
+-- the next runner follows the same upstream task instead of calling again. A task with a note is
+-- handed back to the queue, not failed: its tool decides from the note (docs/decisions.md,
+-- "Upstream MCP servers"). Deleted with its task.
+CREATE TABLE task_notes (
+    tenant_id  text        NOT NULL,
+    task_id    text        NOT NULL,
+    note       jsonb       NOT NULL,
+    written_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    CONSTRAINT task_notes_pkey PRIMARY KEY (tenant_id, task_id),
+    CONSTRAINT task_notes_task_fkey FOREIGN KEY (tenant_id, task_id)
+        REFERENCES tasks (tenant_id, task_id) ON DELETE CASCADE,
+    CONSTRAINT task_notes_object CHECK (jsonb_typeof(note) = 'object'),
+    CONSTRAINT task_notes_small CHECK (octet_length(note::text) <= 16384)
+);
+
+GRANT SELECT, INSERT, UPDATE, DELETE ON task_notes TO mcp_tasks_runner;
+GRANT SELECT, DELETE ON task_notes TO mcp_tasks_app, mcp_tasks_record;
+ALTER TABLE task_notes ENABLE ROW LEVEL SECURITY;
+ALTER TABLE task_notes FORCE ROW LEVEL SECURITY;
+CREATE POLICY task_notes_tenant_isolation ON task_notes TO mcp_tasks_app
+    USING (tenant_id = current_setting('app.tenant_id', true));
+CREATE POLICY task_notes_runner_all_tenants ON task_notes TO mcp_tasks_runner
+    USING (current_user = 'mcp_tasks_runner') WITH CHECK (current_user = 'mcp_tasks_runner');
+CREATE POLICY task_notes_record ON task_notes TO mcp_tasks_record
+    USING (current_user = 'mcp_tasks_record');

@@ -15,12 +15,12 @@ from typing import Any
 
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
-from service.domain.task import FailureReason, Task, Wire
+from service.domain.task import FailureReason, Task, TaskStatus, Wire
 from service.observability import metrics
 from service.store.events import EventHub, TaskLog, TaskProgress
 from service.store.runners import RunnerStore
 from service.tools.api import refused
-from service.tools.context import ProgressNote, ToolContextBase
+from service.tools.context import ProgressNote, ToolContextBase, progress_text
 
 # A status message keeps this many characters of a tool's progress message.
 MAX_STATUS_CHARS = 500
@@ -29,16 +29,6 @@ MAX_STATUS_CHARS = 500
 # A task's status message follows its progress at most this often (the last report always lands).
 PROGRESS_STATUS_EVERY_S = 1.0
 _writes: set[asyncio.Task[None]] = set()  # progress notes on their way (kept referenced)
-
-
-def progress_text(progress: float, total: float | None, message: str | None) -> str:
-    """A progress report as a status message: "40 % — processed 4 of 10 files"."""
-    if total:
-        share = f"{max(0, min(100, round(100 * progress / total)))} %"
-        return f"{share} — {message}" if message else share
-    if message:
-        return message
-    return f"progress {progress:g}"
 
 
 class TaskSink:
@@ -61,9 +51,12 @@ class TaskSink:
         self._flush: asyncio.Task[None] | None = None
 
     def _note_progress(self, progress: float, total: float | None, message: str | None) -> None:
+        self.note_status(progress_text(progress, total, message))
+
+    def note_status(self, text: str) -> None:
         """The latest report becomes the status message now, or (within PROGRESS_STATUS_EVERY_S of
         the last write) when that interval ends: the rate is bounded, the last report lands."""
-        self._noted = progress_text(progress, total, message)
+        self._noted = text
         if self._flush is None or self._flush.done():
             wait = max(0.0, self._noted_at + PROGRESS_STATUS_EVERY_S - time.monotonic())
             self._flush = asyncio.create_task(self._write_progress(wait), name=f"progress-{self._task.task_id[:8]}")
@@ -92,6 +85,23 @@ class TaskSink:
             return
         with contextlib.suppress(Exception):  # progress and logs are best effort (P-2)
             await self._hub.publish(out)
+
+    async def remember(self, note: dict[str, Any]) -> None:
+        """Keep the run's note with the task (fenced: a lost lease stops the run, as for a question)."""
+        if not await self._store.remember(self._task, self._owner, note):
+            raise asyncio.CancelledError  # cancelled or lease lost under us
+
+    async def recall(self) -> dict[str, Any] | None:
+        return await self._store.recall(self._task.tenant_id, self._task.task_id)
+
+    async def cancelled(self) -> bool:
+        """Whether the task ended (cancelled, or gone), not merely left this runner; unknown (the
+        database does not answer) counts as not: the task may go on elsewhere."""
+        try:
+            state = await asyncio.wait_for(self._store.lease_state(self._task.tenant_id, self._task.task_id), 5)
+        except Exception:
+            return False
+        return state is None or state.status is TaskStatus.CANCELLED
 
     async def ask(self, question: PendingInput) -> InputResponse:
         """Store the question (input_required), wait for its answer; the answer makes it working
@@ -131,6 +141,8 @@ class TaskRunContext(ToolContextBase):
             caller=(task.tenant_id, task.subject),
         )
         self._sink = sink
+        self._attempts = task.attempts
+        self._recalled = False
 
     async def _emit(self, event: TaskEvent) -> None:
         await self._sink.emit(event)
@@ -140,3 +152,24 @@ class TaskRunContext(ToolContextBase):
 
     async def _ask(self, question: PendingInput) -> InputResponse:
         return await self._sink.ask(question)
+
+    async def status(self, message: str) -> None:
+        self._sink.note_status(message)
+
+    @property
+    def durable(self) -> bool:
+        return True
+
+    async def remember(self, note: dict[str, Any]) -> None:
+        await self._sink.remember(note)
+        self._note = note
+
+    async def recall(self) -> dict[str, Any] | None:
+        """A first run has no note but its own (no read); a later one reads what the last left."""
+        if self._note is None and not self._recalled and self._attempts > 1:
+            self._note = await self._sink.recall()
+        self._recalled = True
+        return self._note
+
+    async def cancelled(self) -> bool:
+        return await self._sink.cancelled()

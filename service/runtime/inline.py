@@ -35,6 +35,12 @@ class Sink(Protocol):
 
     async def ask(self, question: PendingInput) -> InputResponse: ...
 
+    async def remember(self, note: dict[str, Any]) -> None: ...
+
+    async def cancelled(self) -> bool: ...
+
+    def note_status(self, text: str) -> None: ...
+
 
 class InlineCallContext(ToolContextBase):
     """The context of a call running inside its request, until it becomes a task."""
@@ -70,6 +76,7 @@ class InlineCallContext(ToolContextBase):
         self._replays = replays
         self._may_become_task = may_become_task
         self.wants_task = asyncio.Event()
+        self._note_written: asyncio.Future[None] | None = None  # a note kept before the call became a task
 
     def begin_conversion(self) -> None:
         """The call is about to become a task: questions from now on wait for it, and its progress
@@ -79,10 +86,31 @@ class InlineCallContext(ToolContextBase):
         self._token = None
 
     def attach(self, task_id: str, sink: Sink) -> None:
-        """The call became a task: events and questions go through it from now on."""
+        """The call became a task: events, questions and notes go through it from now on (a note
+        kept before goes with the task now)."""
         self._task_id = task_id
         self._sink = sink
         self._attached.set()
+        if self._note is not None:
+            self._note_written = asyncio.ensure_future(sink.remember(self._note))
+            # a lease lost meanwhile stops the run anyway; the outcome of this write is not awaited
+            self._note_written.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    @property
+    def durable(self) -> bool:
+        return self._sink is not None
+
+    async def remember(self, note: dict[str, Any]) -> None:
+        self._note = note
+        if self._sink is not None:
+            await self._sink.remember(note)
+
+    async def cancelled(self) -> bool:
+        return await self._sink.cancelled() if self._sink is not None else True
+
+    async def status(self, message: str) -> None:
+        if self._sink is not None:
+            self._sink.note_status(message)
 
     def _progress_status(self) -> ProgressNote | None:
         """Once the call is a task, its progress goes to the task's status (as a task run's does)."""

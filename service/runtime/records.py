@@ -99,9 +99,14 @@ class RunRecords:
     async def hand_back(self, back: HandBack) -> bool:
         """Re-queue what may run again, fail the rest (the reaper's rule, handback.py), under each
         run's fencing token. False when the database did not answer."""
+        try:  # a task whose run left a note (ToolContext.remember) goes back: its tool decides from it
+            noted = await self.store.noted([key_of(t) for t in back.tasks if t.rerunnable is not True])
+        except Exception as exc:  # the hand-back below meets the same outage; the reaper decides then
+            log.warning("could not read the notes of %d task(s): %s", len(back.tasks), exc)
+            return False
         requests: list[HandBackRequest] = [
             hand_back(tenant_id=t.tenant_id, task_id=t.task_id, subject=t.subject, tool=t.tool, owner=self.owner,
-                      epoch=t.lease_epoch, why=back.why, rerunnable=t.rerunnable is True,
+                      epoch=t.lease_epoch, why=back.why, rerunnable=t.rerunnable is True or key_of(t) in noted,
                       never_started=key_of(t) in back.never_started)
             for t in back.tasks
         ]  # fmt: skip

@@ -133,6 +133,25 @@ class RunnerStore:
             rows = await conn.fetch(Q["task_hand_back"], as_items(requests))
         return matched(requests, rows)
 
+    async def remember(self, task: Task, owner: str, note: dict[str, Any]) -> bool:
+        """Keep the run's note for a run after a takeover, while the lease is ours (False: it is not)."""
+        async with self.db.connection() as conn:
+            done = await conn.fetchval(Q["remember_note"], task.tenant_id, task.task_id, owner, task.lease_epoch, note)
+        return done is not None
+
+    async def recall(self, tenant_id: str, task_id: str) -> dict[str, Any] | None:
+        async with self.db.connection() as conn:
+            note: dict[str, Any] | None = await conn.fetchval(Q["recall_note"], tenant_id, task_id)
+        return note
+
+    async def noted(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of these (tenant, task) have a note."""
+        if not keys:
+            return set()
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(Q["noted_tasks"], [k[0] for k in keys], [k[1] for k in keys])
+        return {(r["tenant_id"], r["task_id"]) for r in rows}
+
     async def ask(self, task: Task, owner: str, question: PendingInput) -> bool:
         """Store a question and go input_required, while the lease is ours (False: it is not)."""
         async with self.db.transaction() as conn:

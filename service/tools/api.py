@@ -104,6 +104,33 @@ class ToolContext(Protocol):
 
     async def log(self, level: str, data: Any, logger: str | None = None) -> None: ...
 
+    async def status(self, message: str) -> None:
+        """Say what the call is doing now, as its task's statusMessage on either wire (written at
+        most once a second, the last one always; a call that is not a task has none)."""
+        ...
+
+    @property
+    def durable(self) -> bool:
+        """Whether a note (``remember``) outlives this process: the call runs as a task."""
+        ...
+
+    async def remember(self, note: dict[str, Any]) -> None:
+        """Keep a small JSON object (at most 16 KiB) for the run that takes this task over if this
+        process stops: an id at another service, a phase. A task with a note is run again after a
+        takeover rather than failed, whatever the tool's ``rerunnable``, and its tool decides from
+        ``recall()`` what to do. Outside a task the note lives as long as the call."""
+        ...
+
+    async def recall(self) -> dict[str, Any] | None:
+        """The last note kept for this task (by this run or one before it), if any."""
+        ...
+
+    async def cancelled(self) -> bool:
+        """After a CancelledError: whether the call itself was cancelled (its client's cancel, its
+        task gone), rather than this run stopping while its task goes on in another process (a
+        shutdown, a takeover). A tool that started work elsewhere stops that work only then."""
+        ...
+
     async def sample(self, params: dict[str, Any], *, key: str | None = None) -> dict[str, Any]: ...
 
     async def list_roots(self, *, key: str | None = None) -> list[dict[str, Any]]:

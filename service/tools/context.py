@@ -20,6 +20,16 @@ from service.tools.api import ElicitAnswer, InputNotSupported, ToolFailure, refu
 ProgressNote = Callable[[float, float | None, str | None], None]
 
 
+def progress_text(progress: float, total: float | None, message: str | None) -> str:
+    """A progress report as a status message: "40 % — processed 4 of 10 files"."""
+    if total:
+        share = f"{max(0, min(100, round(100 * progress / total)))} %"
+        return f"{share} — {message}" if message else share
+    if message:
+        return message
+    return f"progress {progress:g}"
+
+
 def supports_form_elicitation(capabilities: dict[str, Any]) -> bool:
     """T-CAP-8: an empty elicitation object means form mode; otherwise form must be listed."""
     elicitation = capabilities.get("elicitation")
@@ -58,6 +68,7 @@ class ToolContextBase(abc.ABC):
         caller: tuple[str, str] | None = None,
     ) -> None:  # fmt: skip
         self._caller = caller
+        self._note: dict[str, Any] | None = None
         self._task_id = task_id
         self._token = progress_token
         self._caps = client_capabilities
@@ -102,6 +113,25 @@ class ToolContextBase(abc.ABC):
 
     async def log(self, level: str, data: Any, logger: str | None = None) -> None:
         await self._emit(LogEntry(self._task_id, level, data, logger))
+
+    async def status(self, message: str) -> None:
+        """A call that is not a task has no status message: nothing to write."""
+        return None
+
+    @property
+    def durable(self) -> bool:
+        return False
+
+    async def remember(self, note: dict[str, Any]) -> None:
+        """Here, for the call's life; a task's context keeps it with the task."""
+        self._note = note
+
+    async def recall(self) -> dict[str, Any] | None:
+        return self._note
+
+    async def cancelled(self) -> bool:
+        """A call that is not a task ends with its request: a cancel is the call's."""
+        return True
 
     async def elicit(self, message: str, requested_schema: dict[str, Any], *, key: str | None = None) -> ElicitAnswer:
         params = {"mode": "form", "message": message, "requestedSchema": requested_schema}

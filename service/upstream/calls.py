@@ -16,6 +16,7 @@ from mcp import types
 from mcp.shared.exceptions import McpError
 
 from service.tools.api import InputNotSupported, ToolContext, ToolFailure
+from service.tools.context import progress_text
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import Connection, describe
 
@@ -118,6 +119,7 @@ async def call(
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         asker.touched()
         await ctx.progress(progress, total, message)
+        await ctx.status(progress_text(progress, total, message))  # the task's statusMessage, on either wire
 
     request = types.ClientRequest(
         types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
@@ -170,6 +172,11 @@ async def call(
         asker.end()
         if not sent.done():
             sent.cancel()
+    return bounded(result, label, max_result_bytes)
+
+
+def bounded(result: dict[str, Any], label: str, max_result_bytes: int) -> dict[str, Any]:
+    """The result, unless its JSON is above MCP_TASKS_MAX_RESULT_BYTES (then the call fails)."""
     size = len(orjson.dumps(result))
     if size > max_result_bytes:
         raise UpstreamFailure(

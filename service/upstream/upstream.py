@@ -25,9 +25,10 @@ from service.observability import metrics
 from service.tools.api import ToolContext
 from service.upstream.auth import Credentials, UpstreamAuthError
 from service.upstream.breaker import Breaker
-from service.upstream.calls import UpstreamFailure, call
+from service.upstream.calls import UpstreamFailure, bounded, call
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import ConnectFailed, Connection
+from service.upstream.tasks import TaskCall, runs_as_task
 
 log = logging.getLogger(__name__)
 
@@ -247,15 +248,24 @@ class Upstream:
                     breaks=False,
                     refused=True,
                 )
-            return await call(conn, c, tool, arguments, ctx, max_result_bytes=self._max_result_bytes)
+            return await self._call(conn, tool, arguments, ctx)
         try:
             conn = await self._connect(forward=self._forwarded(ctx))
         except (ConnectFailed, UpstreamAuthError) as exc:
             raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
         try:
-            return await call(conn, c, tool, arguments, ctx, max_result_bytes=self._max_result_bytes)
+            return await self._call(conn, tool, arguments, ctx)
         finally:
             await asyncio.shield(conn.close())
+
+    async def _call(self, conn: Connection, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        """As a task of the upstream's when it takes this tool's calls as tasks (followed, and
+        resumed after a takeover), else as one request held open for the call's life."""
+        note = await ctx.recall()
+        if runs_as_task(conn, self.tools.get(tool)) or (note is not None and note.get("upstream") == self.config.name):
+            result = await TaskCall(conn, self.config, tool, ctx).run(arguments, note)
+            return bounded(result, f"upstream {self.config.name!r} (tool {tool!r})", self._max_result_bytes)
+        return await call(conn, self.config, tool, arguments, ctx, max_result_bytes=self._max_result_bytes)
 
     def status(self) -> dict[str, Any]:
         """What ``mcp-tasks upstreams`` shows for this process's view."""

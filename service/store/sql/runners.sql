@@ -73,3 +73,19 @@ SELECT analyze_stale_tables($1::interval) AS analysed;
 -- The maintenance pass, until tasks has statistics: the tables still without, each with whether
 -- this call analysed it and its rows changed.
 SELECT relname, analysed, changed FROM analyze_young_tables();
+
+-- name: remember_note
+-- A run's note for the run after a takeover, written only while the lease is this run's.
+INSERT INTO task_notes (tenant_id, task_id, note)
+SELECT tenant_id, task_id, $5 FROM tasks
+WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND lease_epoch = $4
+ON CONFLICT (tenant_id, task_id) DO UPDATE SET note = excluded.note, written_at = clock_timestamp()
+RETURNING 1;
+
+-- name: recall_note
+SELECT note FROM task_notes WHERE tenant_id = $1 AND task_id = $2;
+
+-- name: noted_tasks
+-- Which of these tasks ($1 tenants, $2 task ids, pairwise) have a note.
+SELECT n.tenant_id, n.task_id FROM task_notes n
+JOIN unnest($1::text[], $2::text[]) AS k(tenant_id, task_id) USING (tenant_id, task_id);

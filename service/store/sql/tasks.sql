@@ -145,7 +145,12 @@ WHERE EXISTS (SELECT 1 FROM runner)
 -- Leases that lapsed (lease_lapsed: the task's own ran out, or its owner's row did): only then can
 -- the owner no longer hold them (it stops its tools before, see docs/decisions.md "Fencing"). Not
 -- locked here: task_hand_back re-checks owner, epoch and the lapse under the row lock.
-SELECT tenant_id, task_id, subject, tool, attempts, lease_owner, rerunnable, lease_epoch FROM tasks
+-- A task with a note (task_notes) counts as rerunnable: its tool decides from the note.
+SELECT tenant_id, task_id, subject, tool, attempts, lease_owner,
+       rerunnable OR EXISTS (SELECT 1 FROM task_notes n WHERE n.tenant_id = t.tenant_id AND n.task_id = t.task_id)
+           AS rerunnable,
+       lease_epoch
+FROM tasks t
 WHERE lease_owner IS NOT NULL AND lease_lapsed(lease_owner, lease_expires_at)
 ORDER BY lease_expires_at
 LIMIT $1;
