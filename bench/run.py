@@ -68,6 +68,12 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 ONE_PRINCIPAL = {"get-1p": "get", "lifecycle-1p": "lifecycle", "create-1p": "create"}
 for _variant, _base in ONE_PRINCIPAL.items():
     WORKLOADS[_variant] = {**WORKLOADS[_base], "base": _base, "principals": 1}
+# The upstream hop (issue 41): the lifecycle load on an echo tool of an upstream MCP server behind
+# ours (tests/upstream_server.py, the official SDK's FastMCP, on the load core: another machine's
+# stand-in), right after ours' local lifecycle of the same round: ours only.
+HOP = {"lifecycle-up": "lifecycle"}
+WORKLOADS["lifecycle-up"] = {**WORKLOADS["lifecycle"], "base": "lifecycle", "tool": "up.echo"}
+HOP_TARGET, HOP_P50_TARGET_MS = 0.5, 5.0  # upstream lifecycles over local ones; p50 added
 ONE_PRINCIPAL_TARGET = 0.9  # one principal's throughput over the spread one's
 BUSY_TARGET = 0.9  # ... with the server's core (our process and PostgreSQL, both pinned there) this busy
 # What each target compares (issues 5, 11 and 15): workload -> target ratio to the best peer.
@@ -85,7 +91,7 @@ EXT_TASK_SECONDS, EXT_POLL_MS = 0.005, 5.0
 
 
 def peers_of(workload: str) -> tuple[str, ...]:
-    if workload in ONE_PRINCIPAL:
+    if workload in ONE_PRINCIPAL or workload in HOP:
         return ()
     return EXT_PEERS if workload in EXT_WORKLOADS else LEGACY_PEERS
 
@@ -337,6 +343,8 @@ def run_load(
            "--json", str(out), "--quiet"]  # fmt: skip
     if "held" in cfg:
         cmd += ["--held", str(cfg["held"])]
+    if "tool" in cfg:
+        cmd += ["--tool", cfg["tool"]]
     if workload == "ext-lifecycle":
         cmd += ["--task-seconds", str(EXT_TASK_SECONDS), "--poll-ms", str(poll_ms)]
     for token in server.tokens[: cfg.get("principals", len(server.tokens))]:
@@ -373,23 +381,45 @@ EXT_ENV = {"MCP_TASKS_TASK_GRACE_MS": "0"}
 
 
 @contextlib.contextmanager
-def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterator[Server]:
-    server = (
-        start_ours(
-            dbs.fresh(),
-            logs,
-            EXT_ENV if workload in EXT_WORKLOADS else None,
-            WORKLOADS.get(workload, {}).get("principals", 32),
-        )
-        if name == "ours"
-        else start_floor(logs)
-        if name == "floor"
-        else start_peer(name, logs)
-    )
+def upstream_for(workload: str, logs: Path) -> Iterator[dict[str, str]]:
+    """For a hop workload, the upstream MCP server (on the load core) and the env naming it."""
+    if workload not in HOP:
+        yield {}
+        return
+    port = free_port()
+    with (logs / "upstream.log").open("ab") as log:
+        proc = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "python"), "-m", "tests.upstream_server", "http", str(port)]),
+                                cwd=ROOT, stdout=log, stderr=log)  # fmt: skip
     try:
-        yield server
+        url = f"http://127.0.0.1:{port}/mcp"
+        wait_http(url, proc)
+        file = logs / "upstreams.toml"
+        file.write_text(f'[[upstream]]\nname = "up"\nurl = "{url}"\nmax_concurrency = 64\n')
+        yield {"MCP_TASKS_UPSTREAMS_FILE": str(file)}
     finally:
-        server.stop()
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+@contextlib.contextmanager
+def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterator[Server]:
+    with upstream_for(workload if name == "ours" else "", logs) as upstream_env:
+        server = (
+            start_ours(
+                dbs.fresh(),
+                logs,
+                {**(EXT_ENV if workload in EXT_WORKLOADS else {}), **upstream_env},
+                WORKLOADS.get(workload, {}).get("principals", 32),
+            )
+            if name == "ours"
+            else start_floor(logs)
+            if name == "floor"
+            else start_peer(name, logs)
+        )
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 def ensure_peers(wanted: set[str]) -> list[str]:
@@ -549,6 +579,32 @@ def one_principal_ratios(report: dict[str, Any]) -> dict[str, tuple[str, float]]
     return out
 
 
+def hop_figures(report: dict[str, Any]) -> dict[str, float]:
+    """The upstream hop (issue 41): lifecycles and latency of ``lifecycle-up`` against ours' local
+    ``lifecycle`` of the same rounds; the throughput ratio is the median of the rounds' ratios."""
+    results = report["results"]
+    up_runs = results.get("lifecycle-up", {}).get("ours", [])
+    local_runs = results.get("lifecycle", {}).get("ours", [])
+    if not up_runs:
+        return {}
+    nan = float("nan")
+
+    def p(runs: list[dict[str, Any]], key: str) -> float:
+        values = [(r.get("op_latency") or {}).get(key) for r in runs]
+        return statistics.median([v for v in values if v is not None] or [nan])
+
+    pairs = [u.get("throughput_per_s", nan) / loc["throughput_per_s"]
+             for loc, u in zip(local_runs, up_runs, strict=False) if loc.get("throughput_per_s")]  # fmt: skip
+    figures = {
+        "local": median_of(local_runs, "throughput_per_s"), "upstream": median_of(up_runs, "throughput_per_s"),
+        "ratio": statistics.median(pairs) if pairs else nan,
+        "local_p50": p(local_runs, "p50_ms"), "upstream_p50": p(up_runs, "p50_ms"),
+        "local_p99": p(local_runs, "p99_ms"), "upstream_p99": p(up_runs, "p99_ms"),
+    }  # fmt: skip
+    figures["added_p50"] = figures["upstream_p50"] - figures["local_p50"]
+    return figures
+
+
 def core_busy(runs: list[dict[str, Any]]) -> float:
     """Median share of the server core that was busy over the runs: our process's CPU seconds plus
     PostgreSQL's (pinned to the same core) over the measured seconds."""
@@ -595,7 +651,8 @@ def render(report: dict[str, Any]) -> str:
     nan = float("nan")
     results: dict[str, dict[str, list[dict[str, Any]]]] = report["results"]
     one = {w: per for w, per in results.items() if w in ONE_PRINCIPAL}
-    results = {w: per for w, per in results.items() if w not in ONE_PRINCIPAL}
+    hop = hop_figures(report)
+    results = {w: per for w, per in results.items() if w not in ONE_PRINCIPAL and w not in HOP}
     legacy = {w: per for w, per in results.items() if w not in EXT_WORKLOADS}
     ext = {w: per for w, per in results.items() if w in EXT_WORKLOADS}
     ratios: dict[str, float] = {}
@@ -686,6 +743,14 @@ def render(report: dict[str, Any]) -> str:
                 f"| {_num(median_of(one_runs, 'throughput_per_s'))} | {_num(ratio, '.2f', 'x')} | {per_round} "
                 f"| {_num(cpu_s, '.3f')} / {_num(cpu_o, '.3f')} | {_num(100 * busy[-2], '.0f', ' %')} / {_num(100 * busy[-1], '.0f', ' %')} |"
             )
+    if hop:
+        lines += ["", "The upstream hop: the lifecycle load on `up.echo` of an upstream MCP server behind ours (the "
+                  "official SDK's FastMCP, on the load core) against ours' own `echo`, the same round, ours only:", "",
+                  "| | local `echo` | upstream `up.echo` | upstream / local |", "|---|---|---|---|",
+                  f"| lifecycles/s | {_num(hop['local'])} | {_num(hop['upstream'])} | {_num(hop['ratio'], '.2f', 'x')} |",
+                  f"| p50, ms | {_num(hop['local_p50'], '.1f')} | {_num(hop['upstream_p50'], '.1f')} "
+                  f"| +{_num(hop['added_p50'], '.1f')} |",
+                  f"| p99, ms | {_num(hop['local_p99'], '.1f')} | {_num(hop['upstream_p99'], '.1f')} | |"]  # fmt: skip
     scale: dict[str, dict[str, float]] = report.get("scale") or {}
     if scale:
         lines += ["", "tasks/get with 6,400 held and other tenants' tasks stored (median p99 of the runs): " + ", ".join(
@@ -729,6 +794,11 @@ def render(report: dict[str, Any]) -> str:
         idle = min((b for b in busy if b == b), default=nan)  # NaN: not measured
         verdicts.insert(-1, (f"... with the server core >= {100 * BUSY_TARGET:.0f} % busy in both (least busy median)", idle,
                              _num(100 * idle, ".0f", " %"), BUSY_TARGET, True))  # fmt: skip
+    if hop:
+        verdicts.insert(-1, (f"upstream lifecycles/s >= {HOP_TARGET}x local (median of the rounds' ratios)", hop["ratio"],
+                             _num(hop["ratio"], ".2f", "x"), HOP_TARGET, True))  # fmt: skip
+        verdicts.insert(-1, (f"... adding <= {HOP_P50_TARGET_MS:g} ms p50", hop["added_p50"],
+                             _num(hop["added_p50"], ".1f", " ms"), HOP_P50_TARGET_MS, False))  # fmt: skip
     lines += ["", "| target | result | verdict |", "|---|---|---|"]
     for name, got, shown, target, at_least in verdicts:
         verdict = "-" if got != got else ("met" if (got >= target if at_least else got <= target) else "**missed**")

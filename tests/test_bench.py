@@ -612,3 +612,32 @@ async def test_an_extension_lifecycle_fails_on_a_wrong_result_text_and_error_bod
 def test_header_values_outside_printable_ascii_use_the_base64_form() -> None:
     assert header_value("tk_abc-DEF") == "tk_abc-DEF"
     assert header_value("grüße") == "=?base64?Z3LDvMOfZQ==?="
+
+
+def test_the_report_sets_the_upstream_hop_against_the_local_lifecycle_of_the_same_rounds() -> None:
+    """Issue 41: lifecycles of an upstream's echo tool against ours' own echo, round by round, and
+    the p50 the hop adds, each judged (>= 0.5x, <= 5 ms)."""
+    run = _harness()
+    assert run.WORKLOADS["lifecycle-up"] == {**run.WORKLOADS["lifecycle"], "base": "lifecycle", "tool": "up.echo"}
+    assert run.peers_of("lifecycle-up") == ()
+    latency = {"p50_ms": 10.0, "p99_ms": 30.0}
+    report = {
+        "rounds": 2,
+        "duration_s": 8.0,
+        "results": {
+            "lifecycle": {"ours": [_run(1000) | {"op_latency": latency}, _run(800) | {"op_latency": latency}]},
+            "lifecycle-up": {
+                "ours": [
+                    _run(600) | {"op_latency": {"p50_ms": 13.0, "p99_ms": 40.0}},
+                    _run(400) | {"op_latency": {"p50_ms": 15.0, "p99_ms": 50.0}},
+                ]
+            },  # fmt: skip
+        },
+        "scale": {},
+    }
+    text = run.render(report)
+    assert "| lifecycles/s | 900 | 500 | 0.55x |" in text  # the rounds' ratios 0.6 and 0.5
+    assert "| p50, ms | 10.0 | 14.0 | +4.0 |" in text
+    assert "| upstream lifecycles/s >= 0.5x local (median of the rounds' ratios) | 0.55x | met |" in text
+    assert "| ... adding <= 5 ms p50 | 4.0 ms | met |" in text
+    assert "| lifecycle-up |" not in text  # not a workload of the peers' tables

@@ -66,6 +66,7 @@ class Connection:
         self.session: ClientSession | None = None
         self.server_info: types.InitializeResult | None = None
         self.ended = asyncio.Event()
+        self.opened_at = 0.0  # loop time
         self.error: str | None = None
         self._stop = asyncio.Event()
         self._ready: asyncio.Future[None] | None = None
@@ -73,6 +74,7 @@ class Connection:
 
     async def open(self, timeout_s: float = CONNECT_TIMEOUT_S) -> ClientSession:
         loop = asyncio.get_running_loop()
+        self.opened_at = loop.time()
         self._ready = loop.create_future()
         self._holder = asyncio.create_task(self._hold(), name=f"upstream-{self.config.name}")
         try:  # (wait_for, not timeout(): a plain call's first step runs outside a task, service.concurrency.eager)

@@ -28,6 +28,7 @@ from service.upstream.breaker import Breaker
 from service.upstream.calls import UpstreamFailure, bounded, call
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import ConnectFailed, Connection
+from service.upstream.sessions import SessionPool
 from service.upstream.tasks import TaskCall, runs_as_task
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Upstream:
         self._max_result_bytes = max_result_bytes
         self._pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=config.max_concurrency + 2))
         self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._sessions = SessionPool(config.max_concurrency)
         self._control: Connection | None = None
         self._refresh = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -80,6 +82,7 @@ class Upstream:
                 await self._loop
         if self._control is not None:
             await self._control.close()
+        await self._sessions.close()
         await self._pool.aclose()
 
     async def _follow(self) -> None:
@@ -249,14 +252,19 @@ class Upstream:
                     refused=True,
                 )
             return await self._call(conn, tool, arguments, ctx)
+        forward = self._forwarded(ctx)
+        key = tuple(sorted(forward.items()))
         try:
-            conn = await self._connect(forward=self._forwarded(ctx))
+            conn = await self._sessions.take(key, lambda: self._connect(forward=forward))
         except (ConnectFailed, UpstreamAuthError) as exc:
             raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
+        ended_well = False
         try:
-            return await self._call(conn, tool, arguments, ctx)
+            result = await self._call(conn, tool, arguments, ctx)
+            ended_well = True
+            return result
         finally:
-            await asyncio.shield(conn.close())
+            self._sessions.give(key, conn, reusable=ended_well)
 
     async def _call(self, conn: Connection, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         """As a task of the upstream's when it takes this tool's calls as tasks (followed, and
