@@ -631,7 +631,7 @@ def test_the_report_sets_the_upstream_hop_against_the_local_lifecycle_of_the_sam
                     _run(600) | {"op_latency": {"p50_ms": 13.0, "p99_ms": 40.0}},
                     _run(400) | {"op_latency": {"p50_ms": 15.0, "p99_ms": 50.0}},
                 ]
-            },  # fmt: skip
+            },
         },
         "scale": {},
     }
