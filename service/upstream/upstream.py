@@ -27,7 +27,7 @@ from service.upstream.auth import Credentials, UpstreamAuthError
 from service.upstream.breaker import Breaker
 from service.upstream.calls import UpstreamFailure, bounded, call
 from service.upstream.config import UpstreamConfig
-from service.upstream.connection import ConnectFailed, Connection
+from service.upstream.connection import ConnectFailed, Connection, describe
 from service.upstream.sessions import SessionPool
 from service.upstream.tasks import TaskCall, runs_as_task
 
@@ -103,7 +103,7 @@ class Upstream:
                 self._came_up()
                 await self._watch(conn)
             except Exception as exc:  # a listing the server answered badly: down, try again
-                conn.error = f"tools/list failed: {exc}"
+                conn.error = f"tools/list or ping failed: {describe(exc)}"
             finally:
                 self._control = None
                 await conn.close()
