@@ -20,51 +20,14 @@ echo "== installing peers under $PEERS (logs in $LOGS)"
 PEERS="$PEERS" PEERS_EXT=1 PEERS_SRC="$SHARED/peers" bash "$ROOT/scripts/install-peers.sh" >"$LOGS/install.log" 2>&1 \
   || { tail -30 "$LOGS/install.log"; exit 2; }
 
-DB_NAME="mcp_tasks_up_$$_$RANDOM"
-ADMIN_URL="${MCP_TASKS_TEST_DATABASE_URL:-postgresql://postgres@127.0.0.1:5432/postgres}"
-PIDS=()
-DB_URL=""
-cleanup() {
-  local pid
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  if [ -n "$DB_URL" ]; then
-    "$BIN/python" - "$ADMIN_URL" "$DB_NAME" <<'PY' || true
-import asyncio, sys, asyncpg
-async def main():
-    c = await asyncpg.connect(sys.argv[1]); await c.execute(f'DROP DATABASE IF EXISTS "{sys.argv[2]}" WITH (FORCE)'); await c.close()
-asyncio.run(main())
-PY
-  fi
-  return 0
-}
-trap cleanup EXIT
-
-"$BIN/python" - "$ADMIN_URL" "$DB_NAME" <<'PY' || { echo "interop-upstream: cannot create a database at $ADMIN_URL" >&2; exit 2; }
-import asyncio, sys, asyncpg
-async def main():
-    c = await asyncpg.connect(sys.argv[1], timeout=3); await c.execute(f'CREATE DATABASE "{sys.argv[2]}"'); await c.close()
-asyncio.run(main())
-PY
-DB_URL="${ADMIN_URL%/*}/$DB_NAME"
-MCP_TASKS_DATABASE_URL="$DB_URL" "$BIN/mcp-tasks" migrate >"$LOGS/migrate.log" 2>&1 || { tail -20 "$LOGS/migrate.log"; exit 2; }
-export MCP_TASKS_DATABASE_URL="$DB_URL"
-unset MCP_TASKS_DATA_DIR
-
-free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_ready() {  # wait_ready URL PID LOG [STATUS...]: any answer (an MCP endpoint answers a GET with 4xx)
-  for _ in $(seq 1 150); do
-    curl -sS -o /dev/null "$1" 2>/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || { tail -30 "$3"; exit 2; }
-    sleep 0.2
-  done
-  echo "interop-upstream: $1 not ready" >&2; tail -30 "$3"; exit 2
-}
+NAME=upstream
+# shellcheck source=scripts/interop-common.sh
+source "$ROOT/scripts/interop-common.sh"
 
 UP_PORT="$(free_port)"
 (cd "$ROOT" && exec "$BIN/python" -m tests.upstream_server http "$UP_PORT") >"$LOGS/upstream.log" 2>&1 &
 PIDS+=($!)
-wait_ready "http://127.0.0.1:$UP_PORT/mcp" "${PIDS[-1]}" "$LOGS/upstream.log"
+wait_ready "http://127.0.0.1:$UP_PORT/mcp" "${PIDS[-1]}" "$LOGS/upstream.log" any
 cat >"$LOGS/upstreams.toml" <<EOF
 [[upstream]]
 name = "up"
