@@ -268,6 +268,7 @@ async def test_timeout_s_holds_whatever_the_upstream_reports(
             failed = await task_outcome(s, task_id)
             assert failed["status"] == "failed"
             assert "timeout_s=1" in failed["statusMessage"]
+            await until(lambda: _exists(marks / "sleep-1.cancelled"))  # we stopped waiting: so did the upstream
 
 
 async def test_upstream_errors_and_oversized_results_fail_with_a_message_naming_the_upstream(
@@ -560,3 +561,64 @@ async def test_the_upstreams_command_shows_what_each_process_sees_and_config_mas
             assert "s3cret-value" not in shown.stdout
             assert "bearer from $UPSTREAM_TOKEN_41" in shown.stdout
             assert '"timeout_s": 3600.0' in shown.stdout  # defaults filled in
+
+
+async def test_a_reused_session_the_upstream_dropped_is_replaced_without_failing_the_call(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """Idle sessions are reused; an upstream restarted meanwhile no longer knows them (404): the
+    call goes again on a new session, since the old one never reached the tool."""
+    port = free_port()
+    body = f'[[upstream]]\nname = "up"\nurl = "http://127.0.0.1:{port}/mcp"\n'
+    with http_upstream(marks, port):
+        running = service(tmp_path, database_url, body, upstream_down_grace_s=3600)
+        server = await running.__aenter__()
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        first = await s.result("tools/call", {"name": "up.echo", "arguments": {"text": "one"}})
+        assert first["content"][0]["text"] == "one"
+    try:
+        with http_upstream(marks, port):  # the same address, a new process: our idle session is unknown there
+            again = await s.result("tools/call", {"name": "up.echo", "arguments": {"text": "two"}})
+            assert again.get("isError") is not True, again
+            assert again["content"][0]["text"] == "two"
+    finally:
+        await running.__aexit__(None, None, None)
+
+
+async def test_a_stdio_question_waiting_for_its_answer_holds_up_no_other_call(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """The SDK answers a server's request inside its receive loop; ours answers questions beside
+    it, so a stdio server's one session keeps serving other calls while a person thinks."""
+    async with service(tmp_path, database_url, stdio_table(marks)) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("local.confirm", {"prompt": "Wait?"}))["task"]["taskId"]
+
+        async def asking() -> bool:
+            return bool((await s.result("tasks/get", {"taskId": task_id}))["status"] == "input_required")
+
+        await until(asking)
+        async with asyncio.timeout(10):
+            echoed = await s.result("tools/call", {"name": "local.echo", "arguments": {"text": "meanwhile"}})
+        assert echoed["content"][0]["text"] == "meanwhile"
+        final: dict[str, Any] = {}
+        async for msg in s.stream("tasks/result", {"taskId": task_id}):
+            if msg.get("method") == "elicitation/create":
+                await s.reply(msg["id"], {"action": "accept", "content": {"ok": True}})
+            elif "result" in msg:
+                final = msg["result"]
+        assert final["content"][0]["text"] == "ok=True"
+
+
+def test_a_half_open_breaker_whose_trial_was_not_sent_lets_the_next_one_through() -> None:
+    from service.upstream.breaker import Breaker
+
+    breaker = Breaker(threshold=1, open_s=0)
+    breaker.failed("down")
+    assert breaker.state() == "half_open"
+    assert breaker.refuses() is None  # the trial
+    assert breaker.refuses() is not None  # one at a time
+    breaker.settled()  # the trial was refused before it was sent
+    assert breaker.refuses() is None

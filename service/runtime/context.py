@@ -143,6 +143,7 @@ class TaskRunContext(ToolContextBase):
         self._sink = sink
         self._attempts = task.attempts
         self._recalled = False
+        self.ending = False  # its runner stops it and fails the task (the runtime limit)
 
     async def _emit(self, event: TaskEvent) -> None:
         await self._sink.emit(event)
@@ -172,4 +173,5 @@ class TaskRunContext(ToolContextBase):
         return self._note
 
     async def cancelled(self) -> bool:
-        return await self._sink.cancelled()
+        """Also when the run was stopped for good (its runtime limit): no other run follows it."""
+        return self.ending or await self._sink.cancelled()

@@ -103,6 +103,8 @@ class InlineCallContext(ToolContextBase):
     async def remember(self, note: dict[str, Any]) -> None:
         self._note = note
         if self._sink is not None:
+            if self._note_written is not None:  # the note kept before the conversion lands first
+                await asyncio.wait({self._note_written})
             await self._sink.remember(note)
 
     async def cancelled(self) -> bool:

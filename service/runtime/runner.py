@@ -371,6 +371,8 @@ class Runner:
         """Stop claiming; let running tasks finish until ``deadline`` (loop time), then hand what
         is left back (re-queue or fail) so none stays working."""
         self.drain()
+        if self._tools_changed in self.registry.listeners:  # a change now must not publish us again
+            self.registry.listeners.remove(self._tools_changed)
         running = self.runs.running()
         if running and deadline is not None:
             timeout = deadline - asyncio.get_running_loop().time()

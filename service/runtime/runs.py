@@ -134,6 +134,7 @@ class Runs:
         spec = self.executor.registry.tools.get(task.tool)
         limit_s = spec.runtime_limit_s(self.limits.max_runtime_s) if spec is not None else self.limits.max_runtime_s
         left_s = limit_s - ((datetime.now(UTC) - task.started_at).total_seconds() if task.started_at else 0.0)
+        ctx: TaskRunContext | None = None
         if call is not None:
             tool: asyncio.Future[Outcome] = call.job
         elif left_s <= 0:  # taken over past its limit: not started again
@@ -156,6 +157,8 @@ class Runs:
             nonlocal expired
             if not tool.done():
                 expired = True
+                if ctx is not None:  # the task ends here: work it started elsewhere stops too
+                    ctx.ending = True
                 tool.cancel()
                 handles.append(loop.call_later(self.times.renew_every, settle))  # how long it gets to stop
 

@@ -22,17 +22,23 @@ from service.upstream.connection import Connection, describe
 
 # The upstream's answer keeps these keys of a CallToolResult (its _meta is the upstream's own).
 RESULT_KEYS: Final = ("content", "structuredContent", "isError")
+# What the SDK's Streamable HTTP client answers a request with when the server says 404 to its
+# session (mcp/client/streamable_http.py, "Session terminated").
+SESSION_TERMINATED: Final = 32600
 
 
 class UpstreamFailure(ToolFailure):
     """The call failed because of the upstream (not a tool error it answered with): counts
     against its circuit breaker when ``breaks``."""
 
-    def __init__(self, message: str, *, breaks: bool, lost: bool = False, refused: bool = False) -> None:
+    def __init__(
+        self, message: str, *, breaks: bool, lost: bool = False, refused: bool = False, stale: bool = False
+    ) -> None:
         super().__init__(message)
         self.breaks = breaks
         self.lost = lost  # the session is gone
         self.refused = refused  # not sent: the upstream is down
+        self.stale = stale  # the upstream had dropped the session: the call never reached its tool
 
 
 class CallAsker:
@@ -57,7 +63,9 @@ class CallAsker:
         self.pending.add(inner)
         try:
             await asyncio.wait({inner})
-        finally:
+        finally:  # the SDK's side gave up (its session ended): so does the question
+            if not inner.done():
+                inner.cancel()
             self.pending.discard(inner)
             self.asking -= 1
             self.touched()
@@ -124,11 +132,16 @@ async def call(
     request = types.ClientRequest(
         types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
     )
-    # The id the SDK gives this request, for notifications/cancelled: the session's next one, read
-    # just before the request is sent in this same step (nothing awaits in between).
-    request_id = session._request_id
-    sent = asyncio.ensure_future(session.send_request(request, types.CallToolResult, progress_callback=on_progress))
-    conn.askers[request_id] = asker
+    ids: list[int] = []
+
+    async def send() -> types.CallToolResult:
+        # The id the SDK gives this request, for notifications/cancelled: the session's next one,
+        # read in the same step as send_request takes it (nothing awaits in between).
+        ids.append(session._request_id)
+        return await session.send_request(request, types.CallToolResult, progress_callback=on_progress)
+
+    sent = asyncio.ensure_future(send())
+    conn.askers[id(asker)] = asker
     started = loop.time()
     try:
         while not sent.done():
@@ -157,21 +170,21 @@ async def call(
                 ended.cancel()
             if conn.ended.is_set() and not sent.done():
                 raise UpstreamFailure(f"{label} closed the connection during the call ({conn.error})", breaks=True)
+        if asker.failure is not None:  # a question ended our call, though the upstream answered
+            raise asker.failure
         result = _result(sent, label)
     except UpstreamFailure as exc:
         if exc.lost:
             conn.lost(exc.message)
         raise
-    except BaseException:
-        if not sent.done():
-            sent.cancel()
-            await _cancel_upstream(conn, request_id)
-        raise
     finally:
-        conn.askers.pop(request_id, None)
+        conn.askers.pop(id(asker), None)
         asker.end()
-        if not sent.done():
+        if not sent.done():  # we stopped waiting (a timeout, a failure, our cancel): so does the upstream
             sent.cancel()
+            conn.tainted = True
+            if ids:
+                await _cancel_upstream(conn, ids[0])
     return bounded(result, label, max_result_bytes)
 
 
@@ -193,6 +206,8 @@ def _result(sent: asyncio.Future[types.CallToolResult], label: str) -> dict[str,
     except McpError as exc:
         if exc.error.code == types.CONNECTION_CLOSED:
             raise UpstreamFailure(f"{label} closed the connection during the call", breaks=True, lost=True) from None
+        if exc.error.code == SESSION_TERMINATED:  # the SDK's answer to a 404: the upstream dropped the session
+            raise UpstreamFailure(f"{label} no longer knows our session", breaks=False, lost=True, stale=True) from None
         raise UpstreamFailure(
             f"{label} answered with error {exc.error.code}: {exc.error.message[:500]}", breaks=False
         ) from None

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Final, Literal
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from service.domain.values import frozen
 
@@ -96,7 +97,7 @@ class UpstreamConfig:
         """What ``mcp-tasks config`` shows: every setting, secrets by where they come from only."""
         out: dict[str, Any] = {"name": self.name, "transport": self.transport}
         if self.url:
-            out["url"] = self.url
+            out["url"] = safe_url(self.url)
         else:
             out["command"] = list(self.command)
             if self.env:
@@ -120,6 +121,18 @@ class UpstreamConfig:
         if headers:
             out["forward"] = headers
         return out
+
+
+def safe_url(url: str) -> str:
+    """A URL as it may be shown (logs, failure messages, ``mcp-tasks config``): without a password
+    in it, and its query's values hidden (a token may ride there)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:****@{host}" if ":" in user else netloc
+    query = "&".join(f"{k}=****" for k, _v in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def load(path: str | Path, *, environ: Mapping[str, str] | None = None) -> list[UpstreamConfig]:

@@ -22,7 +22,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.context import RequestContext
 
-from service.upstream.config import UpstreamConfig
+from service.upstream.config import UpstreamConfig, safe_url
 
 CLIENT_INFO: Final = types.Implementation(name="mcp-task-service", version="0.1.0")
 CONNECT_TIMEOUT_S: Final = 10.0
@@ -40,6 +40,25 @@ class Asker(Protocol):
 
     def touched(self) -> None:
         """The upstream sent something for this call (it is alive)."""
+
+
+class _Session(ClientSession):
+    """The SDK's client session, answering the server's questions off its receive loop: the SDK
+    awaits each request's handler in that loop, so a question waiting for a person would hold up
+    every reply and notification of the session (a stdio server's session carries every call of
+    the process). Pings are answered in the loop, as before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.questions: set[asyncio.Task[None]] = set()
+
+    async def _received_request(self, responder: Any) -> None:
+        if isinstance(responder.request.root, types.PingRequest):
+            await super()._received_request(responder)
+            return
+        question = asyncio.ensure_future(super()._received_request(responder))
+        self.questions.add(question)
+        question.add_done_callback(self.questions.discard)
 
 
 class ConnectFailed(Exception):
@@ -63,6 +82,9 @@ class Connection:
         self._pool = pool
         self._on_notification = on_notification
         self.askers: dict[int, Asker] = {}
+        # A call on it was abandoned (timed out, cancelled) while the server may still work on it:
+        # questions are no longer relayed (only a stdio server's session lives on after that).
+        self.tainted = False
         self.session: ClientSession | None = None
         self.server_info: types.InitializeResult | None = None
         self.ended = asyncio.Event()
@@ -82,8 +104,8 @@ class Connection:
         except TimeoutError:
             await self.close()
             raise ConnectFailed(f"no answer to initialize within {timeout_s:g} s") from None
-        except ConnectFailed:
-            await self.close()
+        except BaseException:  # refused, or our caller cancelled: nothing of the session stays behind
+            await asyncio.shield(self.close())
             raise
         assert self.session is not None
         return self.session
@@ -94,17 +116,17 @@ class Connection:
         self._stop.set()
 
     async def close(self) -> None:
+        """End the session (its holder leaves the SDK's contexts); a caller's cancel still lands."""
         self._stop.set()
-        if self._holder is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._holder, timeout=5)
+        if self._holder is not None and not self._holder.done():
+            await asyncio.wait({self._holder}, timeout=5)
 
     async def _hold(self) -> None:
         try:
             async with contextlib.AsyncExitStack() as stack:
                 read, write = await self._transport(stack)
                 session = await stack.enter_async_context(
-                    ClientSession(
+                    _Session(
                         read, write, client_info=CLIENT_INFO, elicitation_callback=self._elicit,
                         sampling_callback=self._sample, list_roots_callback=self._roots,
                         logging_callback=self._logged, message_handler=self._message,
@@ -115,7 +137,11 @@ class Connection:
                 self.session = session
                 assert self._ready is not None
                 self._ready.set_result(None)
-                await self._stop.wait()
+                try:
+                    await self._stop.wait()
+                finally:
+                    for question in list(session.questions):  # unanswered: the session ends with them
+                        question.cancel()
         except BaseException as exc:
             self.error = self.error or describe(exc)
             if self._ready is not None and not self._ready.done():
@@ -141,7 +167,9 @@ class Connection:
         return await stack.enter_async_context(stdio_client(params, errlog=sys.stderr))
 
     def _asker(self) -> Asker | None:
-        if len(self.askers) == 1:
+        """The call a question is for: the only one in flight, unless a call was abandoned on this
+        session (its question could come late and reach another caller)."""
+        if len(self.askers) == 1 and not self.tainted:
             return next(iter(self.askers.values()))
         return None
 
@@ -174,7 +202,7 @@ def describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     if isinstance(exc, httpx.HTTPStatusError):
-        return f"HTTP {exc.response.status_code} from {exc.request.url}"
+        return f"HTTP {exc.response.status_code} from {safe_url(str(exc.request.url))}"
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect ({str(exc) or 'connection refused'})"
     if isinstance(exc, asyncio.CancelledError):

@@ -102,7 +102,11 @@ class TaskCall:
         ttl = int(min(self.config.timeout_s * 1000 + 60_000, 2**31 - 1))
         created = await self._request(self.session.experimental.call_tool_as_task(self.tool, arguments, ttl=ttl))
         task_id = created.task.taskId
-        await self.ctx.remember({"upstream": name, "upstream_task": task_id})
+        try:
+            await self.ctx.remember({"upstream": name, "upstream_task": task_id})
+        except BaseException:  # not kept (our lease went): nobody could follow it, so it stops
+            await self._cancel(task_id)
+            raise
         return task_id
 
     async def _follow(self, task_id: str) -> dict[str, Any]:

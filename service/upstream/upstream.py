@@ -223,7 +223,9 @@ class Upstream:
                 outcome = "refused" if exc.refused else "error"
                 if exc.breaks:
                     self.breaker.failed(exc.message)
-                elif not exc.refused:  # it answered: alive
+                elif exc.refused:  # not sent: says nothing new of it, but a trial may be made again
+                    self.breaker.settled()
+                else:  # it answered: alive
                     self.breaker.succeeded()
                 raise
             except BaseException:  # our cancel, our client's failure: says nothing of the upstream
@@ -253,18 +255,23 @@ class Upstream:
                 )
             return await self._call(conn, tool, arguments, ctx)
         forward = self._forwarded(ctx)
-        key = tuple(sorted(forward.items()))
-        try:
-            conn = await self._sessions.take(key, lambda: self._connect(forward=forward))
-        except (ConnectFailed, UpstreamAuthError) as exc:
-            raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
-        ended_well = False
-        try:
-            result = await self._call(conn, tool, arguments, ctx)
-            ended_well = True
-            return result
-        finally:
-            self._sessions.give(key, conn, reusable=ended_well)
+        key = (("caller", repr(ctx.caller)), *sorted(forward.items()))
+        for fresh in (False, True):  # a reused session the upstream dropped meanwhile: once more, anew
+            try:
+                conn, reused = await self._sessions.take(key, lambda: self._connect(forward=forward), fresh=fresh)
+            except (ConnectFailed, UpstreamAuthError) as exc:
+                raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
+            ended_well = False
+            try:
+                result = await self._call(conn, tool, arguments, ctx)
+                ended_well = True
+                return result
+            except UpstreamFailure as exc:
+                if not (exc.stale and reused):
+                    raise
+            finally:
+                self._sessions.give(key, conn, reusable=ended_well)
+        raise AssertionError("unreachable: a fresh session's failure is raised")
 
     async def _call(self, conn: Connection, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         """As a task of the upstream's when it takes this tool's calls as tasks (followed, and

@@ -75,10 +75,13 @@ SELECT analyze_stale_tables($1::interval) AS analysed;
 SELECT relname, analysed, changed FROM analyze_young_tables();
 
 -- name: remember_note
--- A run's note for the run after a takeover, written only while the lease is this run's.
+-- A run's note for the run after a takeover, written only while the lease is this run's and the
+-- task is active; the task's row is locked, so a hand-back or finish cannot come in between.
 INSERT INTO task_notes (tenant_id, task_id, note)
 SELECT tenant_id, task_id, $5 FROM tasks
 WHERE tenant_id = $1 AND task_id = $2 AND lease_owner = $3 AND lease_epoch = $4
+  AND status IN ('working', 'input_required')
+FOR NO KEY UPDATE
 ON CONFLICT (tenant_id, task_id) DO UPDATE SET note = excluded.note, written_at = clock_timestamp()
 RETURNING 1;
 
