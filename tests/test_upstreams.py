@@ -622,3 +622,20 @@ def test_a_half_open_breaker_whose_trial_was_not_sent_lets_the_next_one_through(
     assert breaker.refuses() is not None  # one at a time
     breaker.settled()  # the trial was refused before it was sent
     assert breaker.refuses() is None
+
+
+async def test_a_rerunnable_upstreams_call_that_dies_is_tried_again_with_backoff_and_then_fails(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """Retries only where the upstream is marked rerunnable: three attempts, then the failure says so;
+    a plain upstream's dying call is tried once (the stdio test above)."""
+    async with service(tmp_path, database_url, stdio_table(marks, extra="rerunnable = true")) as server:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("local.die", {}))["task"]["taskId"]
+        failed = await task_outcome(s, task_id)
+        assert failed["status"] == "failed"
+        assert "tried 3 times" in failed["statusMessage"]
+        # (an attempt made while the killed server is still starting again is refused, not sent)
+        starts = sum(len(p.read_text().splitlines()) for p in marks.glob("die-*.started"))
+        assert 2 <= starts <= 3

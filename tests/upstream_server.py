@@ -4,8 +4,9 @@ task support of its own: what an operator puts behind the service.
     python -m tests.upstream_server http PORT [--marks DIR]   # Streamable HTTP at /mcp
     python -m tests.upstream_server stdio [--marks DIR]
 
-``--marks DIR``: each call writes ``DIR/<tool>-<n>.started``, and a cancelled call
-``DIR/<tool>-<n>.cancelled`` (what the tests read to see what reached the upstream).
+``--marks DIR``: each call adds a line to ``DIR/<tool>-<n>.started``, and a cancelled call to
+``DIR/<tool>-<n>.cancelled`` (what the tests read to see what reached the upstream; n counts the
+process's calls of that tool).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ server = FastMCP(
 
 
 def mark(tool: str, n: int, what: str) -> None:
+    """One line (this process's id) per event: a restarted server counts from 1 again."""
     if MARKS is not None:
-        (MARKS / f"{tool}-{n}.{what}").write_text(str(os.getpid()))
+        with (MARKS / f"{tool}-{n}.{what}").open("a") as f:
+            f.write(f"{os.getpid()}\n")
 
 
 @server.tool()

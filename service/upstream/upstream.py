@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 REFRESH_S: Final = 60.0
 VISIBLE: Final = frozenset(chr(c) for c in range(0x20, 0x7F))
 PING_S: Final = 10.0
+RETRY_BACKOFF_S: Final = (0.5, 2.0)  # a rerunnable upstream's failed call: tried again after these
 PING_TIMEOUT_S: Final = 10.0
 BACKOFF_S: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -201,7 +202,23 @@ class Upstream:
     # ---- calls -------------------------------------------------------------------------------
 
     async def run(self, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
-        """Call the upstream's tool for one of our calls or tasks."""
+        """Call the upstream's tool for one of our calls or tasks. A call of a ``rerunnable``
+        upstream that failed because of the upstream (unreachable, closed, silent, garbage, down while
+        it restarts) is tried again after RETRY_BACKOFF_S, while its circuit lets calls through; no
+        other is."""
+        for attempt, delay in enumerate((*RETRY_BACKOFF_S, None), start=1):
+            try:
+                return await self._attempt(tool, arguments, ctx)
+            except UpstreamFailure as exc:
+                if delay is None or not (self.config.rerunnable and (exc.breaks or exc.refused)):
+                    if attempt > 1:
+                        raise UpstreamFailure(f"{exc.message} (tried {attempt} times)", breaks=False) from None
+                    raise
+                log.info("upstream %s: %s; trying again in %g s", self.config.name, exc.message, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the last attempt's failure is raised")
+
+    async def _attempt(self, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         name = self.config.name
         retry_in = self.breaker.refuses()
         if retry_in is not None:
