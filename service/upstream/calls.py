@@ -182,7 +182,7 @@ async def call(
         asker.end()
         if not sent.done():  # we stopped waiting (a timeout, a failure, our cancel): so does the upstream
             sent.cancel()
-            conn.tainted = True
+            conn.abandoned()
             if ids:
                 await _cancel_upstream(conn, ids[0])
     return bounded(result, label, max_result_bytes)

@@ -26,6 +26,9 @@ from service.upstream.config import UpstreamConfig, safe_url
 
 CLIENT_INFO: Final = types.Implementation(name="mcp-task-service", version="0.1.0")
 CONNECT_TIMEOUT_S: Final = 10.0
+# After a call is given up, a question already on its way (the server sent it before it saw our
+# notifications/cancelled) could still arrive: none is relayed for this long (a round trip and more).
+ABANDON_QUIET_S: Final = 1.0
 NO_CALL: Final = "this question cannot be told apart from another call's (several calls share the stdio session)"
 
 
@@ -82,9 +85,10 @@ class Connection:
         self._pool = pool
         self._on_notification = on_notification
         self.askers: dict[int, Asker] = {}
-        # A call on it was abandoned (timed out, cancelled) while the server may still work on it:
-        # questions are no longer relayed (only a stdio server's session lives on after that).
-        self.tainted = False
+        # Loop time until which no question is relayed: a call on it was just abandoned (timed out,
+        # cancelled), and a question the server sent before it saw our notifications/cancelled could
+        # arrive now and reach another caller (only a stdio server's session lives on after that).
+        self.quiet_until = 0.0
         self.session: ClientSession | None = None
         self.server_info: types.InitializeResult | None = None
         self.ended = asyncio.Event()
@@ -166,10 +170,14 @@ class Connection:
         )
         return await stack.enter_async_context(stdio_client(params, errlog=sys.stderr))
 
+    def abandoned(self) -> None:
+        """A call on this session was given up: no question is relayed for ABANDON_QUIET_S."""
+        self.quiet_until = asyncio.get_running_loop().time() + ABANDON_QUIET_S
+
     def _asker(self) -> Asker | None:
         """The call a question is for: the only one in flight, unless a call was abandoned on this
-        session (its question could come late and reach another caller)."""
-        if len(self.askers) == 1 and not self.tainted:
+        session a moment ago (its question could arrive late and reach another caller)."""
+        if len(self.askers) == 1 and asyncio.get_running_loop().time() >= self.quiet_until:
             return next(iter(self.askers.values()))
         return None
 
