@@ -21,7 +21,7 @@ from service.runtime.runs import RunLimits
 from service.store import migrate
 from service.store.db import APP_ROLE, RUNNER_ROLE, Database
 from service.store.embedded import open_embedded
-from service.store.events import EventHub
+from service.store.events import EventHub, ToolsChanged
 from service.store.tasks import service_key
 from service.store.upstreams import UpstreamStates
 from service.store.usage import PlainCallTally
@@ -186,6 +186,7 @@ async def start_upstreams(
 async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     registry = Registry.load(settings.tool_packs, max_runtime_s=settings.max_runtime_s)
     upstream_configs = load_upstreams(settings, registry)
+    registry.may_change = bool(upstream_configs)
     dsn, stop_database = await resolve_database(settings)
     db = Database(dsn, pool_size=settings.db_pool_size, role=APP_ROLE, settings=request_session_settings(settings))
     await db.open()
@@ -199,6 +200,8 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
     await runner_db.open()
     hub = EventHub(db)
     await hub.start()
+    # Upstreams' tools come and go: each change is told to this process's GET streams and listens.
+    registry.listeners.append(lambda: hub.dispatch(ToolsChanged("")))
     cursor_key = await service_key(db, "tasks-list-cursor")
     policy = TaskPolicy(
         default_ttl_ms=settings.effective_default_ttl_ms,

@@ -48,6 +48,22 @@ async def test_discover_advertises_the_extension_and_both_versions_X_NEG_1_2_3(m
     assert result["cacheScope"] == "private"
     assert isinstance(result["ttlMs"], int)
     assert result["_meta"]["io.modelcontextprotocol/serverInfo"]["name"] == "mcp-task-service"
+    # Without upstreams the tools never change, so no list_changed is promised (or agreed to below).
+    assert result["capabilities"]["tools"] == {"listChanged": False}
+
+
+async def test_a_listen_agrees_only_to_notifications_this_server_sends(m: V2026Client, http: httpx.AsyncClient) -> None:
+    """SubscriptionsAcknowledgedNotification: the ack names only the types the server supports.
+    Without upstreams the tool list never changes (with them: tests/test_upstreams.py)."""
+    body = m.body("subscriptions/listen", {"notifications": {"toolsListChanged": True, "promptsListChanged": True}})
+    async with http.stream("POST", m.url, content=orjson.dumps(body), headers=m.headers("subscriptions/listen")) as r:
+        ack = await anext(sse_messages(r))
+    assert ack["method"] == "notifications/subscriptions/acknowledged"
+    assert ack["params"]["notifications"] == {}
+    bad = m.body("subscriptions/listen", {"notifications": {"toolsListChanged": "yes"}})
+    refused = await m.post("subscriptions/listen", body=bad)
+    assert refused.json()["error"]["code"] == -32602  # (HTTP 200, as the taskIds checks below)
+    assert "toolsListChanged" in refused.json()["error"]["message"]
 
 
 async def test_a_tool_is_told_whether_its_progress_reaches_anyone_X_NOTIF_8(

@@ -23,7 +23,7 @@ from service.upstream.config import UpstreamConfigError, check_no_clash, load
 from tests.conftest import RunningServer, free_port, make_settings, run_issuer, serve
 from tests.ext import V2026Client
 from tests.issuer import LocalIssuer
-from tests.rpc import RpcSession
+from tests.rpc import RpcSession, sse_messages
 from tests.test_durability import ROOT, mcp_tasks
 
 UPSTREAM = [sys.executable, "-m", "tests.upstream_server"]
@@ -209,6 +209,64 @@ async def test_an_http_upstreams_tools_are_listed_and_run_as_tasks_on_both_wires
 
             finished = await until(done)
             assert finished["result"]["content"][0]["text"] == "slept 1.5s"
+
+
+async def test_an_upstreams_list_changed_reaches_our_get_streams_and_listens_and_the_new_tool_runs(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """Issue 41 §2: the upstream's notifications/tools/list_changed is followed, and told on to our
+    2025-11-25 sessions' GET streams and to 2026-07-28 listens that asked for toolsListChanged."""
+    with http_upstream(marks) as url:
+        async with service(tmp_path, database_url, f'[[upstream]]\nname = "up"\nurl = "{url}"\n') as server:
+            s = RpcSession(http, server.url)
+            assert (await s.initialize())["capabilities"]["tools"] == {"listChanged": True}
+            assert "up.grown" not in {t["name"] for t in (await s.result("tools/list"))["tools"]}
+            c = V2026Client(http, server.url)
+            discovered = await c.result("server/discover")
+            assert discovered["capabilities"]["tools"] == {"listChanged": True}
+            opened = [asyncio.Event(), asyncio.Event()]
+
+            async def on_get_stream() -> dict[str, Any]:
+                headers = {**s.headers(), "Accept": "text/event-stream"}
+                async with http.stream("GET", s.url, headers=headers) as r:
+                    assert r.status_code == 200
+                    opened[0].set()
+                    async for msg in sse_messages(r):
+                        if msg.get("method") == "notifications/tools/list_changed":
+                            return msg
+                raise AssertionError("the GET stream ended without list_changed")
+
+            async def on_listen() -> list[dict[str, Any]]:
+                body = c.body("subscriptions/listen", {"notifications": {"toolsListChanged": True}})
+                seen = []
+                async with http.stream("POST", c.url, content=orjson.dumps(body),
+                                       headers=c.headers("subscriptions/listen")) as r:  # fmt: skip
+                    assert r.status_code == 200
+                    async for msg in sse_messages(r):
+                        seen.append(msg)
+                        opened[1].set()
+                        if msg.get("method") == "notifications/tools/list_changed":
+                            return seen
+                raise AssertionError("the listen ended without list_changed")
+
+            get_stream, listen = asyncio.create_task(on_get_stream()), asyncio.create_task(on_listen())
+            async with asyncio.timeout(20):
+                await asyncio.gather(*(e.wait() for e in opened))
+                assert (await s.result("tools/call", {"name": "up.grow", "arguments": {}}))["content"][0][
+                    "text"
+                ] == "grew"
+                told, seen = await get_stream, await listen
+            assert told == {"jsonrpc": "2.0", "method": "notifications/tools/list_changed", "params": {}}
+            ack = seen[0]
+            assert ack["method"] == "notifications/subscriptions/acknowledged"
+            assert ack["params"]["notifications"] == {"toolsListChanged": True}
+            subscription = ack["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"]
+            assert seen[-1]["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == subscription
+            tools = {t["name"] for t in (await s.result("tools/list"))["tools"]}
+            assert "up.grown" in tools
+            assert (await s.result("tools/call", {"name": "up.grown", "arguments": {}}))["content"][0][
+                "text"
+            ] == "grown"
 
 
 async def test_upstream_elicitation_becomes_input_required_and_the_answer_goes_back(

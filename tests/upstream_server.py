@@ -12,13 +12,17 @@ process's calls of that tool).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import anyio
 from mcp.server.fastmcp import Context, FastMCP
+from mcp.server.session import ServerSession
+from mcp.types import Tool
 from pydantic import BaseModel
 
 args_parser = argparse.ArgumentParser()
@@ -29,7 +33,20 @@ ARGS = args_parser.parse_args()
 MARKS = Path(ARGS.marks) if ARGS.marks else None
 SEQ = itertools.count(1)
 
-server = FastMCP(
+
+class Upstream(FastMCP):  # type: ignore[type-arg]
+    """FastMCP that remembers the sessions that listed its tools, to tell each when the list changes
+    (FastMCP tells only the session of the request that made the change)."""
+
+    listers: weakref.WeakSet[ServerSession] = weakref.WeakSet()
+
+    async def list_tools(self) -> list[Tool]:
+        with contextlib.suppress(Exception):  # (no request context: nobody to remember)
+            self.listers.add(self.get_context().session)
+        return await super().list_tools()
+
+
+server = Upstream(
     "test-upstream", host="127.0.0.1", port=ARGS.port or 8000, log_level="CRITICAL"
 )  # its session-close noise is not ours to read
 
@@ -117,6 +134,21 @@ async def whoami(ctx: Context) -> dict[str, str | None]:  # type: ignore[type-ar
 async def getenv(name: str) -> str:
     """An environment variable of this process ("" when unset)."""
     return os.environ.get(name, "")
+
+
+async def grown() -> str:
+    """Added by grow."""
+    return "grown"
+
+
+@server.tool()
+async def grow() -> str:
+    """Add the tool ``grown`` and tell every session that listed the tools (list_changed)."""
+    server.add_tool(grown, name="grown")
+    for session in list(Upstream.listers):
+        with contextlib.suppress(Exception):  # a session that has gone
+            await session.send_tool_list_changed()
+    return "grew"
 
 
 @server.tool()

@@ -56,7 +56,14 @@ class Finished:
     task: Task
 
 
+@frozen
+class ToolListChanged:
+    """The server's tool list changed (not about a task: a session's GET stream carries it)."""
+
+
 TaskEvent = StatusChanged | Progress | LogEntry | InputRequested | InputVoided | Finished
+# What a 2025-11-25 session's GET stream carries.
+SessionEvent = TaskEvent | ToolListChanged
 
 
 def log_wanted(level: str, minimum: str | None) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 from service import __version__
 from service.domain.errors import CapacityExceeded, DomainError, TaskNotFound
-from service.domain.events import LOG_LEVELS, Finished, TaskEvent
+from service.domain.events import LOG_LEVELS, Finished, SessionEvent, TaskEvent
 from service.domain.principal import Caller, Principal
 from service.domain.values import frozen
 from service.guard.ratelimit import RateLimiter
@@ -154,7 +154,7 @@ class V2025Surface:
         return requested if requested in SUPPORTED_VERSIONS else LATEST
 
     def initialize_result(self, version: str) -> dict[str, Any]:
-        caps: dict[str, Any] = {"tools": {"listChanged": False}, "logging": {}}
+        caps: dict[str, Any] = {"tools": {"listChanged": self.registry.may_change}, "logging": {}}
         if self.registry.resources:
             caps["resources"] = {"subscribe": True, "listChanged": False}
         if self.registry.prompts:
@@ -390,7 +390,7 @@ class V2025Surface:
             await events.aclose()  # type: ignore[attr-defined]
 
     @staticmethod
-    def follow_message(call: Call, event: TaskEvent) -> dict[str, Any] | None:
+    def follow_message(call: Call, event: SessionEvent) -> dict[str, Any] | None:
         return event_message(event, call.request_id, call.session.log_level if call.session else None)
 
 

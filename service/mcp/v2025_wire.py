@@ -11,8 +11,9 @@ from service.domain.events import (
     InputVoided,
     LogEntry,
     Progress,
+    SessionEvent,
     StatusChanged,
-    TaskEvent,
+    ToolListChanged,
     log_wanted,
 )
 from service.domain.inputs import InputKind, PendingInput
@@ -111,9 +112,11 @@ def input_request(question: PendingInput, task_id: str | None) -> dict[str, Any]
 
 
 def event_message(
-    event: TaskEvent, request_id: jsonrpc.RequestId | None, log_level: str | None
+    event: SessionEvent, request_id: jsonrpc.RequestId | None, log_level: str | None
 ) -> dict[str, Any] | None:
     """A task event as the message a 2025-11-25 stream carries (None: nothing to send)."""
+    if isinstance(event, ToolListChanged):
+        return jsonrpc.notification("notifications/tools/list_changed", {})
     if isinstance(event, InputRequested):
         return input_request(event.input, event.task_id)
     if isinstance(event, Progress):

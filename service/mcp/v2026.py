@@ -219,7 +219,10 @@ class V2026Surface:
 
     async def discover(self, call: V2026Call, _receive: Receive) -> dict[str, Any]:
         """X-NEG-1/2/3, XD-19, XD-24."""
-        capabilities: dict[str, Any] = {"tools": {"listChanged": False}, "extensions": {ext.EXTENSION: {}}}
+        capabilities: dict[str, Any] = {
+            "tools": {"listChanged": self.registry.may_change},
+            "extensions": {ext.EXTENSION: {}},
+        }
         if self.registry.resources:
             capabilities["resources"] = {"subscribe": False, "listChanged": False}
         if self.registry.prompts:

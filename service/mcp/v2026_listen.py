@@ -13,7 +13,7 @@ from starlette.types import Receive, Send
 
 from service.config import Settings
 from service.domain.errors import DomainError, TaskNotFound
-from service.domain.task import Wire
+from service.domain.task import Task, Wire
 from service.guard.ratelimit import RateLimiter
 from service.mcp import jsonrpc
 from service.mcp import v2026_wire as ext
@@ -22,6 +22,7 @@ from service.mcp.refusal import Refusal, from_domain
 from service.mcp.sse import send_sse
 from service.mcp.v2026_request import V2026Call, fail, object_param
 from service.observability import metrics
+from service.store.events import ToolsChanged
 from service.tasks.service import TaskService
 
 
@@ -50,6 +51,9 @@ class Subscriptions:
             limit = self.settings.max_subscription_task_ids
             if len(task_ids) > limit:
                 raise fail(INVALID_PARAMS, f"at most {limit} taskIds per subscription; split them over several")
+        tools_wanted = notifications.get("toolsListChanged", False)
+        if not isinstance(tools_wanted, bool):
+            raise fail(INVALID_PARAMS, "params.notifications.toolsListChanged must be a boolean")
         principal = call.caller.principal
         key = (principal.tenant_id, principal.subject, principal.issuer)
         if self.open.get(key, 0) >= self.settings.max_subscriptions_per_principal:
@@ -75,48 +79,67 @@ class Subscriptions:
             except DomainError as exc:
                 raise from_domain(exc, wire=Wire.V2026) from None
             meta = {ext.META_SUBSCRIPTION: call.request_id}
-
-            async def messages() -> AsyncIterator[dict[str, Any]]:
-                ack: dict[str, Any] = {"notifications": {"taskIds": [t.task_id for t in live]} if task_ids is not None else {},
-                                       "_meta": meta}  # fmt: skip
-                yield jsonrpc.notification("notifications/subscriptions/acknowledged", ack)
-                for task in live:
-                    yield await self._task_notification(call, task, meta)
-                changes = self.tasks.streams.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
-                stop = asyncio.ensure_future(self._until_teardown(principal.expires_at))
-                step: asyncio.Future[Any] | None = None
-                try:
-                    while True:
-                        step = asyncio.ensure_future(anext(changes))
-                        await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-                        if stop.done():
-                            step.cancel()
-                            break
-                        try:
-                            task = step.result()
-                        except StopAsyncIteration:  # every task ended: wait for the client or the end
-                            await stop
-                            break
-                        yield await self._task_notification(call, task, meta)
-                    # XD-14: a server-side end is a SubscriptionsListenResult, then the stream closes.
-                    yield jsonrpc.result_message(call.request_id, {"resultType": "complete", "_meta": meta})
-                finally:
-                    # The client going away cancels us inside the wait: the pending step must end
-                    # before the watch can be closed, or the watch (its subscription and its polls)
-                    # would live on.
-                    stop.cancel()
-                    if step is not None and not step.done():
-                        step.cancel()
-                        with contextlib.suppress(BaseException):
-                            await step
-                    with contextlib.suppress(BaseException):
-                        await changes.aclose()  # type: ignore[attr-defined]
-
-            await send_sse(send, receive, messages(), keepalive_s=self.keepalive_s)
+            agreed: dict[str, Any] = {} if task_ids is None else {"taskIds": [t.task_id for t in live]}
+            if tools_wanted and self.tasks.registry.may_change:  # only what this server sends
+                agreed["toolsListChanged"] = True
+            messages = self._messages(call, live, agreed, meta)
+            await send_sse(send, receive, messages, keepalive_s=self.keepalive_s)
         finally:
             self.open[key] -= 1
             if self.open[key] <= 0:
                 del self.open[key]
+
+    async def _messages(
+        self, call: V2026Call, live: list[Task], agreed: dict[str, Any], meta: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ack, a snapshot of each live task, then a notification per change of a task (and of
+        the tool list, if agreed) until the subscription ends."""
+        yield jsonrpc.notification("notifications/subscriptions/acknowledged", {"notifications": agreed, "_meta": meta})
+        for task in live:
+            yield await self._task_notification(call, task, meta)
+        changes = self.tasks.streams.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
+        tools = self.tasks.hub.open(("tools",)) if agreed.get("toolsListChanged") else None
+        stop = asyncio.ensure_future(self._until_teardown(call.caller.principal.expires_at))
+        step: asyncio.Future[Any] | None = None
+        tool_step: asyncio.Future[Any] | None = None
+        watching = True
+        try:
+            while True:
+                if watching and step is None:
+                    step = asyncio.ensure_future(anext(changes))
+                if tools is not None and tool_step is None:
+                    tool_step = asyncio.ensure_future(tools.queue.get())
+                await asyncio.wait({f for f in (step, tool_step, stop) if f is not None},
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if stop.done():
+                    break
+                if tool_step is not None and tool_step.done():
+                    if isinstance(tool_step.result(), ToolsChanged):  # (a Resync is about tasks)
+                        yield jsonrpc.notification("notifications/tools/list_changed", {"_meta": meta})
+                    tool_step = None
+                if step is not None and step.done():
+                    try:
+                        task = step.result()
+                    except StopAsyncIteration:  # every task ended: only the tools, the client or the end
+                        watching = False
+                    else:
+                        yield await self._task_notification(call, task, meta)
+                    step = None
+            # XD-14: a server-side end is a SubscriptionsListenResult, then the stream closes.
+            yield jsonrpc.result_message(call.request_id, {"resultType": "complete", "_meta": meta})
+        finally:
+            # The client going away cancels us inside the wait: the pending steps must end before
+            # the watch can be closed, or the watch (its subscription and its polls) would live on.
+            stop.cancel()
+            for pending in (step, tool_step):
+                if pending is not None and not pending.done():
+                    pending.cancel()
+                    with contextlib.suppress(BaseException):
+                        await pending
+            with contextlib.suppress(BaseException):
+                await changes.aclose()  # type: ignore[attr-defined]
+            if tools is not None:
+                tools.close()
 
     async def _until_teardown(self, expires_at: float | None) -> None:
         """Returns when the subscription must end: the process is shutting down, or the token that

@@ -163,6 +163,17 @@ class Resync(Event):
     KIND: ClassVar[str] = "resync"
 
 
+@frozen
+class ToolsChanged(Event):
+    """Local only: this process's tool list changed (an upstream's tools came, went or changed).
+    Every replica follows its upstreams itself, so each tells its own streams."""
+
+    KIND: ClassVar[str] = "tools_changed"
+
+    def topics(self) -> list[Topic]:
+        return [("tools",)]
+
+
 _KINDS: dict[str, type[Event]] = {
     cls.KIND: cls
     for cls in (

@@ -11,10 +11,30 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from service.domain.events import Finished, InputRequested, InputVoided, LogEntry, Progress, StatusChanged, TaskEvent
+from service.domain.events import (
+    Finished,
+    InputRequested,
+    InputVoided,
+    LogEntry,
+    Progress,
+    SessionEvent,
+    StatusChanged,
+    TaskEvent,
+    ToolListChanged,
+)
 from service.domain.principal import Caller, Principal
 from service.domain.task import Task, TaskStatus
-from service.store.events import Event, EventHub, Resync, Subscription, TaskChanged, TaskDeleted, TaskLog, TaskProgress
+from service.store.events import (
+    Event,
+    EventHub,
+    Resync,
+    Subscription,
+    TaskChanged,
+    TaskDeleted,
+    TaskLog,
+    TaskProgress,
+    ToolsChanged,
+)
 from service.store.tasks import TaskStore
 
 Lookup = Callable[[Caller, str], Awaitable[Task | None]]
@@ -148,16 +168,19 @@ class TaskStreams:
                         del seen[task_id]
 
     @contextlib.asynccontextmanager
-    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[TaskEvent]]:
+    async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[SessionEvent]]:
         """For a session's GET stream: status changes and notices of tasks that session created,
-        unless a result stream in this process already carries them (no duplicates).
-        Subscribed on entry, so nothing is missed between subscribing and iterating."""
+        unless a result stream in this process already carries them (no duplicates), and changes
+        of the tool list. Subscribed on entry, so nothing is missed between subscribing and iterating."""
         caller = Caller(principal)
-        async with self.hub.subscribe(("session", principal.tenant_id, session_id)) as queue:
+        async with self.hub.subscribe(("session", principal.tenant_id, session_id), ("tools",)) as queue:
 
-            async def events() -> AsyncIterator[TaskEvent]:
+            async def events() -> AsyncIterator[SessionEvent]:
                 while True:
                     event = await queue.get()
+                    if isinstance(event, ToolsChanged):
+                        yield ToolListChanged()
+                        continue
                     task_id = getattr(event, "task_id", None)
                     if task_id is None or (principal.tenant_id, task_id) in self.following:
                         continue

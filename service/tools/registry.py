@@ -229,6 +229,9 @@ class Registry:
     def __init__(self, packs: list[ToolPack]) -> None:
         self.tools: dict[str, ToolSpec] = {}
         self.listeners: list[Callable[[], None]] = []
+        # Whether the tools may change while the process runs (there are upstreams): what the
+        # server's tools.listChanged capability says.
+        self.may_change = False
         self._sources: dict[str, frozenset[str]] = {}  # source → the names of its tools
         self.resources: list[ResourceSpec] = []
         self.prompts: dict[str, PromptSpec] = {}
