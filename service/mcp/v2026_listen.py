@@ -22,7 +22,6 @@ from service.mcp.refusal import Refusal, from_domain
 from service.mcp.sse import send_sse
 from service.mcp.v2026_request import V2026Call, fail, object_param
 from service.observability import metrics
-from service.store.events import ToolsChanged
 from service.tasks.service import TaskService
 
 
@@ -98,7 +97,10 @@ class Subscriptions:
         for task in live:
             yield await self._task_notification(call, task, meta)
         changes = self.tasks.streams.watch(call.caller, live, poll_s=self.poll_s).__aiter__()
-        tools = self.tasks.hub.open(("tools",)) if agreed.get("toolsListChanged") else None
+        scope = contextlib.AsyncExitStack()
+        tools_changed = None
+        if agreed.get("toolsListChanged"):
+            tools_changed = await scope.enter_async_context(self.tasks.streams.tool_changes())
         stop = asyncio.ensure_future(self._until_teardown(call.caller.principal.expires_at))
         step: asyncio.Future[Any] | None = None
         tool_step: asyncio.Future[Any] | None = None
@@ -107,15 +109,14 @@ class Subscriptions:
             while True:
                 if watching and step is None:
                     step = asyncio.ensure_future(anext(changes))
-                if tools is not None and tool_step is None:
-                    tool_step = asyncio.ensure_future(tools.queue.get())
+                if tools_changed is not None and tool_step is None:
+                    tool_step = asyncio.ensure_future(tools_changed())
                 await asyncio.wait({f for f in (step, tool_step, stop) if f is not None},
                                    return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 if stop.done():
                     break
                 if tool_step is not None and tool_step.done():
-                    if isinstance(tool_step.result(), ToolsChanged):  # (a Resync is about tasks)
-                        yield jsonrpc.notification("notifications/tools/list_changed", {"_meta": meta})
+                    yield jsonrpc.notification("notifications/tools/list_changed", {"_meta": meta})
                     tool_step = None
                 if step is not None and step.done():
                     try:
@@ -138,8 +139,7 @@ class Subscriptions:
                         await pending
             with contextlib.suppress(BaseException):
                 await changes.aclose()  # type: ignore[attr-defined]
-            if tools is not None:
-                tools.close()
+            await scope.aclose()
 
     async def _until_teardown(self, expires_at: float | None) -> None:
         """Returns when the subscription must end: the process is shutting down, or the token that

@@ -168,6 +168,18 @@ class TaskStreams:
                         del seen[task_id]
 
     @contextlib.asynccontextmanager
+    async def tool_changes(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        """For a 2026-07-28 listen: a wait that returns at the next change of this process's tool
+        list (subscribed on entry, so none after it is missed)."""
+        async with self.hub.subscribe(("tools",)) as queue:
+
+            async def changed() -> None:
+                while not isinstance(await queue.get(), ToolsChanged):  # (a Resync is about tasks)
+                    pass
+
+            yield changed
+
+    @contextlib.asynccontextmanager
     async def session_events(self, principal: Principal, session_id: str) -> AsyncIterator[AsyncIterator[SessionEvent]]:
         """For a session's GET stream: status changes and notices of tasks that session created,
         unless a result stream in this process already carries them (no duplicates), and changes
