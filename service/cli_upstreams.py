@@ -9,7 +9,7 @@ from typing import Any
 
 from service.cli_records import print_table, record_database
 
-HEADER = ("upstream", "process", "transport", "state", "down_since", "circuit", "tools", "last_error")
+HEADER = ("upstream", "process", "transport", "tasks", "state", "down_since", "circuit", "tools", "last_error")
 
 
 def add_parser(sub: Any) -> None:
@@ -37,12 +37,12 @@ async def upstreams_main(args: argparse.Namespace) -> int:
     rows: list[list[Any]] = []
     for s in states:
         tools: Any = s.state.get("tools", [])
-        rows.append([s.upstream, s.owner, s.state.get("transport"), s.state.get("state"), s.state.get("down_since"),
+        rows.append([s.upstream, s.owner, s.state.get("transport"), s.state.get("tasks"), s.state.get("state"), s.state.get("down_since"),
                      s.state.get("circuit"), tools if json_out else ", ".join(tools), s.state.get("last_error")])  # fmt: skip
     reported = {s.upstream for s in states}
     for name in configured:
         if name not in reported:
-            rows.append([name, None, None, "not reported", None, None, [] if json_out else "",
+            rows.append([name, None, None, None, "not reported", None, None, [] if json_out else "",
                          "no live process follows it (is serve or worker running with this file?)"])  # fmt: skip
     if not rows:
         print("no upstreams: MCP_TASKS_UPSTREAMS_FILE is not set, and no live process follows any", file=sys.stderr)

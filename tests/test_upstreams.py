@@ -611,6 +611,7 @@ async def test_the_upstreams_command_shows_what_each_process_sees_and_config_mas
             rows = await until(both_reported)
             assert "echo" in rows["up"]["tools"]
             assert rows["up"]["circuit"] == "closed"
+            assert rows["up"]["tasks"] is None  # neither wire's tasks: its calls are plain calls
             assert rows["ghost"]["state"] == "down"
             assert rows["ghost"]["down_since"]
             assert "cannot connect" in rows["ghost"]["last_error"]

@@ -28,6 +28,8 @@ from service.upstream.breaker import Breaker
 from service.upstream.calls import UpstreamFailure, bounded, call
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import ConnectFailed, Connection, describe
+from service.upstream.ext_tasks import ExtCall
+from service.upstream.modern import PROTOCOL, Modern, speaks_tasks_extension
 from service.upstream.sessions import SessionPool
 from service.upstream.tasks import TaskCall, runs_as_task
 
@@ -63,6 +65,11 @@ class Upstream:
         self._pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=config.max_concurrency + 2))
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._sessions = SessionPool(config.max_concurrency)
+        self._modern = None if config.url is None else Modern(
+            config.url, httpx.AsyncClient(transport=self._pool), self.credentials.headers, max_result_bytes,
+            on_unauthorized=self.credentials.forget,
+        )  # fmt: skip
+        self.extension = False  # it speaks 2026-07-28 with the Tasks extension: calls go that way
         self._control: Connection | None = None
         self._refresh = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -100,6 +107,8 @@ class Upstream:
             failures = 0
             self._control = conn
             try:
+                if self._modern is not None:  # before the tools are published: calls go the way it says
+                    self._found_extension(await speaks_tasks_extension(self._modern))
                 await self._list(conn)
                 self._came_up()
                 await self._watch(conn)
@@ -160,6 +169,13 @@ class Upstream:
             self.tools, self.listed = tools, True
             self._on_tools(self)
             self.on_change()
+
+    def _found_extension(self, found: bool) -> None:
+        if found != self.extension:
+            log.info(
+                "upstream %s %s the 2026-07-28 Tasks extension", self.config.name, "offers" if found else "dropped"
+            )
+        self.extension = found
 
     def _came_up(self) -> None:
         if not self.up:
@@ -262,6 +278,11 @@ class Upstream:
 
     async def _run(self, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
         c = self.config
+        note = await ctx.recall()
+        ours = note is not None and note.get("upstream") == c.name
+        if self._modern is not None and (note.get("wire") == PROTOCOL if ours and note else self.extension):
+            result = await ExtCall(self._modern, c, tool, ctx, self._forwarded(ctx)).run(arguments, note)
+            return bounded(result, f"upstream {c.name!r} (tool {tool!r})", self._max_result_bytes)
         if c.transport == "stdio":
             conn = self._control
             if conn is None or conn.ended.is_set():
@@ -270,7 +291,7 @@ class Upstream:
                     breaks=False,
                     refused=True,
                 )
-            return await self._call(conn, tool, arguments, ctx)
+            return await self._call(conn, tool, arguments, ctx, note)
         forward = self._forwarded(ctx)
         key = (("caller", repr(ctx.caller)), *sorted(forward.items()))
         for fresh in (False, True):  # a reused session the upstream dropped meanwhile: once more, anew
@@ -280,7 +301,7 @@ class Upstream:
                 raise UpstreamFailure(f"upstream {c.name!r} could not be reached: {exc}", breaks=True) from None
             ended_well = False
             try:
-                result = await self._call(conn, tool, arguments, ctx)
+                result = await self._call(conn, tool, arguments, ctx, note)
                 ended_well = True
                 return result
             except UpstreamFailure as exc:
@@ -290,10 +311,11 @@ class Upstream:
                 self._sessions.give(key, conn, reusable=ended_well)
         raise AssertionError("unreachable: a fresh session's failure is raised")
 
-    async def _call(self, conn: Connection, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+    async def _call(
+        self, conn: Connection, tool: str, arguments: dict[str, Any], ctx: ToolContext, note: dict[str, Any] | None
+    ) -> dict[str, Any]:
         """As a task of the upstream's when it takes this tool's calls as tasks (followed, and
         resumed after a takeover), else as one request held open for the call's life."""
-        note = await ctx.recall()
         if runs_as_task(conn, self.tools.get(tool)) or (note is not None and note.get("upstream") == self.config.name):
             result = await TaskCall(conn, self.config, tool, ctx).run(arguments, note)
             return bounded(result, f"upstream {self.config.name!r} (tool {tool!r})", self._max_result_bytes)
@@ -305,12 +327,21 @@ class Upstream:
         return {
             "name": self.config.name,
             "transport": self.config.transport,
+            "tasks": self._tasks_wire(),
             "state": "up" if self.up else "down",
             "down_since": None if since is None else datetime.fromtimestamp(since, UTC).isoformat(timespec="seconds"),
             "circuit": self.breaker.state(),
             "tools": sorted(self.tools),
             "last_error": self.last_error or self.breaker.last_error,
         }
+
+    def _tasks_wire(self) -> str | None:
+        """How calls become the upstream's tasks: its 2026-07-28 extension, its 2025-11-25 tasks (for
+        the tools that take them), or not at all."""
+        if self.extension:
+            return "2026-07-28"
+        info = self._control.server_info if self._control is not None else None
+        return "2025-11-25" if info is not None and info.capabilities.tasks is not None else None
 
 
 def header_value(value: str) -> str:

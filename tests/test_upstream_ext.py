@@ -1,0 +1,180 @@
+"""Upstreams that speak the 2026-07-28 Tasks extension (issue 41, point 4): a call declares the
+extension; what the upstream makes a task of its own is followed by its id, kept with ours, and
+resumed by the next process after a SIGKILL (the upstream ran it once); questions are relayed both
+ways (MRTR before the task, inputRequests/tasks/update within it); our cancel cancels it.
+
+The upstream is this service itself (`serve` in single-user mode on loopback, its own database):
+a real 2026-07-28 server with the extension, that speaks 2025-11-25 too (its tools are listed there)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import RunningServer, fresh_database, make_settings, serve
+from tests.ext import V2026Client
+from tests.rpc import RpcSession
+from tests.test_durability import ROOT, mcp_tasks
+from tests.test_upstreams import task_outcome, until, upstreams_file
+
+
+@pytest.fixture
+async def upstream_db(admin_dsn: str, template_db: str) -> AsyncIterator[str]:
+    async with fresh_database(admin_dsn, template_db) as url:
+        yield url
+
+
+@pytest.fixture
+async def upstream(upstream_db: str) -> AsyncIterator[RunningServer]:
+    async with serve(make_settings(upstream_db)) as running:
+        yield running
+
+
+def env_for(tmp_path: Path, upstream: RunningServer, **extra: str) -> dict[str, str]:
+    body = f'[[upstream]]\nname = "ext"\nurl = "{upstream.url}"\ntools = ["sleep", "confirm", "slow_confirm"]\n'
+    return {"MCP_TASKS_UPSTREAMS_FILE": upstreams_file(tmp_path, body), **extra}
+
+
+async def upstream_tasks(upstream_db: str, tool: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(upstream_db)
+    try:
+        return await conn.fetch("SELECT wire, status::text, outcome FROM tasks WHERE tool = $1", tool)
+    finally:
+        await conn.close()
+
+
+async def test_a_call_becomes_the_upstreams_task_followed_with_its_questions_and_cancelled_with_ours(
+    tmp_path: Path, database_url: str, upstream: RunningServer, upstream_db: str, http: httpx.AsyncClient
+) -> None:
+    async with mcp_tasks("serve", database_url, **env_for(tmp_path, upstream)) as (_proc, mcp):
+        s = RpcSession(http, mcp)
+        await s.initialize()
+        assert {"ext.sleep", "ext.confirm", "ext.slow_confirm"} <= {
+            t["name"] for t in (await s.result("tools/list"))["tools"]
+        }
+
+        task_id = (await s.call_tool_as_task("ext.sleep", {"seconds": 2.5}))["task"]["taskId"]
+
+        async def relayed() -> bool:  # the upstream task's status message is ours
+            return "slept" in ((await s.result("tasks/get", {"taskId": task_id})).get("statusMessage") or "")
+
+        await until(relayed)
+        assert (await task_outcome(s, task_id))["status"] == "completed"
+        assert (await s.result("tasks/result", {"taskId": task_id}))["content"][0]["text"] == "slept 2.5s"
+        rows = await upstream_tasks(upstream_db, "sleep")
+        assert [(r["wire"], r["status"]) for r in rows] == [("2026-07-28", "completed")]  # the upstream's own task
+        shown = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "service", "upstreams", "--json"], capture_output=True, text=True,
+            timeout=60, cwd=ROOT, env={**os.environ, "MCP_TASKS_DATABASE_URL": database_url},
+        )  # fmt: skip
+        assert orjson.loads(shown.stdout.splitlines()[0])["tasks"] == "2026-07-28", shown.stdout + shown.stderr
+
+        # Asked within the upstream's task: its inputRequests reach our client, the answer goes back
+        # with tasks/update.
+        c = V2026Client(http, mcp)
+        created = await c.result("tools/call", {"name": "ext.slow_confirm", "arguments": {"seconds": 1.0}})
+        ours = created["taskId"]
+
+        async def asking() -> dict[str, Any] | None:
+            got = await c.result("tasks/get", {"taskId": ours})
+            return got if got["status"] == "input_required" else None
+
+        key = next(iter((await until(asking))["inputRequests"]))
+        await c.result(
+            "tasks/update", {"taskId": ours, "inputResponses": {key: {"action": "accept", "content": {"ok": True}}}}
+        )
+
+        async def answered() -> dict[str, Any] | None:
+            got = await c.result("tasks/get", {"taskId": ours})
+            return got if got["status"] == "completed" else None
+
+        assert (await until(answered))["result"]["content"][0]["text"] == "accept:True"
+        assert [r["status"] for r in await upstream_tasks(upstream_db, "slow_confirm")] == ["completed"]
+
+        # Asked before the upstream made up its mind (MRTR): asked of our client as a 2025 task's
+        # question, sent again with the answer.
+        confirm_id = (await s.call_tool_as_task("ext.confirm", {"prompt": "Ship it?"}))["task"]["taskId"]
+        async with asyncio.timeout(20):
+            async for msg in s.stream("tasks/result", {"taskId": confirm_id}):
+                if msg.get("method") == "elicitation/create":
+                    assert msg["params"]["message"] == "Ship it?"
+                    await s.reply(msg["id"], {"action": "accept", "content": {"ok": True}})
+                elif "result" in msg:
+                    assert msg["result"]["content"][0]["text"] == "answer: ok=True"
+                    break
+        assert await upstream_tasks(upstream_db, "confirm") == []  # answered in its request: no task there
+
+        long_id = (await s.call_tool_as_task("ext.sleep", {"seconds": 120}))["task"]["taskId"]
+
+        async def upstream_working() -> bool:
+            return any(r["status"] == "working" for r in await upstream_tasks(upstream_db, "sleep"))
+
+        await until(upstream_working)
+        await s.result("tasks/cancel", {"taskId": long_id})
+
+        async def upstream_cancelled() -> bool:
+            return "cancelled" in {r["status"] for r in await upstream_tasks(upstream_db, "sleep")}
+
+        await until(upstream_cancelled)
+
+
+async def test_sigkill_mid_task_follows_the_same_upstream_task_from_the_next_process(
+    tmp_path: Path, database_url: str, upstream: RunningServer, upstream_db: str, http: httpx.AsyncClient
+) -> None:
+    env = env_for(tmp_path, upstream, MCP_TASKS_LEASE_MS="3000")
+    async with mcp_tasks("serve", database_url, **env) as (proc, mcp):
+        s = RpcSession(http, mcp)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("ext.sleep", {"seconds": 5}))["task"]["taskId"]
+
+        async def kept() -> bool:  # the upstream made it a task, and its id is kept with ours
+            conn = await asyncpg.connect(database_url)
+            try:
+                return bool(await conn.fetchval("SELECT count(*) FROM task_notes WHERE note ? 'upstream_task'"))
+            finally:
+                await conn.close()
+
+        await until(kept)
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
+    async with mcp_tasks("serve", database_url, **env) as (_proc, mcp):
+        s = RpcSession(http, mcp)
+        await s.initialize()
+        finished = await task_outcome(s, task_id)
+        assert finished["status"] == "completed", finished
+        assert (await s.result("tasks/result", {"taskId": task_id}))["content"][0]["text"] == "slept 5s"
+    assert [r["status"] for r in await upstream_tasks(upstream_db, "sleep")] == ["completed"]  # run once
+
+
+async def test_an_upstream_without_the_extension_is_called_as_before(
+    tmp_path: Path, database_url: str, http: httpx.AsyncClient
+) -> None:
+    """The 2025-11-25 upstream of tests/test_upstreams.py answers server/discover with an error: its
+    calls stay plain calls (and progress is still relayed)."""
+    from tests.test_upstreams import http_upstream
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with http_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "up"\nurl = "{url}"\n'
+        async with mcp_tasks("serve", database_url, MCP_TASKS_UPSTREAMS_FILE=upstreams_file(tmp_path, body)) as (
+            _p,
+            mcp,
+        ):
+            s = RpcSession(http, mcp)
+            await s.initialize()
+            params = {"name": "up.sleep", "arguments": {"seconds": 0.5}, "_meta": {"progressToken": "p"}}
+            messages = [m async for m in s.stream("tools/call", params)]
+            assert any(m.get("method") == "notifications/progress" for m in messages)
+            assert messages[-1]["result"]["content"][0]["text"] == "slept 0.5s"
