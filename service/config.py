@@ -14,6 +14,8 @@ from limits import parse_many
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.issuer_map import wildcard_overlap
+
 # Single-user mode keeps tasks briefly: anyone who can reach the port can use them.
 LOCAL_DEFAULT_TTL_MS = 900_000
 LOCAL_MAX_TTL_MS = 3_600_000
@@ -70,6 +72,8 @@ class Settings(BaseSettings):
     # The tenants each trusted issuer may speak for: "https://a=acme,beta;https://b=*.b.example"
     # (docs/decisions.md, "Tenants bound to issuers"). Required with several issuers.
     oauth_issuer_tenants: str = ""
+    # Let one issuer's tenant pattern cover a tenant another issuer names (shared on purpose).
+    oauth_issuer_wildcard_overlap: bool = False
     oauth_jwks_url: str | None = None
     oauth_audience: str | None = None
     oauth_required_scopes: str = ""
@@ -211,6 +215,14 @@ class Settings(BaseSettings):
             raise ValueError(
                 "MCP_TASKS_OAUTH_ISSUER trusts several issuers, so MCP_TASKS_OAUTH_ISSUER_TENANTS must say which "
                 f"tenants each may speak for (none given for {', '.join(unbound)}), e.g. 'https://a=acme;https://b=*.b'"
+            )
+        if not self.oauth_issuer_wildcard_overlap and (overlap := wildcard_overlap(bound)):
+            (first, one), (second, other) = overlap
+            raise ValueError(
+                f"MCP_TASKS_OAUTH_ISSUER_TENANTS: {second} may speak for {other!r}, which also covers {one!r} of "
+                f"{first}, so {second}'s users could enter that tenant (its caps, its audit chain). Narrow the "
+                "pattern, name a tenant both may speak for in both lists, or set "
+                "MCP_TASKS_OAUTH_ISSUER_WILDCARD_OVERLAP=true"
             )
 
     @property

@@ -108,6 +108,9 @@ async def read_message(receive: Receive, headers: Headers, *, max_body_bytes: in
 def wire_of(headers: Headers, message: dict[str, Any]) -> Wire:
     """§14.1: which wire serves this request, decided from it alone."""
     value = headers.get(VERSION_HEADER)
+    if len(headers.getlist(VERSION_HEADER)) > 1:  # a proxy reading the other copy would pick another wire
+        raise Refusal(v2026.HEADER_MISMATCH, "Header duplicated: MCP-Protocol-Version (send it once)", status=400,
+                      request_id=message.get("id") if jsonrpc.valid_id(message.get("id")) else None)  # fmt: skip
     if value == v2026.VERSION:
         return Wire.V2026  # initialize too: it does not exist on 2026-07-28 (404)
     if message.get("method") == "initialize":

@@ -51,3 +51,13 @@ def dumps(message: Any) -> bytes:
 def valid_id(value: Any) -> bool:
     """H-GEN-4: a string or an integer (not a bool, not null)."""
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+# A client-chosen identifier (a request id, a progressToken) is stored with what it names and
+# repeated in every message about it (a listen's notifications, each progress notification): at
+# most this many characters (integers are 64-bit at most: larger ones are not JSON we parse).
+MAX_ID_CHARS: Final = 256
+
+
+def id_too_long(value: Any) -> bool:
+    return isinstance(value, str) and len(value) > MAX_ID_CHARS

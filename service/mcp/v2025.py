@@ -84,8 +84,9 @@ def _progress_token(params: dict[str, Any]) -> str | int | None:
     if not isinstance(meta, dict) or "progressToken" not in meta:
         return None
     token = meta["progressToken"]
-    if not jsonrpc.valid_id(token):
-        raise Refusal(INVALID_PARAMS, "_meta.progressToken must be a string or an integer")
+    if not jsonrpc.valid_id(token) or jsonrpc.id_too_long(token):
+        raise Refusal(INVALID_PARAMS, f"_meta.progressToken must be an integer or a string of at most "
+                                      f"{jsonrpc.MAX_ID_CHARS} characters")  # fmt: skip
     return token  # type: ignore[no-any-return]
 
 

@@ -154,6 +154,8 @@ class V2025Http:
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise http_refusal(400, "Invalid Request: id must be a string or an integer")
+        if jsonrpc.id_too_long(request_id):
+            raise http_refusal(400, f"Invalid Request: id is longer than {jsonrpc.MAX_ID_CHARS} characters")
         plain_key = None  # a tools/call: how to stop its plain call, should its client go away
         params = message.get("params", {})
         if params is None:

@@ -42,6 +42,7 @@ from service.mcp.v2026_request import (
     TASK_METHODS,
     Streamed,
     V2026Call,
+    duplicated_routing_header,
     fail,
     header_value,
     object_param,
@@ -65,7 +66,7 @@ class V2026Surface:
         self.audit = audit
         self.keepalive_s = settings.sse_keepalive_ms / 1000
         self.calls = V2026Calls(tasks, grace_s=settings.task_grace_ms / 1000, core=self._core)
-        self.listening = Subscriptions(settings, tasks, limiter)
+        self.listening = Subscriptions(settings, tasks, limiter, audit)
         self._methods = {
             "server/discover": self.discover,
             "tools/list": self.tools_list,
@@ -97,6 +98,8 @@ class V2026Surface:
         request_id = message["id"]
         if not jsonrpc.valid_id(request_id):
             raise http_refusal(400, "Invalid Request: id must be a string or an integer")
+        if jsonrpc.id_too_long(request_id):
+            raise http_refusal(400, f"Invalid Request: id is longer than {jsonrpc.MAX_ID_CHARS} characters")
         label = metrics.method(method)
         logctx.note_method(label)
         started = time.perf_counter()
@@ -134,6 +137,9 @@ class V2026Surface:
         self, scope: Scope, caller: Caller, request_id: RequestId, method: str, params: Any, headers: Headers
     ) -> V2026Call:
         """§1, §10, §14.1: the headers match the body; `_meta` names this version and the capabilities."""
+        if (twice := duplicated_routing_header(headers)) is not None:
+            raise fail(ext.HEADER_MISMATCH, f"Header duplicated: {twice} (send each routing header once)",
+                       {"header": twice}, status=400)  # fmt: skip
         sent = headers.get(METHOD_HEADER)
         if sent is None:
             raise fail(ext.HEADER_MISMATCH, f"Header missing: Mcp-Method (it must be sent and equal the request's method, "

@@ -65,6 +65,8 @@ class V2026Calls:
             mode = CallMode.SYNC  # X-NEG-5: never a task for a request that does not declare it
         meta = call.params["_meta"]
         token = meta.get("progressToken") if jsonrpc.valid_id(meta.get("progressToken")) else None
+        if jsonrpc.id_too_long(token):
+            raise fail(INVALID_PARAMS, f"_meta.progressToken is longer than {jsonrpc.MAX_ID_CHARS} characters")
         log_level = meta.get(ext.META_LOG_LEVEL) if meta.get(ext.META_LOG_LEVEL) in LOG_LEVELS else None
         events: asyncio.Queue[TaskEvent] = asyncio.Queue()
         streaming = token is not None or log_level is not None

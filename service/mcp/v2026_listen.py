@@ -22,16 +22,18 @@ from service.mcp.refusal import Refusal, from_domain
 from service.mcp.sse import send_sse
 from service.mcp.v2026_request import V2026Call, fail, object_param
 from service.observability import metrics
+from service.tasks.audit import AuditLog
 from service.tasks.service import TaskService
 
 
 class Subscriptions:
     """The open subscriptions of this process, per principal (at most a settable number each)."""
 
-    def __init__(self, settings: Settings, tasks: TaskService, limiter: RateLimiter) -> None:
+    def __init__(self, settings: Settings, tasks: TaskService, limiter: RateLimiter, audit: AuditLog) -> None:
         self.settings = settings
         self.tasks = tasks
         self.limiter = limiter
+        self.audit = audit
         self.poll_s = settings.poll_interval_ms / 1000
         self.keepalive_s = settings.sse_keepalive_ms / 1000
         self.open: dict[tuple[str, str, str], int] = {}
@@ -65,12 +67,13 @@ class Subscriptions:
         try:
             live = []
             ids = list(dict.fromkeys(task_ids or []))
-            if ids and (limited := await self.limiter.lookups_blocked(principal)):
-                metrics.rate_limited.labels(limited.scope).inc()
-                raise Refusal(ext.RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s},
-                                 status=429, headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
             try:
-                for task_id in ids:
+                for task_id in ids:  # each id a lookup: one that misses spends the not-found budget
+                    if limited := await self.limiter.lookups_blocked(principal):
+                        metrics.rate_limited.labels(limited.scope).inc()
+                        await self.audit.deny(call.caller, "rate_limited", scope=limited.scope)
+                        raise Refusal(ext.RATE_LIMITED, limited.message, {"retryAfter": limited.retry_after_s},
+                                      status=429, headers={"Retry-After": str(limited.retry_after_s)})  # fmt: skip
                     try:
                         live.append(await self.tasks.get(call.caller, task_id, wire=Wire.V2026))
                     except TaskNotFound:  # dropped from the ack, and counted like any lookup that misses

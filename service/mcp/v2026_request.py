@@ -19,6 +19,7 @@ from service.mcp.refusal import Refusal
 METHOD_HEADER: Final = "mcp-method"
 RESOURCE_NOT_FOUND: Final = -32002
 NAME_HEADER: Final = "mcp-name"
+ROUTING_HEADERS: Final = frozenset({b"mcp-protocol-version", b"mcp-method", b"mcp-name"})
 TASK_METHODS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 LOOKUPS: Final = frozenset({"tasks/get", "tasks/update", "tasks/cancel"})
 # Methods whose Mcp-Name names a parameter: (the parameter, whether the header is required).
@@ -93,3 +94,15 @@ class Streamed:
     """An answer sent as SSE: notifications, then the response."""
 
     messages: AsyncIterator[dict[str, Any]]
+
+
+def duplicated_routing_header(headers: Headers) -> str | None:
+    """The first routing header (MCP-Protocol-Version, Mcp-Method, Mcp-Name, Mcp-Param-*) sent more
+    than once, if any: a proxy that reads another copy than ours would route elsewhere."""
+    seen: set[bytes] = set()
+    for key, _ in headers.raw:
+        if key in ROUTING_HEADERS or key.startswith(b"mcp-param-"):
+            if key in seen:
+                return key.decode("latin-1")
+            seen.add(key)
+    return None

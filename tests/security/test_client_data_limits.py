@@ -174,3 +174,53 @@ async def test_lookups_and_lists_do_not_read_arguments_or_capabilities(database_
             assert not {"arguments", "client_capabilities", "payload"} & set(listed.keys()), name
     finally:
         await conn.close()
+
+
+async def test_client_chosen_ids_and_progress_tokens_are_bounded(database_url: str) -> None:
+    """Issue 42 §6 (a 900 KB progressToken was stored and repeated in every progress event): a
+    request id or progressToken above 256 characters is refused on both wires, nothing stored."""
+    async with serve(make_settings(database_url)) as server, http_client(10) as http:
+        s = RpcSession(http, server.url)
+        await s.initialize()
+        params = {"name": "count", "arguments": {"n": 2}, "_meta": {"progressToken": "p" * 257}, "task": {}}
+        refused = await s.error("tools/call", params)
+        assert refused["code"] == -32602
+        assert "256 characters" in refused["message"]
+        params["_meta"] = {"progressToken": "p" * 256}  # at the limit: taken
+        assert (await s.result("tools/call", params))["task"]["status"] == "working"
+        long_id = {"jsonrpc": "2.0", "id": "i" * 257, "method": "tools/list", "params": {}}
+        r = await http.post(server.url, json=long_id, headers=s.headers())
+        assert r.status_code == 400
+        assert "256 characters" in r.text
+
+        c = V2026Client(http, server.url)
+        body = c.body("tools/call", {"name": "count", "arguments": {"n": 2}}, progressToken="p" * 257)
+        r = await c.post("tools/call", body=body, name="count")
+        assert r.json()["error"]["code"] == -32602
+        assert "progressToken" in r.json()["error"]["message"]
+        body = {**c.body("tools/list"), "id": "i" * 257}
+        assert (await c.post("tools/list", body=body)).status_code == 400
+        conn = await asyncpg.connect(database_url)
+        try:  # only the task at the limit was stored
+            assert await conn.fetchval("SELECT count(*) FROM tasks") == 1
+        finally:
+            await conn.close()
+
+
+async def test_a_listens_ids_each_spend_the_not_found_budget(database_url: str) -> None:
+    """Issue 42 §6 (one listen of 256 unknown ids made 256 lookups and 256 deny rows against a budget
+    of 60 a minute): each id is a lookup; once the budget is spent the listen is refused (429,
+    Retry-After) with one rate_limited denial, and no further id is looked up."""
+    async with serve(make_settings(database_url, rate_limit_not_found="5/minute")) as server, http_client(10) as http:
+        c = V2026Client(http, server.url)
+        body = c.body("subscriptions/listen", {"notifications": {"taskIds": [f"guess-{n}" for n in range(256)]}})
+        r = await c.post("subscriptions/listen", body=body)
+        assert r.status_code == 429
+        assert r.headers["retry-after"]
+        assert r.json()["error"]["code"] == -31029  # the wire's rate limit
+    conn = await asyncpg.connect(database_url)
+    try:
+        denials = await conn.fetch("SELECT outcome FROM audit_events WHERE action = 'deny' ORDER BY seq")
+    finally:
+        await conn.close()
+    assert [d["outcome"] for d in denials] == ["not_found"] * 5 + ["rate_limited"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -16,6 +19,7 @@ from tests.conftest import RunningServer, make_settings, run_issuer, serve
 from tests.ext import V2026Client
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
+from tests.test_durability import ROOT
 
 INITIALIZE = {
     "jsonrpc": "2.0",
@@ -122,3 +126,40 @@ def test_several_issuers_without_a_tenant_map_are_refused_at_start_up(database_u
         make_settings(database_url, auth="oauth", oauth_issuer="https://a.example", oauth_issuer_tenants="acme")
     one = make_settings(database_url, auth="oauth", oauth_issuer="https://a.example/")
     assert one.issuer_tenants == {}  # a single issuer needs no map and speaks for any tenant, as before
+
+
+@pytest.mark.parametrize(
+    ("tenants", "named"),
+    [
+        ("https://a.example=acme;https://b.example=*", ["https://b.example", "'*'", "'acme'", "https://a.example"]),
+        ("https://a.example=*.eu;https://b.example=acme,x*", ["https://b.example", "'x*'", "'*.eu'"]),
+    ],
+)
+def test_an_issuers_wildcard_covering_another_issuers_tenant_is_refused_at_start_up(
+    database_url: str, tenants: str, named: list[str]
+) -> None:
+    """Issue 42 §6 (with `A=acme;B=*`, B's users entered A's tenant, shared its cap and wrote into its
+    audit chain, with no warning): refused, naming both issuers and the patterns, unless the
+    operator says the overlap is meant; a tenant both name explicitly is shared on purpose."""
+    issuers = "https://a.example,https://b.example"
+    with pytest.raises(ValidationError) as refused:
+        make_settings(database_url, auth="oauth", oauth_issuer=issuers, oauth_issuer_tenants=tenants)
+    for part in [*named, "MCP_TASKS_OAUTH_ISSUER_WILDCARD_OVERLAP"]:
+        assert part in str(refused.value)
+    meant = make_settings(database_url, auth="oauth", oauth_issuer=issuers, oauth_issuer_tenants=tenants,
+                          oauth_issuer_wildcard_overlap=True)  # fmt: skip
+    assert len(meant.issuer_tenants) == 2
+    shared = "https://a.example=acme,shared;https://b.example=beta-*,shared"
+    assert make_settings(database_url, auth="oauth", oauth_issuer=issuers, oauth_issuer_tenants=shared)
+
+
+def test_serve_with_overlapping_issuer_wildcards_stops_with_one_line() -> None:
+    env = {**os.environ, "MCP_TASKS_AUTH": "oauth", "MCP_TASKS_OAUTH_ISSUER": "https://a.example,https://b.example",
+           "MCP_TASKS_OAUTH_ISSUER_TENANTS": "https://a.example=acme;https://b.example=*",
+           "MCP_TASKS_DATABASE_URL": "postgresql://unused/x"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "service", "serve"], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)  # fmt: skip
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "https://b.example may speak for '*', which also covers 'acme' of https://a.example" in last
