@@ -266,7 +266,10 @@ class V2026Surface:
         return ext.complete(reply)
 
     async def tasks_get(self, call: V2026Call, _receive: Receive) -> dict[str, Any]:
-        task = await self.tasks.get(call.caller, string_param(call.params, "taskId"), wire=Wire.V2026)
+        task_id = string_param(call.params, "taskId")
+        task = await self.tasks.get(call.caller, task_id, wire=Wire.V2026)
+        if task.status.is_terminal:  # its result or error goes out inline: a hand-out, audited (issue 42 §5)
+            task = await self.tasks.retrieve(call.caller, task_id, wire=Wire.V2026)
         pending = await self.tasks.pending_inputs(call.caller, task)
         return ext.complete(ext.detailed(task, pending))
 

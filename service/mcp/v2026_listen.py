@@ -154,6 +154,9 @@ class Subscriptions:
         finally:
             closing.cancel()
 
-    async def _task_notification(self, call: V2026Call, task: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    async def _task_notification(self, call: V2026Call, task: Task, meta: dict[str, Any]) -> dict[str, Any]:
+        if task.status.is_terminal:  # its result or error goes out inline: a hand-out, audited (issue 42 §5)
+            with contextlib.suppress(TaskNotFound):  # gone meanwhile: what was read is what is sent
+                task = await self.tasks.retrieve(call.caller, task.task_id, wire=Wire.V2026)
         pending = await self.tasks.pending_inputs(call.caller, task)
         return jsonrpc.notification("notifications/tasks", {**ext.detailed(task, pending), "_meta": meta})

@@ -332,9 +332,10 @@ class TaskService:
             raise await self._not_found(caller, task_id)
         return task
 
-    async def retrieve(self, caller: Caller, task_id: str) -> Task:
-        """Like get (2025-11-25 only); a terminal task's hand-out is audited in the same statement."""
-        task = self._visible(await self._retrieves.submit(rq.retrieve(caller, task_id)), Wire.V2025)
+    async def retrieve(self, caller: Caller, task_id: str, *, wire: Wire = Wire.V2025) -> Task:
+        """Like get; a terminal task's hand-out is audited in the same statement (once per requestor
+        per MCP_TASKS_AUDIT_RETRIEVE_INTERVAL_S)."""
+        task = self._visible(await self._retrieves.submit(rq.retrieve(caller, task_id)), wire)
         if task is None:
             raise await self._not_found(caller, task_id)
         return task
