@@ -30,6 +30,9 @@
 -- A third NOLOGIN role, mcp_tasks_record, owns the functions that write the record (the audit
 -- chain, task outcomes); the login user is never a member of it, so the service's credentials
 -- reach the record only through those functions (SECURITY.md: what the credentials can do).
+-- A fourth, mcp_tasks_exporter, is the export path's (`mcp-tasks audit export` with a login of its
+-- own): the only role that may say how far a chain was written out, which is what lets a purge
+-- remove rows. The service's login is never a member of it.
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_app') THEN
@@ -41,9 +44,12 @@ BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_record') THEN
         CREATE ROLE mcp_tasks_record NOLOGIN NOBYPASSRLS;
     END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mcp_tasks_exporter') THEN
+        CREATE ROLE mcp_tasks_exporter NOLOGIN NOBYPASSRLS;
+    END IF;
 END
 $$;
-GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_record;
+GRANT USAGE ON SCHEMA public TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_record, mcp_tasks_exporter;
 -- Nobody but the owner creates in public: an object the service's login created
 -- there could stand in for a built-in that a SECURITY DEFINER function calls. Where the migrating
 -- role may not revoke it (PostgreSQL 14's public is the bootstrap superuser's), the service warns.
@@ -64,7 +70,8 @@ GRANT CREATE ON SCHEMA public TO mcp_tasks_record;
 DO $$
 BEGIN
     EXECUTE format('REVOKE CONNECT, TEMPORARY ON DATABASE %I FROM PUBLIC', current_database());
-    EXECUTE format('GRANT CONNECT ON DATABASE %I TO mcp_tasks_app, mcp_tasks_runner', current_database());
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO mcp_tasks_app, mcp_tasks_runner, mcp_tasks_exporter',
+                   current_database());
 END
 $$;
 
@@ -422,7 +429,7 @@ CREATE TABLE audit_events (
     hash           bytea       NOT NULL,
     CONSTRAINT audit_events_pkey PRIMARY KEY (tenant_id, seq),
     CONSTRAINT audit_events_action_known CHECK (action IN
-        ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny', 'requeue', 'purge')),
+        ('create', 'complete', 'retrieve', 'cancel', 'input', 'expire', 'deny', 'requeue', 'purge', 'export')),
     CONSTRAINT audit_events_seq_positive CHECK (seq > 0),
     CONSTRAINT audit_events_hash_size CHECK (octet_length(hash) = 32 AND octet_length(prev_hash) = 32)
 );
@@ -432,7 +439,9 @@ CREATE INDEX audit_events_at ON audit_events USING brin (at);
 
 -- Besides the last seq and hash: the time of the last event (no event is dated before it), how
 -- far `mcp-tasks audit export` has read the chain from its start (exported_seq), and the last row
--- a purge removed (purged_seq, purged_hash: the checkpoint the first remaining row links to).
+-- a purge removed (purged_seq, purged_hash: the checkpoint the first remaining row links to), and
+-- from which seq on every purge must follow an `export` event that covers it (receipts_from_seq:
+-- `mcp-tasks audit verify` checks it; a chain older than the export events starts at its head).
 CREATE TABLE audit_heads (
     tenant_id    text        NOT NULL,
     seq          bigint      NOT NULL,
@@ -441,6 +450,7 @@ CREATE TABLE audit_heads (
     exported_seq bigint      NOT NULL DEFAULT 0,
     purged_seq   bigint      NOT NULL DEFAULT 0,
     purged_hash  bytea       NOT NULL DEFAULT decode(repeat('00', 32), 'hex'),
+    receipts_from_seq bigint NOT NULL DEFAULT 0,
     CONSTRAINT audit_heads_pkey PRIMARY KEY (tenant_id),
     CONSTRAINT audit_heads_purged_after_export CHECK (purged_seq <= exported_seq AND exported_seq <= seq)
 );
@@ -694,6 +704,30 @@ BEGIN ATOMIC
 END;
 ALTER FUNCTION audit_mark_exported(text, bigint) OWNER TO mcp_tasks_record;
 
+-- The export path wrote a tenant's chain from its start up to p_seq: those rows may be purged,
+-- and the chain says so (an `export` event naming how far, and the login that exported).
+CREATE FUNCTION audit_mark_exported_v2(p_tenant text, p_seq bigint) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+DECLARE
+    was bigint;
+    now_at bigint;
+BEGIN
+    SELECT exported_seq INTO was FROM audit_heads WHERE tenant_id = p_tenant FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    UPDATE audit_heads SET exported_seq = greatest(exported_seq, least(p_seq, seq))
+    WHERE tenant_id = p_tenant
+    RETURNING exported_seq INTO now_at;
+    IF now_at > was THEN
+        PERFORM audit_append(p_tenant, 'export', 'ok', '', '', '', NULL, NULL, NULL,
+                             jsonb_build_object('through_seq', now_at, 'login', session_user::text));
+    END IF;
+    RETURN now_at;
+END
+$$;
+ALTER FUNCTION audit_mark_exported_v2(text, bigint) OWNER TO mcp_tasks_record;
+
 -- Retention: a tenant's exported events older than p_before go. The chain stays verifiable: the
 -- head keeps the last purged row's seq and hash (the next row links to it), and the purge itself
 -- is an event of the chain.
@@ -750,7 +784,12 @@ REVOKE ALL ON FUNCTION audit_append(text, text, text, text, text, text, text, te
 GRANT EXECUTE ON FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb),
     audit_append_events(text[], audit_event_item[]), audit_canonical(audit_events) TO mcp_tasks_app, mcp_tasks_runner;
 GRANT USAGE ON TYPE audit_event_item TO mcp_tasks_app, mcp_tasks_runner;
-GRANT EXECUTE ON FUNCTION audit_mark_exported(text, bigint), audit_purge(text, timestamptz) TO mcp_tasks_runner;
+-- The runner purges (retention) only what an export covered; only the export path marks it so.
+GRANT EXECUTE ON FUNCTION audit_purge(text, timestamptz) TO mcp_tasks_runner;
+REVOKE ALL ON FUNCTION audit_mark_exported_v2(text, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION audit_mark_exported_v2(text, bigint), audit_purge(text, timestamptz)
+    TO mcp_tasks_exporter;
+GRANT SELECT ON audit_events, audit_heads TO mcp_tasks_exporter;
 
 ALTER TABLE audit_events ENABLE ROW LEVEL SECURITY;
 ALTER TABLE audit_events FORCE ROW LEVEL SECURITY;
@@ -770,6 +809,10 @@ CREATE POLICY audit_events_record ON audit_events TO mcp_tasks_record
     USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
 CREATE POLICY audit_heads_record ON audit_heads TO mcp_tasks_record
     USING (current_user = 'mcp_tasks_record') WITH CHECK (current_user = 'mcp_tasks_record');
+CREATE POLICY audit_events_exporter_all_tenants ON audit_events TO mcp_tasks_exporter
+    USING (current_user = 'mcp_tasks_exporter');
+CREATE POLICY audit_heads_exporter_all_tenants ON audit_heads TO mcp_tasks_exporter
+    USING (current_user = 'mcp_tasks_exporter');
 
 
 -- ============================================================================ hot paths ==

@@ -157,10 +157,24 @@ async def _audit_main(args: argparse.Namespace) -> int:
     from datetime import datetime
 
     from service.core import check_schema
-    from service.store.db import RUNNER_ROLE, Database
+    from service.store.db import EXPORTER_ROLE, RUNNER_ROLE, Database
     from service.store.embedded import start_embedded
     from service.tasks.audit import AuditLog
 
+    times: dict[str, datetime | None] = {}
+    for option in ("since", "purge_before") if args.audit_command == "export" else ():
+        text = getattr(args, option)
+        try:
+            times[option] = datetime.fromisoformat(text) if text else None
+        except ValueError:
+            flag = "--" + option.replace("_", "-")
+            print(f"{flag} {text!r} is not an ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00", file=sys.stderr)
+            return 2
+    before = times.get("purge_before")
+    if before is not None and (times["since"] is not None or before.tzinfo is None):
+        print("--purge-before needs a time with its UTC offset, and no --since: only rows written out from "
+              "the start of their chain may be purged", file=sys.stderr)  # fmt: skip
+        return 2
     settings = _settings()
     dsn = settings.database_url
     if dsn:
@@ -170,8 +184,14 @@ async def _audit_main(args: argparse.Namespace) -> int:
             sys.exit(f"mcp-tasks audit: {exc}")
     else:
         dsn = await asyncio.to_thread(start_embedded, settings.data_dir)
-    db = Database(dsn, pool_size=2, role=RUNNER_ROLE)
-    await db.open()
+    # A full export marks the chains written out (which lets a purge remove them): the export
+    # role's alone, with a login of its own (docs/operations.md, "Retention").
+    marks = args.audit_command == "export" and times["since"] is None
+    db = Database(dsn, pool_size=2, role=EXPORTER_ROLE if marks else RUNNER_ROLE)
+    try:
+        await db.open()
+    except RuntimeError as exc:
+        sys.exit(f"mcp-tasks audit: {exc}")
     try:
         audit = AuditLog(db)
         if args.audit_command == "verify":
@@ -181,26 +201,12 @@ async def _audit_main(args: argparse.Namespace) -> int:
             scope = f"tenant {args.tenant}" if args.tenant else "all tenants"
             print(f"audit chain of {scope}: {'intact' if not problems else f'{len(problems)} problem(s)'}")
             return 1 if problems else 0
-        times: dict[str, datetime | None] = {}
-        for option in ("since", "purge_before"):
-            text = getattr(args, option)
-            try:
-                times[option] = datetime.fromisoformat(text) if text else None
-            except ValueError:
-                flag = "--" + option.replace("_", "-")
-                print(f"{flag} {text!r} is not an ISO 8601 time, e.g. 2026-11-01T00:00:00+00:00", file=sys.stderr)
-                return 2
-        before = times["purge_before"]
-        if before is not None and (times["since"] is not None or before.tzinfo is None):
-            print("--purge-before needs a time with its UTC offset, and no --since: only rows written out from "
-                  "the start of their chain may be purged", file=sys.stderr)  # fmt: skip
-            return 2
         written: dict[str, int] = {}
         async for event in audit.export(args.tenant, times["since"], written=written):
             sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
         sys.stdout.flush()
         # Written out from the start of each chain: retention may now purge these rows (and only these).
-        if times["since"] is None:
+        if marks:
             await audit.mark_exported(written)
         if before is not None:
             for tenant_id, n in (await audit.purge(before, sorted(written))).items():

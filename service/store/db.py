@@ -24,6 +24,8 @@ Record = asyncpg.Record
 # Roles created by migration 0002: requests run tenant-scoped, runners across tenants.
 APP_ROLE = "mcp_tasks_app"
 RUNNER_ROLE = "mcp_tasks_runner"
+# Migration 0027: the export path's (`mcp-tasks audit export` with its own login), never the service's.
+EXPORTER_ROLE = "mcp_tasks_exporter"
 
 # Errors that mean "the database is not there right now", as opposed to a bug in our SQL.
 _UNAVAILABLE = (
@@ -122,7 +124,7 @@ class Database:
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         # Metric label: the names the rest of the service uses for its two pools.
-        self.name = {APP_ROLE: "app", RUNNER_ROLE: "runner"}.get(role or "", "other")
+        self.name = {APP_ROLE: "app", RUNNER_ROLE: "runner", EXPORTER_ROLE: "exporter"}.get(role or "", "other")
         self._up = metrics.db_up.labels(self.name)
         self._acquire_seconds = metrics.db_acquire_seconds.labels(self.name)
 
@@ -147,6 +149,13 @@ class Database:
             self._up.set(0)
             raise Unavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         except asyncpg.InsufficientPrivilegeError as exc:
+            if self.role == EXPORTER_ROLE:
+                raise RuntimeError(
+                    f"the database user cannot act as {EXPORTER_ROLE}, the export path's role: run full exports "
+                    f"with the export login in MCP_TASKS_DATABASE_URL (as the database owner: GRANT {EXPORTER_ROLE} "
+                    "TO <the export login>, never to the service's own login; docs/operations.md, Retention), "
+                    "or export with --since, which marks nothing"
+                ) from exc
             raise RuntimeError(
                 f"the database user cannot act as {self.role} ({exc}); as the database owner run: "
                 f"GRANT {APP_ROLE}, {RUNNER_ROLE} TO <the user in MCP_TASKS_DATABASE_URL>"

@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from service.store import migrate
-from service.store.db import APP_ROLE, RUNNER_ROLE
+from service.store.db import APP_ROLE, EXPORTER_ROLE, RUNNER_ROLE
 from tests.conftest import _with_db
 
 
@@ -52,6 +52,7 @@ class ClosedDatabase:
     admin_url: str  # the migration user (a superuser here): the schema's owner
     service_url: str  # the service's login user: a member of mcp_tasks_app and mcp_tasks_runner
     stranger_url: str  # a login role with no grants
+    exporter_url: str  # the export path's login: a member of mcp_tasks_exporter only
 
     async def connect_as(self, role: str | None) -> asyncpg.Connection:
         """A connection of the service's login user acting as ``role``, as the service's pools do."""
@@ -62,18 +63,20 @@ class ClosedDatabase:
 async def closed_db(admin_dsn: str) -> AsyncIterator[ClosedDatabase]:
     tag = secrets.token_hex(4)
     name, service, stranger = f"mcp_tasks_sec_{tag}", f"mcp_tasks_svc_{tag}", f"mcp_tasks_stranger_{tag}"
+    exporter = f"mcp_tasks_export_{tag}"
     admin = await asyncpg.connect(admin_dsn)
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')
-        await admin.execute(f"CREATE ROLE {service} LOGIN")
-        await admin.execute(f"CREATE ROLE {stranger} LOGIN")
+        for role in (service, stranger, exporter):
+            await admin.execute(f"CREATE ROLE {role} LOGIN")
         url = _with_db(admin_dsn, name)
         await asyncio.to_thread(migrate.upgrade, url)
         await admin.execute(f"GRANT {APP_ROLE}, {RUNNER_ROLE} TO {service}")
-        yield ClosedDatabase(url, as_user(url, service), as_user(url, stranger))
+        await admin.execute(f"GRANT {EXPORTER_ROLE} TO {exporter}")
+        yield ClosedDatabase(url, as_user(url, service), as_user(url, stranger), as_user(url, exporter))
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        for role in (service, stranger):
+        for role in (service, stranger, exporter):
             await admin.execute(f"DROP ROLE IF EXISTS {role}")
         await admin.close()
 

@@ -99,6 +99,10 @@ async def test_no_service_role_can_insert_a_backdated_event_move_a_head_or_remov
         await refused(conn, "SET ROLE mcp_tasks_record")
         await refused(conn, "ALTER FUNCTION audit_append(text, text, text, text, text, text, text, text, text, jsonb) "
                             "SECURITY INVOKER")  # fmt: skip
+        # Issue 42 §4: only the export path says how far a chain was written out (which is what lets
+        # a purge remove rows), so marking everything exported, then purging, erased a tenant's record.
+        await refused(conn, "SELECT audit_mark_exported($1, 1000000)", scene.tenant)
+        await refused(conn, "SELECT audit_mark_exported_v2($1, 1000000)", scene.tenant)
         if role == APP_ROLE:  # retention is the runner's (maintenance, `audit export --purge-before`)
             await refused(conn, "SELECT audit_purge($1, now())", scene.tenant)
         else:  # nothing was exported: nothing may be purged

@@ -11,8 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import httpx
+import pytest
 
-from service.store.db import RUNNER_ROLE
+from service.store.db import APP_ROLE, EXPORTER_ROLE, RUNNER_ROLE
 from tests.conftest import make_settings, serve
 from tests.rpc import RpcSession
 from tests.security.conftest import ClosedDatabase
@@ -63,20 +64,31 @@ async def test_export_with_purge_before_removes_what_it_wrote_and_the_chain_stil
 ) -> None:
     await old_chain(closed_db, "exported", 3, days_ago=10)
     cutoff = (datetime.now(UTC) - timedelta(days=5)).isoformat()
-    done = await mcp_tasks_audit(closed_db.service_url, "export", "--tenant", "exported", "--purge-before", cutoff)
+    # Only the export path marks a chain written out: the service's own login cannot (issue 42 §4).
+    as_service = await mcp_tasks_audit(
+        closed_db.service_url, "export", "--tenant", "exported", "--purge-before", cutoff
+    )
+    assert as_service.returncode == 1
+    assert as_service.stdout == ""  # refused before anything was written out
+    assert "cannot act as mcp_tasks_exporter" in as_service.stderr
+    assert "Traceback" not in as_service.stderr
+    done = await mcp_tasks_audit(closed_db.exporter_url, "export", "--tenant", "exported", "--purge-before", cutoff)
     assert done.returncode == 0, done.stderr
     written = [json.loads(line) for line in done.stdout.splitlines()]
     assert [e["seq"] for e in written] == [1, 2, 3]
     assert "purged 3" in done.stderr
     left = await chain(closed_db, "exported")
-    # Only the purge itself is left, linked to the last purged row (the checkpoint in the head).
-    assert [(r["seq"], r["action"]) for r in left] == [(4, "purge")]
+    # The export's own event (how far, by which login) and the purge are left, linked to the last
+    # purged row (the checkpoint in the head).
+    assert [(r["seq"], r["action"]) for r in left] == [(4, "export"), (5, "purge")]
     assert left[0]["prev_hash"].hex() == written[-1]["hash"]
     assert json.loads(left[0]["detail"])["through_seq"] == 3
+    assert json.loads(left[0]["detail"])["login"].startswith("mcp_tasks_export_")
+    assert json.loads(left[1]["detail"])["through_seq"] == 3
     await assert_verifies(closed_db, "exported")
     # The next export starts where the last one ended: together they verify offline too.
-    again = await mcp_tasks_audit(closed_db.service_url, "export", "--tenant", "exported")
-    assert [json.loads(line)["prev_hash"] for line in again.stdout.splitlines()] == [written[-1]["hash"]]
+    again = await mcp_tasks_audit(closed_db.exporter_url, "export", "--tenant", "exported")
+    assert next(json.loads(line)["prev_hash"] for line in again.stdout.splitlines()) == written[-1]["hash"]
 
 
 async def test_the_maintenance_pass_purges_only_exported_events_past_retention(
@@ -86,11 +98,11 @@ async def test_the_maintenance_pass_purges_only_exported_events_past_retention(
     events no export covered stay, and so does a tenant's chain that was never exported."""
     await old_chain(closed_db, "partly", 5, days_ago=10)
     await old_chain(closed_db, "never", 2, days_ago=10)
-    runner = await closed_db.connect_as(RUNNER_ROLE)
+    exporter = await asyncpg.connect(closed_db.exporter_url, server_settings={"role": EXPORTER_ROLE})
     try:
-        await runner.execute("SELECT audit_mark_exported('partly', 3)")  # as an export of rows 1-3 does
+        await exporter.execute("SELECT audit_mark_exported_v2('partly', 3)")  # as an export of rows 1-3 does
     finally:
-        await runner.close()
+        await exporter.close()
     async with serve(make_settings(closed_db.service_url, audit_retention_days=5)):
         async with asyncio.timeout(20):  # the first maintenance pass purges at start
             while [r["seq"] for r in await chain(closed_db, "partly")][:1] != [4]:
@@ -98,7 +110,8 @@ async def test_the_maintenance_pass_purges_only_exported_events_past_retention(
     assert [(r["seq"], r["action"]) for r in await chain(closed_db, "partly")] == [
         (4, "deny"),
         (5, "deny"),
-        (6, "purge"),
+        (6, "export"),
+        (7, "purge"),
     ]
     assert [r["seq"] for r in await chain(closed_db, "never")] == [1, 2]
     for tenant in ("partly", "never"):
@@ -142,3 +155,40 @@ async def test_repeated_retrievals_of_a_finished_task_are_recorded_once_per_inte
         assert await admin.fetchval("SELECT max(repeats) FROM audit_retrievals") == 4
     finally:
         await admin.close()
+
+
+async def test_the_runner_cannot_erase_a_tenants_record_and_verify_reports_a_purge_no_export_covered(
+    closed_db: ClosedDatabase,
+) -> None:
+    """Issue 42 §4, the attack: as mcp_tasks_runner, audit_mark_exported(T, max) with nothing
+    exported, then audit_purge(T, now()), deleted all 56 events and verify said "intact". Marking is
+    refused now (for the app role too) and the purge removes nothing. Should a purge still happen
+    without an export (the database's owner moving the mark by hand), verify names it."""
+    await old_chain(closed_db, "victim", 56, days_ago=1)
+    for role in (RUNNER_ROLE, APP_ROLE):
+        conn = await closed_db.connect_as(role)
+        try:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute("SELECT audit_mark_exported('victim', 9223372036854775807)")
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute("SELECT audit_mark_exported_v2('victim', 9223372036854775807)")
+            if role == RUNNER_ROLE:  # retention's: removes only what an export covered, here nothing
+                assert await conn.fetchval("SELECT audit_purge('victim', now())") == 0
+        finally:
+            await conn.close()
+    assert len(await chain(closed_db, "victim")) == 56
+    await assert_verifies(closed_db, "victim")
+
+    admin = await asyncpg.connect(closed_db.admin_url)
+    try:  # what only the database's owner can still do: move the mark without an export
+        await admin.execute("UPDATE audit_heads SET exported_seq = seq WHERE tenant_id = 'victim'")
+    finally:
+        await admin.close()
+    runner = await closed_db.connect_as(RUNNER_ROLE)
+    try:
+        assert await runner.fetchval("SELECT audit_purge('victim', now())") == 56
+    finally:
+        await runner.close()
+    done = await mcp_tasks_audit(closed_db.service_url, "verify", "--tenant", "victim")
+    assert done.returncode == 1
+    assert "purge of rows no export covered (through seq 56)" in done.stdout

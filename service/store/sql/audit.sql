@@ -15,8 +15,8 @@ LIMIT $5;
 -- name: audit_chain_problems
 -- Every way a chain can be broken: a changed row (hash), a removed or reordered row (seq gap,
 -- prev_hash not the previous row's hash), a removed tail (the head is ahead of the last row), or a
--- row dated before the one it follows. After a purge the first remaining row links to the
--- checkpoint the head keeps (purged_seq, purged_hash).
+-- row dated before the one it follows, a purge no export event before it covers. After a purge
+-- the first remaining row links to the checkpoint the head keeps (purged_seq, purged_hash).
 WITH chain AS (
     SELECT e.tenant_id, e.seq, e.hash, e.prev_hash, e.at,
            sha256(e.prev_hash || convert_to(audit_canonical(e), 'UTF8')) AS expected,
@@ -48,14 +48,23 @@ SELECT e.tenant_id, e.seq, 'row beyond the chain head (appended outside audit_ap
 FROM audit_events e JOIN audit_heads h ON h.tenant_id = e.tenant_id
 WHERE ($1::text IS NULL OR e.tenant_id = $1) AND e.seq > h.seq
 UNION ALL
+SELECT p.tenant_id, p.seq, 'purge of rows no export covered (through seq ' || (p.detail ->> 'through_seq') || ')'
+FROM audit_events p JOIN audit_heads h ON h.tenant_id = p.tenant_id
+WHERE ($1::text IS NULL OR p.tenant_id = $1) AND p.action = 'purge' AND p.seq > h.receipts_from_seq
+  AND NOT EXISTS (
+      SELECT FROM audit_events x
+      WHERE x.tenant_id = p.tenant_id AND x.action = 'export' AND x.seq < p.seq
+        AND (x.detail ->> 'through_seq')::bigint >= (p.detail ->> 'through_seq')::bigint)
+UNION ALL
 SELECT h.tenant_id, h.seq, 'chain head does not match the last row''s hash'
 FROM audit_heads h JOIN audit_events e ON e.tenant_id = h.tenant_id AND e.seq = h.seq
 WHERE ($1::text IS NULL OR h.tenant_id = $1) AND e.hash <> h.hash
 ORDER BY 1, 2;
 
 -- name: mark_audit_exported
--- `mcp-tasks audit export` wrote a tenant's chain from its first remaining row up to seq $2.
-SELECT audit_mark_exported($1, $2);
+-- `mcp-tasks audit export` wrote a tenant's chain from its first remaining row up to seq $2 (the
+-- export role only; the chain gets an `export` event).
+SELECT audit_mark_exported_v2($1, $2);
 
 -- name: audit_purgeable_tenants
 -- Tenants with exported events not purged yet (retention), in the order heads are locked everywhere.
