@@ -134,6 +134,11 @@ class Settings(BaseSettings):
     http_keepalive_timeout_s: int = Field(default=5, ge=1, le=3_600)
     max_connections: int = Field(default=1_024, ge=1, le=1_000_000)
     max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
+    # The part of them (and of the streams and subscriptions they are) one tenant may hold: "50%"
+    # (the default in hosted mode; all of them in single-user mode) or a count.
+    request_tenant_share: str | None = None
+    # tasks/result streams one (tenant, subject) may hold open on one process (2025-11-25).
+    max_result_streams_per_principal: int = Field(default=32, ge=1, le=100_000)
     # Bounds on what a client makes the service store or hold (issue 14 §4, §7).
     max_sessions_per_principal: int = Field(default=64, ge=1, le=100_000)
     max_client_capabilities_bytes: int = Field(default=16_384, ge=256, le=1_048_576)
@@ -191,8 +196,9 @@ class Settings(BaseSettings):
                 parse_many(getattr(self, name))
             except ValueError:
                 raise ValueError(f"MCP_TASKS_{name.upper()} is not a rate such as '1200/minute'") from None
-        if self.runner_tenant_share is not None:
-            _tenant_share(self.runner_tenant_share)
+        for name in ("runner_tenant_share", "request_tenant_share"):
+            if (value := getattr(self, name)) is not None:
+                _tenant_share(value, f"MCP_TASKS_{name.upper()}")
         if self.min_ttl_ms > self.effective_max_ttl_ms:
             raise ValueError("MCP_TASKS_MIN_TTL_MS exceeds MCP_TASKS_MAX_TTL_MS")
         if self.metrics_port is not None and self.metrics_port == self.port:
@@ -280,11 +286,16 @@ class Settings(BaseSettings):
     @property
     def effective_tenant_share(self) -> int:
         """The slots of this process one tenant may hold (at least 1, at most all of them)."""
-        number, percent = _tenant_share(
-            self.runner_tenant_share or ("100%" if self.effective_auth == "none" else "50%")
-        )
-        slots = self.runner_concurrency * number // 100 if percent else number
-        return max(1, min(slots, self.runner_concurrency))
+        return self._share(self.runner_tenant_share, self.runner_concurrency)
+
+    @property
+    def effective_request_share(self) -> int:
+        """The requests in flight (streams and subscriptions among them) one tenant may hold."""
+        return self._share(self.request_tenant_share, self.max_concurrent_requests)
+
+    def _share(self, value: str | None, total: int) -> int:
+        number, percent = _tenant_share(value or ("100%" if self.effective_auth == "none" else "50%"))
+        return max(1, min(total * number // 100 if percent else number, total))
 
     @property
     def effective_public_url(self) -> str:
@@ -318,13 +329,11 @@ class Settings(BaseSettings):
         return frozenset(h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip())
 
 
-def _tenant_share(value: str) -> tuple[int, bool]:
-    """MCP_TASKS_RUNNER_TENANT_SHARE as (number, is a percentage): "50%" or a count such as "16"."""
+def _tenant_share(value: str, name: str = "MCP_TASKS_RUNNER_TENANT_SHARE") -> tuple[int, bool]:
+    """A tenant's share as (number, is a percentage): "50%" or a count such as "16"."""
     match = re.fullmatch(r"([0-9]{1,6})(%?)", value.replace(" ", ""))
     if match is None or int(match[1]) < 1 or (match[2] and int(match[1]) > 100):
-        raise ValueError(
-            f"MCP_TASKS_RUNNER_TENANT_SHARE={value!r} is neither a percentage of 1% to 100% nor a count of at least 1"
-        )
+        raise ValueError(f"{name}={value!r} is neither a percentage of 1% to 100% nor a count of at least 1")
     return int(match[1]), bool(match[2])
 
 

@@ -103,7 +103,7 @@ class McpEndpoint:
         self.settings = settings
         self.guard = HostGuard(settings)
         self.authentication = Authentication(authenticator, limiter, audit)
-        self.throttle = Throttle(limiter, audit)
+        self.throttle = Throttle(limiter, audit, tenant_share=settings.effective_request_share)
         self.v2025 = v2025
         self.v2026 = v2026
 
@@ -145,7 +145,8 @@ class McpEndpoint:
             caller = Caller(principal, logged.request_id, address)
             logged.tenant = principal.tenant_id
             await self.throttle.check(caller, headers)
-            await self._route(scope, receive, send, headers, caller)
+            with self.throttle.share(caller, headers):
+                await self._route(scope, receive, send, headers, caller)
         except Exception as exc:
             refusal = refusal_of(exc, wire=_WIRES.get(headers.get(VERSION_HEADER, ""), Wire.V2025))
             if refusal is None:

@@ -67,6 +67,32 @@ class StreamCounts:
                     del counts[key]
 
 
+class PrincipalCounts:
+    """Requests of one kind a (tenant, subject) has open on this process, at most ``most`` (issue 42
+    §1: one token held 600 tasks/result streams on one task)."""
+
+    def __init__(self, most: int, what: str) -> None:
+        self.most = most
+        self.what = what
+        self.open: dict[tuple[str, str], int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, principal: tuple[str, str]) -> Iterator[None]:
+        held = self.open.get(principal, 0)
+        if held >= self.most:
+            raise Refusal(RATE_LIMITED, f"too many open {self.what} for this principal (at most {self.most} per "
+                          "server): wait for one to end, or poll with tasks/get", status=429,
+                          headers={"Retry-After": "5"})  # fmt: skip
+        self.open[principal] = held + 1
+        try:
+            yield
+        finally:
+            if (left := self.open[principal] - 1) > 0:
+                self.open[principal] = left
+            else:
+                del self.open[principal]
+
+
 def check_version_header(headers: Headers) -> None:
     """H-VER-3: an unsupported MCP-Protocol-Version is 400. A supported value that differs from
     the session's is accepted (decision T-4): the negotiated version governs behaviour."""
@@ -86,6 +112,7 @@ class V2025Http:
         self._keepalive_s = settings.sse_keepalive_ms / 1000
         self._disconnect_grace_s = settings.plain_call_disconnect_grace_s
         self._get_streams = StreamCounts(settings.max_get_streams_per_session, settings.max_get_streams_per_principal)
+        self._result_streams = PrincipalCounts(settings.max_result_streams_per_principal, "tasks/result requests")
 
     async def _session(self, headers: Headers, principal: Principal) -> Session:
         session_id = headers.get(SESSION_HEADER)
@@ -162,42 +189,48 @@ class V2025Http:
             params = {}
         method = message["method"]
         extra: dict[str, str] = {}
-        try:
-            if not isinstance(params, dict):
-                raise Refusal(INVALID_PARAMS, "params must be an object")
-            if method == "initialize":
-                session, reply = await self._initialize(headers, caller, params)
-                wire["wire"] = session.protocol_version
-                extra["Mcp-Session-Id"] = session.session_id
-            else:
-                session = await self._session(headers, caller.principal)
-                wire["wire"] = metrics.wire(session.protocol_version)
-                call = Call(caller, session, request_id, params)
-                if method == "tools/call":
-                    plain_key = call.cancel_key
-                    reply = await self._unless_gone(scope, receive, self.surface.dispatch(method, call), plain_key)
-                    if reply is _GONE:
-                        return "disconnected", None
+        # A tasks/result request holds one of its principal's result streams until it is answered.
+        held = contextlib.ExitStack()
+        with held:
+            try:
+                if not isinstance(params, dict):
+                    raise Refusal(INVALID_PARAMS, "params must be an object")
+                if method == "initialize":
+                    session, reply = await self._initialize(headers, caller, params)
+                    wire["wire"] = session.protocol_version
+                    extra["Mcp-Session-Id"] = session.session_id
                 else:
-                    reply = await self.surface.dispatch(method, call)
-        except Refusal as refusal:
-            if refusal.envelope:  # answered by the endpoint, without this request's id
+                    session = await self._session(headers, caller.principal)
+                    wire["wire"] = metrics.wire(session.protocol_version)
+                    call = Call(caller, session, request_id, params)
+                    if method == "tools/call":
+                        plain_key = call.cancel_key
+                        reply = await self._unless_gone(scope, receive, self.surface.dispatch(method, call), plain_key)
+                        if reply is _GONE:
+                            return "disconnected", None
+                    else:
+                        if method == "tasks/result":
+                            held.enter_context(self._result_streams.hold((caller.principal.tenant_id,
+                                                                          caller.principal.subject)))  # fmt: skip
+                        reply = await self.surface.dispatch(method, call)
+            except Refusal as refusal:
+                if refusal.envelope:  # answered by the endpoint, without this request's id
+                    raise
+                refusal.request_id = request_id
+                await answer(send, refusal)
+                return "error", refusal.code
+            except DomainError:
                 raise
-            refusal.request_id = request_id
-            await answer(send, refusal)
-            return "error", refusal.code
-        except DomainError:
-            raise
-        except Exception:
-            ref = secrets.token_hex(6)
-            log.exception("internal error handling %s (ref %s)", method, ref)
-            error = {
-                "code": INTERNAL_ERROR,
-                "message": f"internal error (reference {ref}); retry, or report the reference",
-            }
-            await send_json(send, 200, jsonrpc.error_message(request_id, error))
-            return "internal_error", INTERNAL_ERROR
-        await self._reply(send, receive, headers, request_id, reply, extra, plain_key)
+            except Exception:
+                ref = secrets.token_hex(6)
+                log.exception("internal error handling %s (ref %s)", method, ref)
+                error = {
+                    "code": INTERNAL_ERROR,
+                    "message": f"internal error (reference {ref}); retry, or report the reference",
+                }
+                await send_json(send, 200, jsonrpc.error_message(request_id, error))
+                return "internal_error", INTERNAL_ERROR
+            await self._reply(send, receive, headers, request_id, reply, extra, plain_key)
         return "ok", None
 
     async def _initialize(self, headers: Headers, caller: Caller, params: dict[str, Any]) -> tuple[Session, Any]:
