@@ -91,14 +91,22 @@ class Engine:
 
         created.add_done_callback(settle)
 
-    def hand_over(self, call: InlineCall, tenant_id: str, task_id: str) -> Slot | None:
-        """The call becomes a task where it runs: a slot for it (taken even when none is free: it
-        already runs), or None when this process cannot run it now (shutting down, its row stale)."""
+    def hand_over(self, call: InlineCall, slot: Slot) -> Slot | None:
+        """The call, which held ``slot`` while it ran inside its request, becomes its task where it
+        runs: the slot with a fresh lease, or None (released) when this process cannot run it now
+        (shutting down, its row stale)."""
         runner = self.runner
         assert runner is not None
         call.ctx.begin_conversion()  # a question from here on waits for the task (no round to end)
-        reservation = runner.reserve(tenant_id, running=True)
-        return Slot(reservation, runner.lease(), task_id) if reservation is not None else None
+        if runner.convert(slot.reservation):
+            return Slot(slot.reservation, runner.lease(), slot.task_id)
+        runner.adopt(slot.reservation, None)
+        return None
+
+    def release(self, slot: Slot) -> None:
+        """A slot reserved for a call that ended inside its request, or never started: free again."""
+        assert self.runner is not None
+        self.runner.adopt(slot.reservation, None)
 
     def adopt_call(self, slot: Slot, call: InlineCall, created: asyncio.Future[Task | None]) -> None:
         """Once the call's task is written, the runner goes on awaiting the call as that task

@@ -148,6 +148,14 @@ class Ledger:
         self.slots.reserved.add(tenant_id, 1)
         return Reservation(tenant_id, now, self.row_sent, running)
 
+    def converting(self, reservation: Reservation, now: float) -> bool:
+        """A call that held ``reservation`` while it ran inside its request becomes its task now:
+        the slot is the task's, its lease counted from now (False: none may be taken now)."""
+        if self.stopping or self.draining or self.row_stale(now):
+            return False
+        reservation.at, reservation.row_sent, reservation.running = now, self.row_sent, True
+        return True
+
     def _unreserve(self, reservation: Reservation) -> None:
         assert not reservation.settled, "a reservation is settled once"
         reservation.settled = True

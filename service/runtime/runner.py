@@ -129,6 +129,10 @@ class Runner:
         ``Ledger.reserve``); settle it with ``adopt``, ``adopt_call`` or ``answer_lost``."""
         return self.ledger.reserve(tenant_id, time.monotonic(), running=running)
 
+    def convert(self, reservation: Reservation) -> bool:
+        """The call that held ``reservation`` becomes its task now (see ``Ledger.converting``)."""
+        return self.ledger.converting(reservation, time.monotonic())
+
     def lease(self) -> Lease:
         """The lease a create under a reservation of ours is written with."""
         return Lease(self.owner, self.times.task_lease_ms)

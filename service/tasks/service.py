@@ -238,23 +238,36 @@ class TaskService:
         if mode is not CallMode.SYNC and not engine.runs_tasks:
             # No runner here to adopt a running call: the task is queued for one at once.
             return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
-        # A call that stays in its request holds a slot like a plain 2025-11-25 call; one that may
-        # become a task is counted as the task it becomes.
+        # A call that stays in its request holds a slot like a plain 2025-11-25 call. One that may
+        # become a task holds a runner slot of its tenant's share from the start (issue 42 §2): with
+        # none free here, or the tenant at its share, it is a task at once that starts when a slot
+        # frees, as on 2025-11-25.
         release = await self.plain.hold(caller, spec.name) if mode is CallMode.SYNC else None
-        call = engine.start_call(spec.name, valid, responses=responses, progress_token=progress_token,
-                                 client_capabilities=client_capabilities, on_event=on_event,
-                                 caller=caller.principal.owner_key,
-                                 may_become_task=mode is not CallMode.SYNC)  # fmt: skip
-        if release is not None:
-            call.job.add_done_callback(lambda _job: release())
-        round_ = await call.round(None if mode is CallMode.SYNC else grace_s)
-        if round_.end is CallEnd.NEEDS_INPUT:
-            return CallResult(questions=round_.questions, used=round_.used)
-        if round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED:
+        reserved = None if mode is CallMode.SYNC else engine.reserve(caller.principal.tenant_id, new_task_id())
+        if mode is not CallMode.SYNC and reserved is None:
+            return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
+        try:
+            call = engine.start_call(spec.name, valid, responses=responses, progress_token=progress_token,
+                                     client_capabilities=client_capabilities, on_event=on_event,
+                                     caller=caller.principal.owner_key,
+                                     may_become_task=mode is not CallMode.SYNC)  # fmt: skip
+            if release is not None:
+                call.job.add_done_callback(lambda _job: release())
+            round_ = await call.round(None if mode is CallMode.SYNC else grace_s)
+        except BaseException:
+            if reserved is not None:
+                engine.release(reserved)
+            raise
+        if round_.end is CallEnd.NEEDS_INPUT or (round_.end is CallEnd.DONE and mode is not CallMode.REQUIRED):
+            if reserved is not None:
+                engine.release(reserved)
+            if round_.end is CallEnd.NEEDS_INPUT:
+                return CallResult(questions=round_.questions, used=round_.used)
             self.plain_calls.count(caller.principal.tenant_id, spec.name)
             return CallResult(outcome=round_.outcome)
-        task_id = new_task_id()
-        slot = engine.hand_over(call, caller.principal.tenant_id, task_id)
+        assert reserved is not None, "a call that stays in its request (SYNC) ends there"
+        task_id = reserved.task_id
+        slot = engine.hand_over(call, reserved)
         if slot is None:  # shutting down or its lease lapsing: nothing is created, the client retries
             call.cancel()
             raise Unavailable("this replica cannot run the task now (it is shutting down or lost its database); retry")

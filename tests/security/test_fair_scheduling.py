@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from service.store.db import RUNNER_ROLE, Database
 from service.store.runners import RunnerStore
 from tests.conftest import make_settings, run_issuer, serve
+from tests.ext import V2026Client
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
 from tests.test_group_commit import ended_with_its_outcome_held
@@ -253,3 +254,33 @@ async def test_a_tenant_whose_outcome_writes_back_up_cannot_take_the_other_tenan
                 await b.result("tasks/cancel", {"taskId": victim})
         finally:
             await admin.close()
+
+
+async def test_2026_declaring_calls_hold_only_their_tenants_share_of_the_slots(
+    database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Issue 42 §2, the attack: declaring calls of an optional tool ran inside their requests and
+    then became tasks "never refused", so one tenant with two subjects took every slot and another
+    tenant's echo waited past 20 s. Now each such call holds a slot of its tenant's share from its
+    start; beyond the share it is a task at once that starts when a slot frees. Tenant B's echo, as
+    a 2025-11-25 task and as a 2026-07-28 call, is served within the bound."""
+    async with run_issuer(LocalIssuer()) as issuer:
+        settings = make_settings(database_url, auth="oauth", oauth_issuer=issuer.url, runner_concurrency=8)
+        async with serve(settings) as server:
+            flood = [V2026Client(http, server.url, token=issuer.mint(server.url, tenant_id="tenant-a", sub=f"s{i}"))
+                     for i in (1, 2)]  # fmt: skip
+            created = await asyncio.gather(
+                *(
+                    c.result("tools/call", {"name": "sleep", "arguments": {"seconds": 60}})
+                    for c in flood
+                    for _ in range(8)
+                )
+            )
+            assert all(r["resultType"] == "task" for r in created)  # every call is a task: none refused
+            assert sum((await _running_by_subject(database_url, "tenant-a")).values()) == 4  # its share of 8
+            victim = await _session(http, server.url, issuer, "tenant-b", "bob")
+            await _echo_done_within(victim, START_BOUND_S)
+            modern = V2026Client(http, server.url, token=issuer.mint(server.url, tenant_id="tenant-b", sub="bob"))
+            async with asyncio.timeout(START_BOUND_S):
+                echoed = await modern.result("tools/call", {"name": "echo", "arguments": {"text": "served"}})
+            assert echoed["content"][0]["text"] == "served"
