@@ -25,7 +25,7 @@ SAMPLES: dict[str, Any] = {
     "oauth_issuer": "https://id.example.com", "oauth_jwks_url": "https://id.example.com/jwks",
     "oauth_audience": "https://tasks.example.com/mcp", "oauth_introspection_url": "https://id.example.com/introspect",
     "oauth_client_id": "mcp-tasks", "default_ttl_ms": 600_000, "max_ttl_ms": 3_600_000, "metrics_port": 9100,
-    "runner_tenant_share": "50%",
+    "runner_tenant_share": "50%", "request_tenant_share": "50%",
     "audit_retention_days": 400, "upstreams_file": "/etc/mcp-tasks/upstreams.toml",
 }  # fmt: skip
 MINIMAL = values_of(CHART / "ci" / "minimal-values.yaml")
@@ -33,6 +33,7 @@ WORKERS = values_of(CHART / "ci" / "workers-values.yaml")
 OPERATOR = values_of(CHART / "ci" / "operator-values.yaml")
 EXISTING = values_of(CHART / "ci" / "existing-secret-values.yaml")
 UPSTREAMS = values_of(CHART / "ci" / "upstreams-values.yaml")
+INGRESS = values_of(CHART / "ci" / "ingress-values.yaml")
 
 
 def _merged(base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -302,3 +303,24 @@ def test_the_upstreams_file_and_its_secrets_reach_serve_and_workers(tmp_path: Pa
     assert [u.name for u in load(file, environ={"BILLING_CLIENT_SECRET": "x"})] == ["crm", "billing"]
     with pytest.raises(helm.HelmError, match="not both"):
         render(_merged(UPSTREAMS, upstreams__existingConfigMap="mine"))
+
+
+def test_the_ingress_example_limits_each_client_address_and_routes_to_the_mcp_service() -> None:
+    """Issue 42 §6: a client that reopens every socket it is refused kept the connection cap full
+    from one address; SECURITY.md leaves per-address limits to the proxy, and this is the chart's
+    example of one that sets them (ingress-nginx), routed to the serve Service's http port."""
+    ingress = one(render(INGRESS), "Ingress", "rel-mcp-task-service")
+    notes_ = ingress["metadata"]["annotations"]
+    assert int(notes_["nginx.ingress.kubernetes.io/limit-connections"]) > 0
+    assert int(notes_["nginx.ingress.kubernetes.io/limit-rps"]) > 0
+    assert notes_["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"  # SSE
+    assert notes_["nginx.ingress.kubernetes.io/proxy-body-size"] == "1m"  # = MCP_TASKS_MAX_BODY_BYTES
+    rule = ingress["spec"]["rules"][0]
+    assert rule["host"] == "tasks.example.com"
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "rel-mcp-task-service", "port": {"name": "http"}}
+    assert ingress["spec"]["tls"][0]["secretName"] == "tasks-example-com-tls"
+    assert INGRESS["config"]["forwarded_allow_ips"]  # the proxy's address names the client
+    assert not by_kind(render(MINIMAL), "Ingress")  # off unless asked for
+    with pytest.raises(Exception, match=r"ingress\.host is required"):
+        render(_merged(MINIMAL, ingress__enabled=True))
