@@ -149,3 +149,18 @@ async def test_a_bad_yield_is_refused_inside_the_coroutine() -> None:
         return "not reached"
 
     assert "bad yield" in await eager.start(waits())
+
+
+async def test_started_from_a_callback_it_runs_in_a_task_where_a_timeout_works() -> None:
+    """A first step taken in a callback's turn would have no task: asyncio.timeout (which asyncpg's
+    connect uses when a pool grows) then raised "Timeout should be used inside a task" in a run
+    adopted from a create's answer."""
+
+    async def times_out_first() -> str:
+        async with asyncio.timeout(5):
+            return "in time"
+
+    started: list[asyncio.Future[str]] = []
+    asyncio.get_running_loop().call_soon(lambda: started.append(eager.start(times_out_first())))
+    await asyncio.sleep(0)
+    assert await started[0] == "in time"

@@ -99,6 +99,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.claim: Claim | None = None
         self.claimed: list[Queued] | None = None  # the claim's rows, once the database ran it
         self.running: list[Run] = []
+        self.waiting: list[Run] = []  # tools waiting for an answer
+        self.resuming: list[Run] = []  # answered, waiting for a slot
         self.recording: list[Run] = []
         self.started: set[tuple[tuple[str, str], int]] = set()
         self.outage = False
@@ -134,12 +136,16 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def cancelled(self, run: Run) -> None:
         """The runner cancels the run's job: it hands back (at shutdown) or keeps it fenced, then ends."""
-        if run in self.running:
-            self.running.remove(run)
+        for runs in (self.running, self.waiting, self.resuming):
+            if run not in runs:
+                continue
+            runs.remove(run)
             back = self.ledger.run_cancelled(run, self.now)
             if back is not None:
                 self.carry_out([back])
             self.ledger.run_ended(run)
+            self.wake_resumed()
+            return
 
     # ---- creates ---------------------------------------------------------------------------
 
@@ -223,6 +229,31 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.tool_called(run)
         self.ledger.tool_ended(run)
         self.recording.append(run)
+        self.wake_resumed()
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def tool_asks(self, data: st.DataObject) -> None:
+        """Issue 42 §3: its tool waits for an answer, giving its slot back within the allowance."""
+        run = self.running[data.draw(st.integers(0, len(self.running) - 1))]
+        self.ledger.tool_called(run)
+        self.ledger.run_waiting(run)
+        if run.waiting:
+            self.running.remove(run)
+            self.waiting.append(run)
+        self.wake_resumed()
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def answer_arrives(self, data: st.DataObject) -> None:
+        run = self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1)))
+        (self.running if self.ledger.run_resuming(run) else self.resuming).append(run)
+
+    def wake_resumed(self) -> None:
+        """What the runner does after every event: runs given a slot again go on."""
+        for run in self.ledger.take_resumed():
+            self.resuming.remove(run)
+            self.running.append(run)
 
     @precondition(lambda self: self.recording)
     @rule(data=st.data())
@@ -231,6 +262,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.leased.get(run.key) == run.task.lease_epoch:
             del self.leased[run.key]
         self.ledger.run_ended(run)
+        self.wake_resumed()
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -249,6 +281,17 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.held_by(tenant) <= self.share, (tenant, self.ledger.held())
         tools = Counter(run.task.tenant_id for run in self.ledger.runs.values() if run.holds_slot)
         assert sum(tools.values()) <= self.ledger.concurrency
+
+    @invariant()
+    def what_waits_is_bounded_and_an_answered_run_gets_a_free_slot(self) -> None:
+        ledger = self.ledger
+        waits = Counter(run.task.tenant_id for run in ledger.runs.values() if run.waiting)
+        assert all(n <= self.share for n in waits.values()), waits
+        assert sum(waits.values()) <= ledger.concurrency
+        assert all(not run.holds_slot for run in self.waiting + self.resuming)
+        assert set(map(id, self.resuming)) == set(map(id, ledger.resumers)), "an answered run lost its turn"
+        if ledger.free > 0:
+            assert all(ledger.at_share(r.task.tenant_id) for r in ledger.resumers), "a free slot no answered run took"
 
     @invariant()
     def a_free_slot_with_queued_work_claims(self) -> None:

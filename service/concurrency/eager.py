@@ -23,6 +23,11 @@ def start(coro: Coroutine[Any, Any, T], *, name: str | None = None) -> asyncio.F
     """``coro``'s outcome: a future already done when its first step ended it, else the task
     running the rest (``name`` names it). Cancel either to cancel the coroutine."""
     loop = asyncio.get_running_loop()
+    if asyncio.current_task(loop) is None:
+        # Called from a callback (a create's answer settling a slot): a first step taken here would
+        # run with no task at all, and whatever needs one (asyncio.timeout, as asyncpg's connect
+        # uses when a pool grows) would fail.
+        return loop.create_task(coro, name=name)
     context = contextvars.copy_context()  # what the coroutine sets stays its own, as under a task
     try:
         waiting = context.run(coro.send, None)

@@ -34,6 +34,7 @@ class Run:
     tool_done: bool = False  # the outcome is in hand: nothing left to stop, only its write
     fenced: bool = False  # stopped for want of a renewal: nothing of it is written any more
     holds_slot: bool = True  # its tool runs (or is about to)
+    waiting: bool = False  # its tool waits for an answer, its slot given back (``Ledger.run_waiting``)
 
     @property
     def key(self) -> TaskKey:

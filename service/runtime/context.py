@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
@@ -31,13 +31,23 @@ PROGRESS_STATUS_EVERY_S = 1.0
 _writes: set[asyncio.Task[None]] = set()  # progress notes on their way (kept referenced)
 
 
+class Waits(Protocol):
+    """The runner's side of a run's wait for an answer (its slot given back meanwhile)."""
+
+    def waiting(self) -> bool: ...
+
+    async def resuming(self) -> None: ...
+
+
 class TaskSink:
     """Bound to one task and the runner that holds its lease."""
 
     def __init__(
         self, task: Task, *, owner: str, store: RunnerStore, hub: EventHub, poll_s: float, input_timeout_s: float,
+        waits: Waits | None = None,
     ) -> None:  # fmt: skip
         self._task = task
+        self._waits = waits
         self._input_timeout_s = input_timeout_s
         self._owner = owner
         self._store = store
@@ -110,22 +120,39 @@ class TaskSink:
         async with self._hub.subscribe(("task", t.tenant_id, t.task_id)) as events:
             if not await self._store.ask(t, self._owner, question):
                 raise asyncio.CancelledError  # cancelled or lease lost under us
-            give_up = time.monotonic() + self._input_timeout_s
-            while True:
-                response = await self._store.response(t.tenant_id, t.task_id, question.key)
-                if response is not None:
-                    return response
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    metrics.labelled(metrics.task_limit_failures, t.tool, "input").inc()
-                    raise refused(
-                        FailureReason.INPUT_TIMEOUT,
-                        f"No answer to the task's question came within {self._input_timeout_s:g} s "
-                        "(MCP_TASKS_INPUT_TIMEOUT_S): the task stopped waiting. Start it again and answer "
-                        "when it asks.",
-                    )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(events.get(), timeout=min(self._poll_s, left))
+            # Waiting is not running: the slot goes back meanwhile, and is taken again (in turn,
+            # under the tenant's share) before the tool goes on, answered or not.
+            released = self._waits is not None and self._waits.waiting()
+            try:
+                return await self._answer(question, events)
+            except asyncio.CancelledError:
+                released = False
+                raise
+            finally:
+                if released:
+                    assert self._waits is not None
+                    await self._waits.resuming()
+
+    async def _answer(self, question: PendingInput, events: asyncio.Queue[Any]) -> InputResponse:
+        """The answer, read when an event about the task arrives or every poll; no answer within
+        the input timeout fails the call."""
+        t = self._task
+        give_up = time.monotonic() + self._input_timeout_s
+        while True:
+            response = await self._store.response(t.tenant_id, t.task_id, question.key)
+            if response is not None:
+                return response
+            left = give_up - time.monotonic()
+            if left <= 0:
+                metrics.labelled(metrics.task_limit_failures, t.tool, "input").inc()
+                raise refused(
+                    FailureReason.INPUT_TIMEOUT,
+                    f"No answer to the task's question came within {self._input_timeout_s:g} s "
+                    "(MCP_TASKS_INPUT_TIMEOUT_S): the task stopped waiting. Start it again and answer "
+                    "when it asks.",
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(events.get(), timeout=min(self._poll_s, left))
 
 
 class TaskRunContext(ToolContextBase):

@@ -54,6 +54,7 @@ from service.runtime.commands import (
 )
 from service.runtime.fencing import LeaseTimes
 from service.runtime.slots import Slots
+from service.runtime.waiting import WaitingRuns
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ class _ClaimInFlight:
     freed: bool = False  # a slot was freed meanwhile
 
 
-class Ledger:
+class Ledger(WaitingRuns):
     """The runner's state, moved only by the events below."""
 
     def __init__(self, *, concurrency: int, tenant_share: int, times: LeaseTimes) -> None:
@@ -82,6 +83,8 @@ class Ledger:
         self._claim_after_beat = False  # a claim was held back because our row looked stale
         self.draining = False
         self.stopping = False
+        self.resumers: list[Run] = []
+        self.resumed: list[Run] = []
 
     # ---- what is held ----------------------------------------------------------------------
 
@@ -302,6 +305,7 @@ class Ledger:
     def _slot_freed(self) -> None:
         if self._claim is not None:
             self._claim.freed = True
+        self._grant_resumers()
         if self.backlog:
             self.claim_due = True
 
@@ -320,6 +324,7 @@ class Ledger:
         """The run is over (its outcome written or refused, or it was handed back)."""
         if self.runs.get(run.key) is run:
             del self.runs[run.key]
+        self._wait_ended(run)
         if run.tool_done:
             tenant = run.task.tenant_id
             self.slots.recording.add(tenant, -1)

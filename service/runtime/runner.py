@@ -111,7 +111,8 @@ class Runner:
         self._settled()
 
     def _settled(self) -> None:
-        """After each event: the gauge, and a claim now if the ledger wants one."""
+        """After each event: answered runs given a slot go on, the gauge, a claim if one is due."""
+        self.runs.wake_resumed()
         metrics.runner_slots_in_use.set(self.ledger.busy)
         if self.ledger.claim_due:
             self._wake.set()

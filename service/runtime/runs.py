@@ -19,7 +19,7 @@ from service.domain.errors import Unavailable
 from service.domain.task import FailureReason, Outcome, Task
 from service.domain.values import frozen
 from service.observability import metrics
-from service.runtime.commands import Run, TaskKey
+from service.runtime.commands import Run, TaskKey, key_of
 from service.runtime.context import TaskRunContext, TaskSink
 from service.runtime.executor import Executor
 from service.runtime.fencing import LeaseTimes
@@ -74,10 +74,20 @@ class Runs:
         self.limits = limits
         self._settled = settled
         self.jobs: dict[TaskKey, tuple[Run, asyncio.Future[None]]] = {}  # each run and the job running it
+        self.resumes: dict[TaskKey, asyncio.Future[None]] = {}  # answered runs waiting for a slot
 
     def sink(self, task: Task) -> TaskSink:
         return TaskSink(task, owner=self.owner, store=self.store, hub=self.hub, poll_s=self.poll_s,
-                        input_timeout_s=self.limits.input_timeout_s)  # fmt: skip
+                        input_timeout_s=self.limits.input_timeout_s, waits=_RunWaits(self, key_of(task)))  # fmt: skip
+
+    def settled(self) -> None:
+        self._settled()
+
+    def wake_resumed(self) -> None:
+        """Runs the ledger gave a slot back to, after their answer came, go on."""
+        for run in self.ledger.take_resumed():
+            if (resume := self.resumes.get(run.key)) is not None and not resume.done():
+                resume.set_result(None)
 
     def launch(self, run: Run, call: InlineCall | None, capabilities: dict[str, Any] | None) -> None:
         """The run's first step is taken now (``eager``): a cancel can then only land inside
@@ -211,3 +221,33 @@ class Runs:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+class _RunWaits:
+    """A run's wait for an answer, told to the ledger (``TaskSink.ask``): its slot goes back while
+    it waits, and it goes on once it has one again."""
+
+    def __init__(self, runs: Runs, key: TaskKey) -> None:
+        self.runs = runs
+        self.key = key
+
+    def waiting(self) -> bool:
+        run = self.runs.ledger.runs.get(self.key)
+        if run is None:
+            return False
+        self.runs.ledger.run_waiting(run)
+        self.runs.settled()
+        return run.waiting
+
+    async def resuming(self) -> None:
+        run = self.runs.ledger.runs.get(self.key)
+        if run is None or self.runs.ledger.run_resuming(run):
+            self.runs.settled()
+            return
+        resume = asyncio.get_running_loop().create_future()
+        self.runs.resumes[self.key] = resume
+        try:
+            await resume
+        finally:
+            if self.runs.resumes.get(self.key) is resume:
+                del self.runs.resumes[self.key]

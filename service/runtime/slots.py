@@ -34,6 +34,13 @@ class Slots:
         self.running = _Tally()
         self.reserved = _Tally()
         self.recording = _Tally()
+        # Runs waiting for an answer with their slot given back: at most a share per tenant and
+        # ``concurrency`` in all, so what waits in memory stays bounded (issue 42 §3).
+        self.waiting = _Tally()
+
+    def may_wait(self, tenant_id: str) -> bool:
+        """Whether one more run of the tenant may wait without its slot."""
+        return self.waiting.by_tenant[tenant_id] < self.tenant_share and self.waiting.total < self.concurrency
 
     @property
     def busy(self) -> int:
