@@ -152,7 +152,7 @@ async def audit(database_url: str) -> AsyncIterator[AuditLog]:
 async def test_a_principal_over_its_rate_gets_429_with_retry_after_in_its_wires_code_X_ERR_2(
     version: str | None, code: int, audit: AuditLog
 ) -> None:
-    throttle = Throttle(RateLimiter(settings(rate_limit="2/minute")), audit)
+    throttle = Throttle(RateLimiter(settings(rate_limit="2/minute")), audit, tenant_share=512)
     caller = Caller(LOCAL_PRINCIPAL, "r", "127.0.0.1")
     sent = headers({} if version is None else {"mcp-protocol-version": version})
     await throttle.check(caller, sent)
