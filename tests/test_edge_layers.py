@@ -193,3 +193,16 @@ def test_what_the_layers_raise_is_mapped_in_one_place_per_wire(
     assert refusal is not None
     assert (refusal.status, refusal.code, refusal.request_id) == answered
     assert refusal_of(RuntimeError("a bug"), wire=wire) is None
+
+
+def test_every_json_rpc_code_the_service_answers_has_its_own_metric_label() -> None:
+    """Issue 44 §3: -31001 (2026-07-28's service unavailable) was labelled code="other", so the
+    error-budget rule never counted it. Every code the wires can answer is its own label."""
+    from service.mcp import jsonrpc, v2026_request
+    from service.observability.metric_labels import rpc_code
+
+    codes = {v for k, v in vars(jsonrpc).items() if k.isupper() and isinstance(v, int) and v < 0}
+    codes |= {v2026_request.RESOURCE_NOT_FOUND}
+    assert {-31001, -32001, -32603, -32020, -32700} <= codes
+    assert {code: rpc_code(code) for code in codes} == {code: str(code) for code in codes}
+    assert rpc_code(12345) == rpc_code(None) == "other"  # bounded: anything else is one label

@@ -116,7 +116,7 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
         PanelSpec(
             "Errors by method and JSON-RPC code",
             "-32602 not found / invalid params, -32000 cap, -32029 rate limit are the client's; "
-            "-32603 internal and -32001 unavailable are ours (they burn the SLO).",
+            "-32603 internal and -32001 / -31001 unavailable are ours (they burn the SLO).",
             (Query(f"sum by (method, code) (rate(mcp_tasks_request_errors_total[{RATE}]))", "{{method}} {{code}}"),),
             "reqps",
             width=6,
@@ -133,7 +133,7 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
         ),
         PanelSpec(
             "Server-fault ratio (SLO 99.9 %)",
-            "Share of requests answered -32603/-32001 (recording rules of grafana/alerts); the budget is 0.1 %.",
+            "Share of requests answered -32603/-32001/-31001 (recording rules of grafana/alerts); the budget is 0.1 %.",
             (
                 Query("mcp_tasks:request_faults:ratio_rate5m", "5m"),
                 Query("mcp_tasks:request_faults:ratio_rate1h", "1h"),

@@ -39,11 +39,17 @@ def wire(version: str) -> str:
     return version if version in KNOWN_WIRES else "other"
 
 
+# The service's application codes on the 2026-07-28 wire (service.mcp.jsonrpc: capacity, unavailable,
+# rate limited), outside JSON-RPC's reserved range; -31001 is a fault the error budget counts.
+APPLICATION_CODES: Final = frozenset({-31000, -31001, -31029})
+
+
 def rpc_code(code: int | None) -> str:
-    """Bounded error-code label: JSON-RPC's reserved range as it is, anything else 'other'."""
+    """Bounded error-code label: JSON-RPC's reserved range and our application codes as they are,
+    anything else 'other'."""
     if code is None:
         return "other"
-    return str(code) if -32768 <= code <= -32000 else "other"
+    return str(code) if -32768 <= code <= -32000 or code in APPLICATION_CODES else "other"
 
 
 def method(value: str) -> str:
