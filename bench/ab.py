@@ -58,7 +58,8 @@ def main() -> int:
             run.SERVER_TREE = tree
             dbs[i].create_template()
             if not args.fresh:
-                servers[keys[i]] = run.start_ours(dbs[i].fresh(), Path(tempfile.mkdtemp(prefix="mcp-ab-")))
+                servers[keys[i]] = run.start_ours(dbs[i].fresh(), Path(tempfile.mkdtemp(prefix="mcp-ab-")),
+                                                  workload_env(args.workload))  # fmt: skip
         run.pin_postgres(run.SERVER_CORE)  # a fresh server's backends inherit the postmaster's pinning
         for r in range(args.rounds):
             for key in keys if r % 2 == 0 else keys[::-1]:
@@ -92,12 +93,17 @@ def load(
     run.SERVER_TREE = tree
     url = db.fresh()
     try:
-        servers[key] = run.start_ours(url, out.parent)
+        servers[key] = run.start_ours(url, out.parent, workload_env(args.workload))
         return run.run_load(servers[key], args.workload, args.seconds, out)
     finally:
         if key in servers:
             servers.pop(key).stop()
         db.drop(url)
+
+
+def workload_env(workload: str) -> dict[str, str]:
+    """What ``make bench`` starts our server with for the workload (a 2026-07-28 one: no grace)."""
+    return dict(run.EXT_ENV) if workload in run.EXT_WORKLOADS else {}
 
 
 def summarise(keys: list[str], results: dict[str, list[tuple[float, float, float]]]) -> None:
