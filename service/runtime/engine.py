@@ -103,6 +103,14 @@ class Engine:
         runner.adopt(slot.reservation, None)
         return None
 
+    def reserve_call(self, tenant_id: str, task_id: str) -> Slot | None:
+        """A slot of the tenant's share for a call about to run inside its request that may become
+        a task (even when none is free: such a call always ran there), or None at the share."""
+        if self.runner is None:
+            return None
+        reservation = self.runner.reserve(tenant_id, inline=True)
+        return Slot(reservation, self.runner.lease(), task_id) if reservation is not None else None
+
     def release(self, slot: Slot) -> None:
         """A slot reserved for a call that ended inside its request, or never started: free again."""
         assert self.runner is not None

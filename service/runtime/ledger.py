@@ -139,14 +139,16 @@ class Ledger(WaitingRuns):
 
     # ---- creates straight to a slot here -----------------------------------------------------
 
-    def reserve(self, tenant_id: str, now: float, *, running: bool = False) -> Reservation | None:
+    def reserve(self, tenant_id: str, now: float, *, running: bool = False, inline: bool = False) -> Reservation | None:
         """A free slot for a task of ``tenant_id`` this process is about to create, or None (no
         free slot, the tenant holds its share, or no lease could be taken now). ``running``: the
         call already runs here (it began inside its request), so it takes a slot even when none
-        is free rather than stop. The creator settles it with ``adopted`` or ``answer_lost``."""
+        is free rather than stop. ``inline``: for a call about to run inside its request, which
+        may become a task: held within the tenant's share, even when no slot is free (as a call
+        running there always could). The creator settles it with ``adopted`` or ``answer_lost``."""
         if self.stopping or self.draining or self.row_stale(now):
             return None
-        if not running and (self.free <= 0 or self.at_share(tenant_id)):
+        if not running and ((self.free <= 0 and not inline) or self.at_share(tenant_id)):
             return None
         self.slots.reserved.add(tenant_id, 1)
         return Reservation(tenant_id, now, self.row_sent, running)

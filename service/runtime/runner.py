@@ -125,10 +125,10 @@ class Runner:
 
     # ---- creates straight to a slot of this process ------------------------------------------
 
-    def reserve(self, tenant_id: str, *, running: bool = False) -> Reservation | None:
+    def reserve(self, tenant_id: str, *, running: bool = False, inline: bool = False) -> Reservation | None:
         """A free slot for a task of ``tenant_id`` this process is about to create (see
         ``Ledger.reserve``); settle it with ``adopt``, ``adopt_call`` or ``answer_lost``."""
-        return self.ledger.reserve(tenant_id, time.monotonic(), running=running)
+        return self.ledger.reserve(tenant_id, time.monotonic(), running=running, inline=inline)
 
     def convert(self, reservation: Reservation) -> bool:
         """The call that held ``reservation`` becomes its task now (see ``Ledger.converting``)."""

@@ -240,10 +240,10 @@ class TaskService:
             return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
         # A call that stays in its request holds a slot like a plain 2025-11-25 call. One that may
         # become a task holds a runner slot of its tenant's share from the start (issue 42 §2): with
-        # none free here, or the tenant at its share, it is a task at once that starts when a slot
-        # frees, as on 2025-11-25.
+        # the tenant at its share it is a task at once that starts when a slot frees, as on
+        # 2025-11-25.
         release = await self.plain.hold(caller, spec.name) if mode is CallMode.SYNC else None
-        reserved = None if mode is CallMode.SYNC else engine.reserve(caller.principal.tenant_id, new_task_id())
+        reserved = None if mode is CallMode.SYNC else engine.reserve_call(caller.principal.tenant_id, new_task_id())
         if mode is not CallMode.SYNC and reserved is None:
             return CallResult(task=await self._queue_for_call(caller, spec, valid, client_capabilities))
         try:
