@@ -126,6 +126,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.ledger.published(self.now)
             elif isinstance(command, LookUp | CheckLease):
                 pass  # not modelled: the rules below answer creates and cancels themselves
+        self.wake_resumed()  # as the runner does after every event it carried out
 
     def requeue(self, t: Task) -> None:
         key = key_of(t)
@@ -211,6 +212,7 @@ class LedgerMachine(RuleBasedStateMachine):
         tasks = [task(q.tenant, q.subject, q.task_id, q.epoch + 1) for q in self.claimed]
         self.claim, self.claimed = None, None
         self.carry_out(self.ledger.claim_answered(tasks, self.now))
+        self.wake_resumed()
 
     @precondition(lambda self: self.claim is not None and self.claimed is None)
     @rule()
@@ -218,6 +220,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """The claim failed before it read anything (an outage): nothing was leased."""
         self.claim = None
         self.ledger.claim_failed()
+        self.wake_resumed()
         self.outage = True  # the runner tries again at its poll interval, not at once
 
     # ---- runs ------------------------------------------------------------------------------

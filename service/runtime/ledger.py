@@ -258,6 +258,7 @@ class Ledger(WaitingRuns):
             # A slot freed while the claim was in flight found the backlog as the claim's answer
             # had yet to set it: the answer says there may be more, so that slot claims now.
             self.claim_due = True
+        self._grant_resumers()  # what the claim did not bring is free again: answered runs first
         for tenant_id in sorted(late):
             self._decide_created(tenant_id)
         return commands
@@ -268,6 +269,7 @@ class Ledger(WaitingRuns):
         assert self._claim is not None
         late = self._claim.created
         self._claim = None
+        self._grant_resumers()  # the slots it held are free again: answered runs first
         for tenant_id in sorted(late):
             self._decide_created(tenant_id)
 
