@@ -230,10 +230,10 @@ async def _mixed_load(s: Stack) -> None:
             held = [(await capped.call_tool_as_task("sleep", {"seconds": 30}))["task"]["taskId"] for _ in range(4)]
             await capped.send("tools/call", {"name": "sleep", "arguments": {"seconds": 1}, "task": {}})
 
-            async def worker_holds_them() -> bool:  # the confirm task holds a slot too
+            async def worker_holds_them() -> bool:  # (the confirm task, waiting for input, holds none)
                 text = (await http.get(s.worker_metrics + "/metrics")).text
                 line = next((x for x in text.splitlines() if x.startswith("mcp_tasks_runner_slots_in_use ")), "")
-                return bool(line) and float(line.split()[1]) >= len(held) + 1
+                return bool(line) and float(line.split()[1]) >= len(held)
 
             await _until(worker_holds_them, "the worker to run the sleeps")
             await asyncio.sleep(1.2)  # a scrape sees the busy slots
