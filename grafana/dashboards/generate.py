@@ -251,9 +251,11 @@ OVERVIEW: dict[str, list[PanelSpec]] = {
     "Capacity": [
         PanelSpec(
             "Runner utilisation",
-            "Runner slots executing a tool, of all slots (serve and workers).",
+            "Runner slots executing a tool, of all slots (serve and workers); and runs waiting for their "
+            "client's answer, which hold no slot meanwhile, as a share of the slots.",
             (
                 Query("sum(mcp_tasks_runner_slots_in_use) / clamp_min(sum(mcp_tasks_runner_slots), 1)", "all"),
+                Query("sum(mcp_tasks_runner_waiting) / clamp_min(sum(mcp_tasks_runner_slots), 1)", "waiting for input"),
                 Query(
                     "sum by (instance) (mcp_tasks_runner_slots_in_use) / clamp_min(sum by (instance) (mcp_tasks_runner_slots), 1)",
                     "{{instance}}",

@@ -160,6 +160,11 @@ runner_slots_in_use = Gauge(
     "Task slots in use: tools running, and outcome writes waiting beyond the slot count",
     multiprocess_mode="livesum",
 )
+runner_waiting = Gauge(
+    "mcp_tasks_runner_waiting",
+    "Runs waiting for their client's answer with their slot given back (issue 42: waiting is not running)",
+    multiprocess_mode="livesum",
+)
 lease_losses = Counter(
     "mcp_tasks_lease_losses_total", "Tasks whose runner stopped, by what was done with them", ["action"]
 )

@@ -114,6 +114,7 @@ class Runner:
         """After each event: answered runs given a slot go on, the gauge, a claim if one is due."""
         self.runs.wake_resumed()
         metrics.runner_slots_in_use.set(self.ledger.busy)
+        metrics.runner_waiting.set(self.ledger.slots.waiting.total)
         if self.ledger.claim_due:
             self._wake.set()
 

@@ -315,6 +315,8 @@ async def test_tasks_waiting_for_input_hold_no_slot_and_resume_when_answered(
                     await asyncio.sleep(0.05)
             victim = await _session(http, server.url, issuer, "tenant-c", "carol")
             await _echo_done_within(victim, START_BOUND_S)  # before: it stayed working, no slot was free
+            scraped = (await http.get(server.url.removesuffix("/mcp") + "/metrics")).text
+            assert "mcp_tasks_runner_waiting 8.0" in scraped.splitlines()  # what the SRE sees of them
             s, task_id = askers[0], asked[0][0]
             async with asyncio.timeout(20):
                 async for msg in s.stream("tasks/result", {"taskId": task_id}):
