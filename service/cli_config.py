@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.config import Settings, describe_error, masked, source_checkout, unknown_variables
+from service.config import Settings, source_checkout
+from service.config_check import describe_error, masked, unknown_variables
 
 ENV_FILE_VARIABLE = "MCP_TASKS_ENV_FILE"
 

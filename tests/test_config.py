@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS, Settings, unknown_variables
+from service.config import LOCAL_DEFAULT_TTL_MS, LOCAL_MAX_TTL_MS, Settings
+from service.config_check import unknown_variables
 
 
 def test_single_user_mode_refuses_a_public_bind() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,7 +17,15 @@ from service.mcp.catalog import Catalog
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RATE_LIMITED, RequestId
 from service.mcp.plain import CallKey, Inflight, Outbox, PlainCallContext, first_of
 from service.mcp.refusal import Refusal, from_domain
-from service.mcp.v2025_wire import event_message, outcome_result, related, task_result, task_to_wire
+from service.mcp.v2025_wire import (
+    event_message,
+    outcome_result,
+    progress_token_of,
+    related,
+    task_result,
+    task_to_wire,
+    task_ttl_of,
+)
 from service.observability import metrics
 from service.tasks.audit import AuditLog
 from service.tasks.service import TaskService
@@ -77,29 +84,6 @@ def _str_param(params: dict[str, Any], name: str) -> str:
     if not isinstance(value, str):
         raise Refusal(INVALID_PARAMS, f"params.{name} must be a string" if name in params else f"missing params.{name}")
     return value
-
-
-def _progress_token(params: dict[str, Any]) -> str | int | None:
-    meta = params.get("_meta")
-    if not isinstance(meta, dict) or "progressToken" not in meta:
-        return None
-    token = meta["progressToken"]
-    if not jsonrpc.valid_id(token) or jsonrpc.id_too_long(token):
-        raise Refusal(INVALID_PARAMS, f"_meta.progressToken must be an integer or a string of at most "
-                                      f"{jsonrpc.MAX_ID_CHARS} characters")  # fmt: skip
-    return token  # type: ignore[no-any-return]
-
-
-def _task_ttl(task_param: Any) -> int | None:
-    """D-14: params.task must be an object; ttl a non-negative integer, or absent/null."""
-    if not isinstance(task_param, dict):
-        raise Refusal(INVALID_PARAMS, 'params.task must be an object such as {} or {"ttl": 60000}')
-    ttl = task_param.get("ttl")
-    if ttl is None:
-        return None
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl != int(ttl):
-        raise Refusal(INVALID_PARAMS, "params.task.ttl must be a non-negative integer number of milliseconds")
-    return int(ttl)
 
 
 class V2025Surface:
@@ -232,7 +216,7 @@ class V2025Surface:
             arguments = {}
         if not isinstance(arguments, dict):
             raise Refusal(INVALID_PARAMS, "params.arguments must be an object")
-        token = _progress_token(params)
+        token = progress_token_of(params)
         caps = call.session.client_capabilities if call.session else {}
         # T-CAP-5: params.task is ignored where tasks were not negotiated.
         if call.tasks_enabled and "task" in params:
@@ -240,7 +224,7 @@ class V2025Surface:
                 call.caller,
                 tool=name,
                 arguments=arguments,
-                ttl_ms=_task_ttl(params["task"]),
+                ttl_ms=task_ttl_of(params["task"]),
                 progress_token=token,
                 session_id=call.session.session_id if call.session else None,
                 client_capabilities=caps,

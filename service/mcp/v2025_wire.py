@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -148,3 +149,27 @@ def event_message(
         return jsonrpc.result_message(request_id, task_result(event.task))
     except Refusal as failure:
         return jsonrpc.error_message(request_id, failure.error_object())
+
+
+def progress_token_of(params: dict[str, Any]) -> str | int | None:
+    """The request's _meta.progressToken (T-PROG-1), bounded like every client-chosen identifier."""
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or "progressToken" not in meta:
+        return None
+    token = meta["progressToken"]
+    if not jsonrpc.valid_id(token) or jsonrpc.id_too_long(token):
+        raise Refusal(INVALID_PARAMS, f"_meta.progressToken must be an integer or a string of at most "
+                                      f"{jsonrpc.MAX_ID_CHARS} characters")  # fmt: skip
+    return token  # type: ignore[no-any-return]
+
+
+def task_ttl_of(task_param: Any) -> int | None:
+    """D-14: params.task must be an object; ttl a non-negative integer, or absent/null."""
+    if not isinstance(task_param, dict):
+        raise Refusal(INVALID_PARAMS, 'params.task must be an object such as {} or {"ttl": 60000}')
+    ttl = task_param.get("ttl")
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl != int(ttl):
+        raise Refusal(INVALID_PARAMS, "params.task.ttl must be a non-negative integer number of milliseconds")
+    return int(ttl)

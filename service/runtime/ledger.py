@@ -41,10 +41,8 @@ from service.runtime.commands import (
     Claim,
     Command,
     HandBack,
-    LookUp,
     Publish,
     Renewal,
-    Reservation,
     Run,
     Start,
     Stop,
@@ -53,6 +51,7 @@ from service.runtime.commands import (
     never_started,
 )
 from service.runtime.fencing import LeaseTimes
+from service.runtime.reservations import Reservations
 from service.runtime.slots import Slots
 from service.runtime.waiting import WaitingRuns
 
@@ -64,7 +63,7 @@ class _ClaimInFlight:
     freed: bool = False  # a slot was freed meanwhile
 
 
-class Ledger(WaitingRuns):
+class Ledger(Reservations, WaitingRuns):
     """The runner's state, moved only by the events below."""
 
     def __init__(self, *, concurrency: int, tenant_share: int, times: LeaseTimes) -> None:
@@ -136,56 +135,6 @@ class Ledger(WaitingRuns):
 
     def stop(self) -> None:
         self.stopping = True
-
-    # ---- creates straight to a slot here -----------------------------------------------------
-
-    def reserve(self, tenant_id: str, now: float, *, running: bool = False, inline: bool = False) -> Reservation | None:
-        """A free slot for a task of ``tenant_id`` this process is about to create, or None (no
-        free slot, the tenant holds its share, or no lease could be taken now). ``running``: the
-        call already runs here (it began inside its request), so it takes a slot even when none
-        is free rather than stop. ``inline``: for a call about to run inside its request, which
-        may become a task: held within the tenant's share, even when no slot is free (as a call
-        running there always could). The creator settles it with ``adopted`` or ``answer_lost``."""
-        if self.stopping or self.draining or self.row_stale(now):
-            return None
-        if not running and ((self.free <= 0 and not inline) or self.at_share(tenant_id)):
-            return None
-        self.slots.reserved.add(tenant_id, 1)
-        return Reservation(tenant_id, now, self.row_sent, running)
-
-    def converting(self, reservation: Reservation, now: float) -> bool:
-        """A call that held ``reservation`` while it ran inside its request becomes its task now:
-        the slot is the task's, its lease counted from now (False: none may be taken now)."""
-        if self.stopping or self.draining or self.row_stale(now):
-            return False
-        reservation.at, reservation.row_sent, reservation.running = now, self.row_sent, True
-        return True
-
-    def _unreserve(self, reservation: Reservation) -> None:
-        assert not reservation.settled, "a reservation is settled once"
-        reservation.settled = True
-        tenant = reservation.tenant_id
-        self.slots.reserved.add(tenant, -1)
-
-    def adopted(self, reservation: Reservation, task: Task | None, now: float) -> list[Command]:
-        """The create under ``reservation`` was answered: ``task``, leased to us, or None (a cap
-        refused it and nothing was written)."""
-        self._unreserve(reservation)
-        if task is None or key_of(task) in self.runs:  # nothing to run (or it runs here already)
-            self._slot_freed()
-            return []
-        if self.stopping:  # too late to run it here: back to the queue or failed, by the rule
-            why = "re-queued: the runner was shut down" if reservation.running else (
-                "re-queued: the runner was shut down before it started")  # fmt: skip
-            return [HandBack((task,), why, never_started(task, not reservation.running))]
-        covered = min(reservation.at, reservation.row_sent)
-        return self._start(task, leased_at=reservation.at, covered_since=covered, now=now,
-                           tool_started=reservation.running)  # fmt: skip
-
-    def answer_lost(self, reservation: Reservation, task_id: str) -> list[Command]:
-        """The create under ``reservation`` failed without an answer: its row may exist, leased
-        to us. The slot stays reserved until the look-up settles it (``adopted``)."""
-        return [LookUp(reservation, task_id)]
 
     # ---- claims ------------------------------------------------------------------------------
 

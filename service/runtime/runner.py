@@ -41,6 +41,7 @@ from service.runtime.executor import Executor
 from service.runtime.fencing import LeaseTimes
 from service.runtime.inline import InlineCall
 from service.runtime.ledger import Ledger
+from service.runtime.publishing import ToolPublishing
 from service.runtime.records import Outage, RunRecords
 from service.runtime.runs import RunLimits, Runs
 from service.store.db import Database
@@ -51,7 +52,7 @@ from service.store.runners import RunnerStore
 log = logging.getLogger(__name__)
 
 
-class Runner:
+class Runner(ToolPublishing):
     """Executes up to ``concurrency`` tasks at once in this process."""
 
     def __init__(
@@ -197,13 +198,6 @@ class Runner:
 
     # ---- the loops ---------------------------------------------------------------------------
 
-    def _tool_metrics(self) -> None:
-        for name, spec in self.registry.tools.items():
-            limit_s = spec.runtime_limit_s(self.runs.limits.max_runtime_s)
-            metrics.tool_runtime_limit_seconds.labels(name).set(limit_s)
-            for limit in ("runtime", "input"):  # at zero, so that rates exist before the first failure
-                metrics.labelled(metrics.task_limit_failures, name, limit)
-
     async def start(self) -> None:
         metrics.runner_slots.set(self.concurrency)
         self._tool_metrics()
@@ -217,29 +211,6 @@ class Runner:
             asyncio.create_task(self._heartbeat_loop(), name="runner-heartbeat"),
             asyncio.create_task(self._fence_loop(), name="runner-fence"),
         ]
-
-    async def _publish(self) -> None:
-        """Say what this runner can run, for a lease's time (the maintenance pass tells tasks whose
-        tool no live runner has so, see runners.sql). The heartbeat keeps it live."""
-        tools = {name: {"version": spec.version, "rerunnable": spec.rerunnable}
-                 for name, spec in self.registry.tools.items()}  # fmt: skip
-        await self.store.publish(self.owner, tools, self.lease_ms)
-
-    def _tools_changed(self) -> None:
-        """An upstream's tools came, went or changed: claim by the new set, and say so."""
-        self._tools = {name: self.registry.tools[name].version for name in sorted(self.registry.tools)}
-        self._tool_metrics()
-        self._spawn(self._publish_tools())
-
-    async def _publish_tools(self) -> None:
-        for attempt in range(5):
-            try:
-                await self._publish()
-                break
-            except Exception as exc:  # a database blip: again, a poll interval later
-                log.warning("runner could not publish its changed tools (attempt %d of 5): %s", attempt + 1, exc)
-                await asyncio.sleep(self.poll_s)
-        self._wake.set()  # queued tasks of a tool that just came may be claimable now
 
     async def _publish_afresh(self) -> None:
         """Our row had lapsed and every run it covered was stopped: publish it afresh, for new work."""
