@@ -95,6 +95,9 @@ class Settings(BaseSettings):
     poll_interval_ms: int = Field(default=1_000, ge=50, le=600_000)
     max_active_tasks_per_requestor: int = Field(default=16, ge=1)
     max_active_tasks_per_tenant: int = Field(default=256, ge=1)
+    # The bytes a tenant's tasks may keep (arguments, capabilities, progress tokens and results, as
+    # stored): a create past it is refused (-32004 / -31004). 0: no quota (issue 42 §6).
+    tenant_storage_quota_bytes: int = Field(default=1_073_741_824, ge=0, le=1 << 50)
     rate_limit: str = "1200/minute"
     rate_limit_unauthenticated: str = "60/minute"
     rate_limit_not_found: str = "60/minute"

@@ -210,6 +210,7 @@ async def open_core(settings: Settings, *, run_tasks: bool = True) -> Core:
         poll_interval_ms=settings.poll_interval_ms,
         max_active_per_requestor=settings.max_active_tasks_per_requestor,
         max_active_per_tenant=settings.max_active_tasks_per_tenant,
+        tenant_storage_quota_bytes=settings.tenant_storage_quota_bytes or None,
     )
     poll_s = settings.poll_interval_ms / 1000
     state_key = await service_key(db, "mrtr-request-state")

@@ -181,6 +181,8 @@ async def test_single_user_mode_authenticates_every_request_as_the_local_princip
         (d.TaskNotFound("no"), Wire.V2025, (200, jsonrpc.INVALID_PARAMS, 1)),
         (d.CapacityExceeded("full"), Wire.V2025, (200, -32000, 1)),
         (d.CapacityExceeded("full"), Wire.V2026, (200, -31000, 1)),
+        (d.StorageQuotaExceeded("kept too much"), Wire.V2025, (200, -32004, 1)),
+        (d.StorageQuotaExceeded("kept too much"), Wire.V2026, (200, -31004, 1)),
         (d.Unavailable("down"), Wire.V2026, (503, -31001, 1)),
         (d.TaskSupportMismatch("no"), Wire.V2025, (200, jsonrpc.METHOD_NOT_FOUND, 1)),
         (AuthFailure(401, "invalid_token", "bad", {"WWW-Authenticate": "Bearer"}), Wire.V2025, (401, -32600, None)),

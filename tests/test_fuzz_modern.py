@@ -15,7 +15,7 @@ from tests.test_fuzz import json_values, strings, threaded_server  # noqa: F401 
 METHODS = ["server/discover", "tools/list", "tools/call", "tasks/get", "tasks/update", "tasks/cancel",
            "subscriptions/listen", "tasks/result", "tasks/list", "ping", "initialize"]  # fmt: skip
 ALLOWED_STATUS = {200, 202, 400, 403, 404, 405, 406, 413, 415}
-KNOWN_CODES = {-32700, -32600, -32601, -32602, -32603, -32020, -32021, -32022, -31000, -31001, -31029}
+KNOWN_CODES = {-32700, -32600, -32601, -32602, -32603, -32020, -32021, -32022, -31000, -31001, -31004, -31029}
 
 capabilities = (
     st.sampled_from([DECLARING, {}, {"tasks": {}}, {"extensions": {EXT: True}}, {"extensions": []}]) | json_values

@@ -431,6 +431,14 @@ TENANTS: dict[str, list[PanelSpec]] = {
             "ops",
             width=8,
         ),
+        PanelSpec(
+            "Top tenants by bytes kept",
+            "What each tenant's tasks keep (arguments and results) against MCP_TASKS_TENANT_STORAGE_QUOTA_BYTES, "
+            "as of the last sweep; at the quota its creates are refused (-32004 / -31004).",
+            (Query("topk(10, max by (tenant) (mcp_tasks_tenant_storage_bytes))", "{{tenant}}"),),
+            "bytes",
+            width=24,
+        ),
     ],
     "Tenant $tenant": [
         PanelSpec(

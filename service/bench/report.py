@@ -63,6 +63,11 @@ _ADVICE: dict[str, tuple[str, str]] = {
         "MCP_TASKS_MAX_ACTIVE_TASKS_PER_TENANT, default 256) above what the run holds at once (--clients, and "
         "--clients x --held for get), spread the load over more principals (repeat --token), or lower --clients",
     ),
+    "rpc_-32004": (
+        "refused with -32004 (storage quota: the tenant's tasks keep too many bytes)",
+        "raise the server's storage quota (ours: MCP_TASKS_TENANT_STORAGE_QUOTA_BYTES, default 1 GiB), lower the "
+        "retention the run's tasks ask for, or spread the load over more tenants",
+    ),
     "rpc_-32001": (
         "refused with -32001 (service unavailable)",
         "check the server's database and its pool (ours: MCP_TASKS_DB_POOL_SIZE), or lower --clients",

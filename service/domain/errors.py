@@ -53,5 +53,9 @@ class CapacityExceeded(DomainError):
     pass
 
 
+class StorageQuotaExceeded(CapacityExceeded):
+    """A create would take its tenant past the bytes its tasks may keep (its own wire code)."""
+
+
 class Unavailable(DomainError):
     pass

@@ -14,6 +14,7 @@ INTERNAL_ERROR: Final = -32603
 # Server-defined range (-32000..-32099); docs/decisions.md lists them.
 CAPACITY_EXCEEDED: Final = -32000
 SERVICE_UNAVAILABLE: Final = -32001
+STORAGE_QUOTA_EXCEEDED: Final = -32004
 RATE_LIMITED: Final = -32029
 # The 2026-07-28 wire's codes (X-ERR), each with the HTTP status §11 names.
 V2026_HEADER_MISMATCH: Final = -32020
@@ -23,6 +24,7 @@ V2026_UNSUPPORTED_VERSION: Final = -32022
 # discourages the legacy -32000..-32019, so each is its 2025-11-25 code plus 1000 (docs/decisions.md).
 V2026_CAPACITY_EXCEEDED: Final = -31000
 V2026_SERVICE_UNAVAILABLE: Final = -31001
+V2026_STORAGE_QUOTA_EXCEEDED: Final = -31004
 V2026_RATE_LIMITED: Final = -31029
 
 RequestId = str | int

@@ -31,8 +31,10 @@ from service.mcp.jsonrpc import (
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
     SERVICE_UNAVAILABLE,
+    STORAGE_QUOTA_EXCEEDED,
     V2026_CAPACITY_EXCEEDED,
     V2026_SERVICE_UNAVAILABLE,
+    V2026_STORAGE_QUOTA_EXCEEDED,
     RequestId,
 )
 
@@ -78,11 +80,13 @@ _CODES: Final[dict[type[d.DomainError], int]] = {
     d.UnknownTool: INVALID_PARAMS,  # T-TOOL-6
     d.TaskSupportMismatch: METHOD_NOT_FOUND,  # T-TOOL-3, T-TOOL-5, D-3, D-4
     d.CapacityExceeded: CAPACITY_EXCEEDED,
+    d.StorageQuotaExceeded: STORAGE_QUOTA_EXCEEDED,
     d.Unavailable: SERVICE_UNAVAILABLE,
 }
 # 2026-07-28 keeps the standard codes and moves ours out of the reserved range (X-ERR-2).
 _V2026_CODES: Final[dict[int, int]] = {
     CAPACITY_EXCEEDED: V2026_CAPACITY_EXCEEDED,
+    STORAGE_QUOTA_EXCEEDED: V2026_STORAGE_QUOTA_EXCEEDED,
     SERVICE_UNAVAILABLE: V2026_SERVICE_UNAVAILABLE,
 }
 

@@ -41,7 +41,7 @@ def wire(version: str) -> str:
 
 # The service's application codes on the 2026-07-28 wire (service.mcp.jsonrpc: capacity, unavailable,
 # rate limited), outside JSON-RPC's reserved range; -31001 is a fault the error budget counts.
-APPLICATION_CODES: Final = frozenset({-31000, -31001, -31029})
+APPLICATION_CODES: Final = frozenset({-31000, -31001, -31004, -31029})
 
 
 def rpc_code(code: int | None) -> str:

@@ -98,6 +98,16 @@ tenant_tasks_active = Gauge(
     "mcp_tasks_tenant_tasks_active", "Non-terminal tasks per tenant (only with the tenant label on; last sweep)",
     ["tenant"], multiprocess_mode="max",
 )  # fmt: skip
+tenant_storage_bytes = Gauge(
+    "mcp_tasks_tenant_storage_bytes",
+    "Bytes a tenant's tasks keep, as its storage quota counts them (only with the tenant label on; last sweep)",
+    ["tenant"], multiprocess_mode="max",
+)  # fmt: skip
+storage_bytes = Gauge(
+    "mcp_tasks_storage_bytes",
+    "Bytes every tenant's tasks keep (arguments and results), as the storage quotas count them (cluster-wide; last sweep)",
+    multiprocess_mode="max",
+)  # fmt: skip
 task_start_delay = Histogram(
     "mcp_tasks_task_start_delay_seconds", "From creation to a runner starting the task", ["tool"], buckets=TASK_BUCKETS
 )

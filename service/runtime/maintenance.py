@@ -196,9 +196,10 @@ class Maintenance:
 
     async def observe(self) -> None:
         """Gauges read from the database and the pools (cluster-wide task counts; this process's pools)."""
-        counts = await self.store.active_by_status()
+        counts, stored = await self.store.active_by_status()
         for status in ("working", "input_required"):
             metrics.tasks_active.labels(status).set(counts.get(status, 0))
+        metrics.storage_bytes.set(stored)
         # Per tool: a tool seen before and gone now reads 0, not its last value.
         by_tool = {q.tool: q for q in await self.store.queue_by_tool()}
         for tool in self._tools_seen | set(by_tool):
@@ -209,9 +210,11 @@ class Maintenance:
             metrics.oldest_running_seconds.labels(tool).set(q.oldest_running_s if q else 0)
         self._tools_seen |= set(by_tool)
         if metrics.tenant_label_on():
-            by_tenant = await self.store.active_by_tenant()
+            by_tenant = await self.store.held_by_tenant()
             for tenant_id in self._tenants_seen | set(by_tenant):
-                metrics.tenant_tasks_active.labels(metrics.tenant(tenant_id)).set(by_tenant.get(tenant_id, 0))
+                active, kept = by_tenant.get(tenant_id, (0, 0))
+                metrics.tenant_tasks_active.labels(metrics.tenant(tenant_id)).set(active)
+                metrics.tenant_storage_bytes.labels(metrics.tenant(tenant_id)).set(kept)
             self._tenants_seen |= set(by_tenant)
         for name, db in self.pools.items():
             in_use, size = db.pool_usage()

@@ -226,13 +226,15 @@ class RunnerStore:
         return [QueueStats(r["tool"], r["queued"], r["running"], float(r["oldest_queued_s"]), float(r["oldest_running_s"]))
                 for r in rows]  # fmt: skip
 
-    async def active_by_tenant(self) -> dict[str, int]:
+    async def held_by_tenant(self) -> dict[str, tuple[int, int]]:
+        """Per tenant: its active tasks and the bytes its tasks keep."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(Q["active_by_tenant"])
-        return {r["tenant_id"]: int(r["active"]) for r in rows}
+        return {r["tenant_id"]: (int(r["active"]), int(r["bytes"])) for r in rows}
 
-    async def active_by_status(self) -> dict[str, int]:
+    async def active_by_status(self) -> tuple[dict[str, int], int]:
+        """Active tasks by status, and the bytes every tenant's tasks keep."""
         async with self.db.connection() as conn:
             row = await conn.fetchrow(Q["count_active_by_status"])
         waiting = int(row["input_required"])
-        return {"working": max(0, int(row["active"]) - waiting), "input_required": waiting}
+        return {"working": max(0, int(row["active"]) - waiting), "input_required": waiting}, int(row["bytes"])

@@ -72,18 +72,18 @@ class TaskStore:
         return int(row["requestor"])
 
     async def refuse_create(
-        self, caller: Caller, tool: str, decide: Callable[[int, int], tuple[str, int, int]]
+        self, caller: Caller, tool: str, decide: Callable[[int, int, int], tuple[str, int, int]]
     ) -> tuple[str, int, int]:
-        """A cap refused a create: under the tenant's create lock, count, let ``decide`` name the
-        (scope, limit, current), and record the denial."""
+        """A cap or the storage quota refused a create: under the tenant's create lock, count
+        (active tasks of the requestor and of the tenant, the tenant's bytes kept), let ``decide``
+        name the (scope, limit, current), and record the denial."""
         p = caller.principal
         async with self.db.transaction(p.tenant_id) as conn:
             await conn.execute(Q["lock_tenant_creates"], p.tenant_id)
-            row = await conn.fetchrow(Q["count_active"], p.tenant_id, p.subject)
-            scope, limit, current = decide(int(row["requestor"]), int(row["tenant"]))
-            await append_audit_for(
-                conn, caller, "deny", "cap_exceeded", scope=scope, limit=limit, current=current, tool=tool
-            )
+            row = await conn.fetchrow(Q["count_held"], p.tenant_id, p.subject)
+            scope, limit, current = decide(int(row["requestor"]), int(row["tenant"]), int(row["bytes"]))
+            outcome = "quota_exceeded" if scope == "storage" else "cap_exceeded"
+            await append_audit_for(conn, caller, "deny", outcome, scope=scope, limit=limit, current=current, tool=tool)
         return scope, limit, current
 
     async def deny(self, caller: Caller, outcome: str, task_id: str | None = None, **detail: Any) -> None:

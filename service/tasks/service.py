@@ -14,6 +14,7 @@ from typing import Any
 from service.domain.errors import (
     CapacityExceeded,
     InvalidArguments,
+    StorageQuotaExceeded,
     TaskAlreadyTerminal,
     TaskNotFound,
     TaskSupportMismatch,
@@ -56,6 +57,8 @@ class TaskPolicy:
     poll_interval_ms: int
     max_active_per_requestor: int = 16
     max_active_per_tenant: int = 256
+    # The bytes a tenant's tasks may keep (arguments and results, issue 42 §6); None: no quota.
+    tenant_storage_quota_bytes: int | None = None
     # A question handed to a stream that went away without releasing it (replica crash) is
     # offered to the next stream after this.
     stale_delivery_ms: int = 60_000
@@ -205,6 +208,7 @@ class TaskService:
             rerunnable=spec.rerunnable,
             tool_version=spec.version,
             origin=spec.origin,
+            max_tenant_bytes=p.tenant_storage_quota_bytes,
         )
         created = self._enqueue_create(request)
         if slot is not None:
@@ -214,7 +218,7 @@ class TaskService:
         # to our runner is then started (or its slot given back) all the same.
         task = await asyncio.shield(created)
         if task is None:
-            raise await self._refuse_capacity(caller, tool)
+            raise await self._refuse_capacity(caller, tool, size=request.size_bytes)
         return task
 
     async def call(
@@ -271,14 +275,14 @@ class TaskService:
         if slot is None:  # shutting down or its lease lapsing: nothing is created, the client retries
             call.cancel()
             raise Unavailable("this replica cannot run the task now (it is shutting down or lost its database); retry")
-        created = self._enqueue_create(self._extension_request(caller, task_id, spec, valid, client_capabilities,
-                                                               slot.lease))  # fmt: skip
+        request = self._extension_request(caller, task_id, spec, valid, client_capabilities, slot.lease)
+        created = self._enqueue_create(request)
         engine.adopt_call(slot, call, created)
         # If the client goes away now, the create still completes (shielded) and the task lives on:
         # closing the request does not cancel a task that exists (X-HTTP-7).
         task = await asyncio.shield(created)
         if task is None:
-            raise await self._refuse_capacity(caller, spec.name)
+            raise await self._refuse_capacity(caller, spec.name, size=request.size_bytes)
         return CallResult(task=task)
 
     def _extension_request(
@@ -294,6 +298,7 @@ class TaskService:
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=self._requestor_cap(caller), max_per_tenant=p.max_active_per_tenant, lease=lease,
             rerunnable=spec.rerunnable, tool_version=spec.version, origin=spec.origin,
+            max_tenant_bytes=p.tenant_storage_quota_bytes,
         )  # fmt: skip
 
     async def _queue_for_call(
@@ -303,26 +308,41 @@ class TaskService:
         request = self._extension_request(caller, new_task_id(), spec, arguments, client_capabilities, None)
         task = await asyncio.shield(self._enqueue_create(request))
         if task is None:
-            raise await self._refuse_capacity(caller, spec.name)
+            raise await self._refuse_capacity(caller, spec.name, size=request.size_bytes)
         return task
 
     async def _refuse_plain(self, caller: Caller, tool: str, plain: int) -> CapacityExceeded:
         return await self._refuse_capacity(caller, tool, plain=plain)
 
-    async def _refuse_capacity(self, caller: Caller, tool: str, *, plain: int | None = None) -> CapacityExceeded:
-        """A cap refused a create (or a plain call): record the denial with the counts as they
-        stand now, the requestor's plain calls running here included."""
+    async def _refuse_capacity(
+        self, caller: Caller, tool: str, *, plain: int | None = None, size: int = 0
+    ) -> CapacityExceeded:
+        """A cap refused a create (or a plain call), or the storage quota a create of ``size``
+        bytes: record the denial with the counts as they stand now, the requestor's plain calls
+        running here included. A create under both caps was refused by the quota."""
         p = self.policy
         if plain is None:
             plain = self.plain.running.get(caller.principal.owner_key, 0)
+        quota = p.tenant_storage_quota_bytes
 
-        def decide(mine: int, tenant: int) -> tuple[str, int, int]:
+        def decide(mine: int, tenant: int, held: int) -> tuple[str, int, int]:
             mine += plain
+            if quota is not None and size and mine < p.max_active_per_requestor and tenant < p.max_active_per_tenant:
+                return "storage", quota, held
             if tenant >= p.max_active_per_tenant and mine < p.max_active_per_requestor:
                 return "tenant", p.max_active_per_tenant, tenant
             return "requestor", p.max_active_per_requestor, mine
 
         scope, limit, current = await self.store.refuse_create(caller, tool, decide)
+        if scope == "storage":
+            return StorageQuotaExceeded(
+                f"this tenant's tasks keep {current} bytes of arguments and results, and this call's "
+                f"would pass its storage quota of {limit} bytes; wait for finished tasks to expire (a "
+                "shorter ttl frees space sooner), or send smaller arguments, and try again",
+                scope=scope,
+                limit=limit,
+                current=current,
+            )
         return CapacityExceeded(
             f"too many active tasks for this {scope}: {current} of at most {limit}; "
             "wait for one to finish (or cancel one) and try again",

@@ -175,9 +175,11 @@ RETURNING t.*;
 -- name: count_active_by_status
 -- Cluster-wide non-terminal tasks by status, for the tasks_active gauge: the active total from the
 -- per-requestor counters, input_required from its own small partial index, so the
--- cost does not grow with the tasks running.
+-- cost does not grow with the tasks running; and the bytes every tenant's tasks keep (the storage
+-- quota's count).
 SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
-       (SELECT count(*) FROM tasks WHERE status = 'input_required') AS input_required;
+       (SELECT count(*) FROM tasks WHERE status = 'input_required') AS input_required,
+       (SELECT greatest(coalesce(sum(bytes), 0), 0) FROM active_tasks)::bigint AS bytes;
 
 -- name: task_create
 -- Creates in one statement and one commit: one row per item, in order; a row of NULLs where a cap
@@ -187,7 +189,7 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
        rerunnable, lease_epoch, started_at, expires_at
-FROM task_create_v2($1);
+FROM task_create_v3($1);
 
 -- name: task_get
 -- Gets in one read-only statement: a row per item found, with its place (o), nothing for an item
@@ -234,8 +236,10 @@ WHERE ((lease_owner IS NULL AND finished_at IS NULL) OR lease_owner IS NOT NULL)
 GROUP BY tool;
 
 -- name: active_by_tenant
--- Active tasks per tenant, from the counters (for the opt-in per-tenant gauge).
-SELECT tenant_id, sum(active)::bigint AS active FROM active_tasks WHERE active > 0 GROUP BY tenant_id;
+-- Active tasks and the bytes kept per tenant, from the counters (for the opt-in per-tenant gauges).
+SELECT tenant_id, coalesce(sum(active) FILTER (WHERE active > 0), 0)::bigint AS active,
+       greatest(sum(bytes), 0)::bigint AS bytes
+FROM active_tasks GROUP BY tenant_id;
 
 -- name: note_progress
 -- A working task's latest progress report as its status message (2026-07-28: progress
