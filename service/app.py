@@ -24,6 +24,7 @@ from service.guard.ratelimit import RateLimiter
 from service.mcp.endpoint import McpEndpoint
 from service.mcp.http import send_json
 from service.mcp.plain import Inflight
+from service.mcp.sse import StreamsClosing
 from service.mcp.v2025 import V2025Surface
 from service.mcp.v2025_http import V2025Http
 from service.mcp.v2026 import V2026Surface
@@ -66,28 +67,29 @@ class _App(FastAPI):
 def begin_shutdown(app: FastAPI) -> None:
     """A shutdown has begun (SIGTERM): readiness goes false, runners claim nothing more, open
     subscriptions end with their closing result. Safe to call from a signal handler."""
-    v2026: V2026Surface | None = getattr(app.state, "v2026", None)
+    streams: StreamsClosing | None = getattr(app.state, "streams", None)
     core: Core | None = getattr(app.state, "core", None)
     loop: asyncio.AbstractEventLoop | None = getattr(app.state, "loop", None)
     if loop is None:
         return
-    if v2026 is not None:
-        loop.call_soon_threadsafe(v2026.closing.set)
+    if streams is not None and core is not None:
+        loop.call_soon_threadsafe(streams.begin, core.settings.graceful_timeout_s)
     if core is not None:
         loop.call_soon_threadsafe(core.begin_drain, core.settings.shutdown_grace_s)
 
 
 def _endpoint(
-    settings: Settings, core: Core, authenticator: Authenticator, limiter: RateLimiter, audit: AuditLog
-) -> tuple[McpEndpoint, V2026Surface]:
-    """The MCP endpoint and its two wires."""
+    settings: Settings, core: Core, authenticator: Authenticator, limiter: RateLimiter, audit: AuditLog,
+    streams: StreamsClosing,
+) -> tuple[McpEndpoint, V2026Surface]:  # fmt: skip
+    """The MCP endpoint and its two wires, whose open streams end as ``streams`` says."""
     v2025 = V2025Surface(
         core.tasks, core.sessions, core.registry, Inflight(core.signals), limiter, audit,
         poll_s=settings.poll_interval_ms / 1000, result_grace_s=settings.result_grace_ms / 1000,
     )  # fmt: skip
-    v2026 = V2026Surface(settings, core.tasks, v2025, limiter, audit)
-    endpoint = McpEndpoint(settings, authenticator, limiter, audit, V2025Http(settings, core.sessions, core.tasks, v2025),
-                           v2026)  # fmt: skip
+    v2026 = V2026Surface(settings, core.tasks, v2025, limiter, audit, streams)
+    endpoint = McpEndpoint(settings, authenticator, limiter, audit,
+                           V2025Http(settings, core.sessions, core.tasks, v2025, streams), v2026)  # fmt: skip
     return endpoint, v2026
 
 
@@ -101,7 +103,8 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         limiter = RateLimiter(settings, on_storage_error=metrics.rate_limit_storage_errors.inc)
         audit = AuditLog(core.db, on_write_failure=metrics.audit_write_failures.inc)
         app.state.core = core
-        app.state.mcp, app.state.v2026 = _endpoint(settings, core, authenticator, limiter, audit)
+        app.state.streams = streams = StreamsClosing()
+        app.state.mcp, app.state.v2026 = _endpoint(settings, core, authenticator, limiter, audit, streams)
         app.state.loop = asyncio.get_running_loop()
         metrics_endpoint = None
         if settings.metrics_port:
@@ -110,7 +113,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
         try:
             yield
         finally:
-            app.state.v2026.closing.set()
+            streams.end_now()
             app.state.mcp = None
             if metrics_endpoint is not None:
                 await metrics_endpoint.close()

@@ -69,13 +69,19 @@ def _serve(args: argparse.Namespace) -> None:
         log_level=settings.log_level.lower(),
         log_config=None,  # keep our structured handler
         # Open streams (tasks/result) get the same grace as running tasks; both end by its deadline.
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        timeout_graceful_shutdown=settings.graceful_timeout_s,
     )
     tune_gc()
-    # Ctrl-C: uvicorn drains and shuts down, then raises the signal again, which asyncio turns into
-    # a KeyboardInterrupt; the stop was asked for and is done, as `worker` treats it.
+    # Ctrl-C or SIGTERM: uvicorn drains and shuts down, then raises the signal again (SIGINT: a
+    # KeyboardInterrupt; SIGTERM: this handler, as uvicorn restores it); the stop was asked for and
+    # is done, so the process exits 0, as `worker` does.
+    signal.signal(signal.SIGTERM, _stopped)
     with contextlib.suppress(KeyboardInterrupt):
         Server(config).run()
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 async def _worker_main() -> None:

@@ -262,6 +262,12 @@ class Settings(BaseSettings):
         return "oauth" if self.oauth_issuer else "none"
 
     @property
+    def graceful_timeout_s(self) -> int:
+        """How long `serve`'s HTTP server waits for open requests once a shutdown began: the grace
+        of running tasks (whole seconds, at least one); open streams end just before it."""
+        return max(1, round(self.shutdown_grace_s))
+
+    @property
     def effective_default_ttl_ms(self) -> int:
         """The operator's, else the built-in default, lowered to a max TTL they set below it."""
         if self.default_ttl_ms is not None:

@@ -587,3 +587,41 @@ async def test_ctrl_c_stops_serve_cleanly_without_a_traceback(database_url: str,
     assert "Finished server process" in text
     assert "Traceback" not in text, text
     assert code == 0
+
+
+async def test_sigterm_with_work_in_flight_logs_no_error_and_no_traceback(database_url: str, tmp_path: Path) -> None:
+    """Issue 44 §2: a normal shutdown (SIGTERM, as Kubernetes sends) with a task running, a GET
+    stream and a tasks/result request open logs no ERROR line and no traceback, and exits 0."""
+    log = tmp_path / "serve.log"
+    async with mcp_tasks("serve", database_url, output=log, MCP_TASKS_LOG_LEVEL="INFO",
+                         MCP_TASKS_LOG_FORMAT="json") as (proc, url), http_client() as http:  # fmt: skip
+        s = RpcSession(http, url)
+        await s.initialize()
+        task_id = (await s.call_tool_as_task("sleep", {"seconds": 60}))["task"]["taskId"]
+        opened = asyncio.Event()
+
+        async def hold(method: str, params: dict[str, object] | None) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                if method == "GET":
+                    async with http.stream("GET", url, headers=s.headers(Accept="text/event-stream")) as r:
+                        opened.set()
+                        async for _ in r.aiter_bytes():
+                            pass
+                else:
+                    async with http.stream("POST", url, json=s.message(method, params), headers=s.headers()) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+
+        held = [asyncio.create_task(hold("GET", None)), asyncio.create_task(hold("tasks/result", {"taskId": task_id}))]
+        await asyncio.wait_for(opened.wait(), 10)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)
+        for job in held:
+            job.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text, text
+    lines = [orjson.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert lines, text
+    assert [e for e in lines if e["level"] in ("error", "critical")] == []

@@ -137,3 +137,12 @@ async def confirm_then_sleep(ctx: ToolContext, seconds: float = 1.0, first: floa
     answer = await ctx.elicit("Go on?", {"type": "object", "properties": {"ok": {"type": "boolean"}}})
     await asyncio.sleep(seconds)
     return f"{answer.action} then slept {seconds:g} s"
+
+
+@pack.tool()
+async def log_line(ctx: ToolContext, text: str) -> str:
+    """Write one log line from inside the run (what a pack's own logging does), and return."""
+    import logging
+
+    logging.getLogger("tests.toolpack").warning("the tool says %s", text)
+    return text

@@ -93,6 +93,8 @@ class _Answer:
 
 
 _WIRES: Final = {v2026.VERSION: Wire.V2026}
+# A principal's (or address's) refused requests get one log line per this many seconds.
+REFUSAL_LINE_INTERVAL_S: Final = 10.0
 
 
 class McpEndpoint:
@@ -106,6 +108,7 @@ class McpEndpoint:
         self.throttle = Throttle(limiter, audit, tenant_share=settings.effective_request_share)
         self.v2025 = v2025
         self.v2026 = v2026
+        self._refusal_lines = logctx.OncePer(REFUSAL_LINE_INTERVAL_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = RequestHeaders(scope)
@@ -114,7 +117,7 @@ class McpEndpoint:
         started_at = time.perf_counter()
         respond = _Answer(send, direct_exchange(scope), request_id.encode())
         try:
-            await self._serve(scope, receive, respond, headers, logged)
+            await self._serve(scope, receive, respond, headers, request_id, logged)
         except Exception:
             ref = secrets.token_hex(6)
             log.exception("unexpected error on %s /mcp (reference %s)", scope["method"], ref)
@@ -123,27 +126,38 @@ class McpEndpoint:
                 await send_json(send, 200, jsonrpc.error_message(None, error))
         finally:
             if log.isEnabledFor(logging.INFO):  # its extra is built per request otherwise
-                log.info(
-                    "%s /mcp %s",
-                    scope["method"],
-                    respond.status,
-                    extra={
-                        "status": respond.status,
-                        "duration_ms": round((time.perf_counter() - started_at) * 1000, 2),
-                    },
-                )
+                self._request_line(scope, respond.status, started_at, logged)
+
+    def _request_line(self, scope: Scope, status: int, started_at: float, logged: logctx.RequestContext) -> None:
+        """The request's line. Refusals under load (429, 503) are counted in metrics; their lines
+        are written at most once per principal (or address, before one is known) per interval,
+        saying how many were held back."""
+        extra: dict[str, object] = {
+            "status": status,
+            "duration_ms": round((time.perf_counter() - started_at) * 1000, 2),
+        }
+        if status in (429, 503):
+            client = scope.get("client")
+            key = (logged.tenant, logged.subject) if logged.tenant is not None else (client[0] if client else "-")
+            due, held_back = self._refusal_lines.due(key)
+            if not due:
+                return
+            if held_back:
+                extra["held_back"] = held_back
+        log.info("%s /mcp %s", scope["method"], status, extra=extra)
 
     async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders, logged: logctx.RequestContext
-    ) -> None:
+        self, scope: Scope, receive: Receive, send: Send, headers: RequestHeaders, request_id: str,
+        logged: logctx.RequestContext,
+    ) -> None:  # fmt: skip
         try:
             self.guard.check(headers)
             client = scope.get("client")
             address = client[0] if client else "-"
             connection = RequestConnection(scope, receive, headers)
-            principal = await self.authentication.principal(scope, connection, headers, address, logged.request_id)
-            caller = Caller(principal, logged.request_id, address)
-            logged.tenant = principal.tenant_id
+            principal = await self.authentication.principal(scope, connection, headers, address, request_id)
+            caller = Caller(principal, request_id, address)
+            logged.tenant, logged.subject = principal.tenant_id, principal.subject
             await self.throttle.check(caller, headers)
             with self.throttle.share(caller, headers):
                 await self._route(scope, receive, send, headers, caller)
@@ -157,14 +171,18 @@ class McpEndpoint:
         method = scope["method"]
         if method == "POST":
             message = await read_message(receive, headers, max_body_bytes=self.settings.max_body_bytes)
+            logctx.note_params(message.get("method"), message.get("params"))
             if wire_of(headers, message) is Wire.V2026:
+                logctx.note_wire(Wire.V2026.value)
                 await self.v2026.handle(scope, receive, send, headers, caller, message)
             else:
+                logctx.note_wire(Wire.V2025.value)
                 await self.v2025.post(scope, receive, send, headers, caller, message)
         elif headers.get(VERSION_HEADER) == v2026.VERSION and not headers.get(SESSION_HEADER):
             # X-HTTP-9: 2026-07-28 has no GET stream and no sessions to end.
             raise http_refusal(405, f"{method} is not used on 2026-07-28", {"Allow": "POST"})
         elif method == "GET":
+            logctx.note_wire(Wire.V2025.value)
             await self.v2025.get(receive, send, headers, caller)
         elif method == "DELETE":
             await self.v2025.delete(send, headers, caller.principal)

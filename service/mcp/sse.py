@@ -15,6 +15,34 @@ from service.mcp.jsonrpc import dumps
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
+# A shutdown's streams end this long before the server's graceful-shutdown timeout would cut them.
+STREAM_END_MARGIN_S = 0.5
+
+
+class StreamsClosing:
+    """A shutdown, as open streams see it: ``begun`` when it starts (streams that carry nothing a
+    client loses by reconnecting end then: GET streams); ``deadline`` shortly before the server's
+    graceful-shutdown timeout (every other stream ends then, properly, rather than have the server
+    cancel its request, which it logs as an error with a traceback)."""
+
+    def __init__(self) -> None:
+        self.begun = asyncio.Event()
+        self.deadline = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def begin(self, graceful_timeout_s: float) -> None:
+        """In the event loop: the shutdown began; streams have until the timeout (less a margin)."""
+        if self.begun.is_set():
+            return
+        self.begun.set()
+        delay = max(0.0, graceful_timeout_s - STREAM_END_MARGIN_S)
+        self._timer = asyncio.get_running_loop().call_later(delay, self.deadline.set)
+
+    def end_now(self) -> None:
+        self.begun.set()
+        self.deadline.set()
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 async def send_sse(
@@ -25,12 +53,14 @@ async def send_sse(
     headers: dict[str, str] | None = None,
     keepalive_s: float = KEEPALIVE_S,
     abort: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Stream ``messages`` as SSE events until exhausted, aborted, or the client goes away.
 
     A disconnect is not a cancellation of the underlying work (H-POST-11, T-RES-8): it only ends
     this stream, and ``messages`` is closed so its clean-up (e.g. releasing undelivered
-    elicitations) runs at once. ``abort`` ends the stream without a response (C-4, C-9).
+    elicitations) runs at once. ``abort`` ends the stream without a response (C-4, C-9); so does
+    ``stop`` (a shutdown: the client retries or reconnects, to another replica).
     """
     raw_headers = [
         (b"content-type", b"text/event-stream"),
@@ -78,9 +108,9 @@ async def send_sse(
     pump_task = asyncio.create_task(pump())
     watch_task = asyncio.create_task(watch_disconnect())
     waiters: set[asyncio.Future[Any]] = {pump_task, watch_task}
-    abort_task = asyncio.create_task(abort.wait()) if abort is not None else None
-    if abort_task is not None:
-        waiters.add(abort_task)
+    for event in (abort, stop):
+        if event is not None:
+            waiters.add(asyncio.create_task(event.wait()))
     disconnected = True
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

@@ -25,7 +25,7 @@ from service.mcp.http import send_json, until_done_or_gone
 from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, RATE_LIMITED, RequestId
 from service.mcp.plain import CallKey
 from service.mcp.refusal import Refusal, answer, http_refusal, refusal_of
-from service.mcp.sse import send_sse
+from service.mcp.sse import StreamsClosing, send_sse
 from service.mcp.v2025 import SUPPORTED_VERSIONS, Call, Streamed, V2025Surface
 from service.observability import logging as logctx
 from service.observability import metrics
@@ -104,8 +104,13 @@ def check_version_header(headers: Headers) -> None:
 
 
 class V2025Http:
-    def __init__(self, settings: Settings, sessions: SessionService, tasks: TaskService, surface: V2025Surface) -> None:
+    def __init__(
+        self, settings: Settings, sessions: SessionService, tasks: TaskService, surface: V2025Surface,
+        streams: StreamsClosing | None = None,
+    ) -> None:  # fmt: skip
         self.settings = settings
+        # A shutdown ends GET streams when it begins, other streams just before the server would cut them.
+        self.streams = streams if streams is not None else StreamsClosing()
         self.sessions = sessions
         self.tasks = tasks
         self.surface = surface
@@ -257,7 +262,8 @@ class V2025Http:
         if reply.cancel_key is not None:
             inflight.calls.setdefault(reply.cancel_key, abort.set)
         try:
-            await send_sse(send, receive, reply.messages, headers=extra, keepalive_s=self._keepalive_s, abort=abort)
+            await send_sse(send, receive, reply.messages, headers=extra, keepalive_s=self._keepalive_s, abort=abort,
+                           stop=self.streams.deadline)  # fmt: skip
         finally:
             if reply.cancel_key is not None and inflight.calls.get(reply.cancel_key) == abort.set:
                 del inflight.calls[reply.cancel_key]
@@ -340,7 +346,7 @@ class V2025Http:
                         if (message := V2025Surface.follow_message(call, event)) is not None:
                             yield message
 
-                await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s)
+                await send_sse(send, receive, messages(), keepalive_s=self._keepalive_s, stop=self.streams.begun)
 
     async def delete(self, send: Send, headers: Headers, principal: Principal) -> None:
         """H-SESS-6: end the session; its tasks live on, bound to the principal."""

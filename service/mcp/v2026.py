@@ -28,7 +28,7 @@ from service.mcp.framing import check_client_data
 from service.mcp.http import send_json
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RequestId
 from service.mcp.refusal import Refusal, answer, from_domain, http_refusal
-from service.mcp.sse import send_sse
+from service.mcp.sse import StreamsClosing, send_sse
 from service.mcp.v2025 import V2025Surface
 from service.mcp.v2026_calls import V2026Calls, responses_of
 from service.mcp.v2026_listen import Subscriptions
@@ -56,8 +56,9 @@ from service.tasks.service import TaskService
 
 class V2026Surface:
     def __init__(
-        self, settings: Settings, tasks: TaskService, v2025: V2025Surface, limiter: RateLimiter, audit: AuditLog
-    ) -> None:
+        self, settings: Settings, tasks: TaskService, v2025: V2025Surface, limiter: RateLimiter, audit: AuditLog,
+        streams: StreamsClosing | None = None,
+    ) -> None:  # fmt: skip
         self.settings = settings
         self.tasks = tasks
         self.v2025 = v2025
@@ -67,6 +68,8 @@ class V2026Surface:
         self.keepalive_s = settings.sse_keepalive_ms / 1000
         self.calls = V2026Calls(tasks, grace_s=settings.task_grace_ms / 1000, core=self._core)
         self.listening = Subscriptions(settings, tasks, limiter, audit)
+        self.streams = streams if streams is not None else StreamsClosing()
+        self.listening.closing = self.streams.begun  # subscriptions end when a shutdown begins (XD-14)
         self._methods = {
             "server/discover": self.discover,
             "tools/list": self.tools_list,
@@ -118,7 +121,7 @@ class V2026Surface:
             reply = await self._dispatch(handler, call, receive)
             outcome = "ok"
             if isinstance(reply, Streamed):
-                await send_sse(send, receive, reply.messages, keepalive_s=self.keepalive_s)
+                await send_sse(send, receive, reply.messages, keepalive_s=self.keepalive_s, stop=self.streams.deadline)
                 return
         except Refusal as failure:
             code = failure.code

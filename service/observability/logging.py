@@ -1,4 +1,6 @@
-"""Structured logs: one JSON object a line, carrying the request id, tenant and method in context.
+"""Structured logs: one JSON object a line, carrying what the line is about in context: the
+request (its id, wire, method), the principal (tenant, subject as the audit records it), the tool and
+a short prefix of the task id (a full id is a bearer handle, X-SEC-7).
 
 Logs never carry tokens or tool arguments: the code logs neither, uvicorn's access log (which would
 print query strings) is off, and the MCP endpoint writes its own request line instead.
@@ -9,23 +11,30 @@ from __future__ import annotations
 import contextvars
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
+TASK_PREFIX = 8  # characters of a task id a log line shows
+
 
 class RequestContext:
-    """What the log lines of one request carry. Set once, when the request begins (one context
-    variable: each set copies the context's mapping); the tenant and the method are filled in as
-    they become known, and tasks the request starts see them too."""
+    """What the log lines of one request, or of one task's run, carry. Set once, when the request
+    (or run) begins (one context variable: each set copies the context's mapping); the rest is
+    filled in as it becomes known, and tasks the request starts see it too."""
 
-    __slots__ = ("method", "request_id", "tenant")
+    __slots__ = ("method", "request_id", "subject", "task", "tenant", "tool", "wire")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str | None) -> None:
         self.request_id = request_id
-        self.tenant: str | None = None
+        self.wire: str | None = None
         self.method: str | None = None
+        self.tenant: str | None = None
+        self.subject: str | None = None
+        self.tool: str | None = None
+        self.task: str | None = None
 
 
 request: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("mcp_tasks_request", default=None)
@@ -38,10 +47,64 @@ def begin_request(request_id: str) -> RequestContext:
     return context
 
 
+def begin_run(*, tenant: str, subject: str, tool: str, task_id: str, wire: str) -> None:
+    """The log context of a task's run (in the run's own asyncio context): the run's task, and the
+    id of the request that started it here, if one did."""
+    outer = request.get()
+    context = RequestContext(outer.request_id if outer is not None else None)
+    context.wire, context.tenant, context.subject, context.tool = wire, tenant, subject, tool
+    context.task = task_id[:TASK_PREFIX]
+    request.set(context)
+
+
 def note_method(label: str) -> None:
     """The request's method, once known (a request outside one, e.g. in a test, notes nothing)."""
     if (context := request.get()) is not None:
         context.method = label
+
+
+def note_wire(wire: str) -> None:
+    """Which of the two wires the request speaks."""
+    if (context := request.get()) is not None:
+        context.wire = wire
+
+
+def note_params(method: Any, params: Any) -> None:
+    """The tool a call names and the task a request is about, from its params, once read."""
+    if (context := request.get()) is not None and isinstance(params, dict):
+        if method == "tools/call" and isinstance(name := params.get("name"), str):
+            context.tool = name[:128]
+        if isinstance(task_id := params.get("taskId"), str):
+            context.task = task_id[:TASK_PREFIX]
+
+
+def note_task(task_id: str) -> None:
+    """The task a request created."""
+    if (context := request.get()) is not None:
+        context.task = task_id[:TASK_PREFIX]
+
+
+class OncePer:
+    """At most one line per key per interval: ``due(key)`` says whether this one may be logged, and
+    how many were held back since the last. Bounded: past ``max_keys`` keys the oldest are forgotten
+    (a forgotten key may log once more)."""
+
+    def __init__(self, interval_s: float, max_keys: int = 4096) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self._last: dict[object, tuple[float, int]] = {}
+
+    def due(self, key: object) -> tuple[bool, int]:
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False, 0
+        if last is None and len(self._last) >= self.max_keys:
+            for old in list(self._last)[: self.max_keys // 4]:
+                del self._last[old]
+        self._last[key] = (now, 0)
+        return True, last[1] if last is not None else 0
 
 
 # color_message: uvicorn's ANSI-coloured copy of the message.

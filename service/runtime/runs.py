@@ -18,6 +18,7 @@ from service.concurrency import eager
 from service.domain.errors import Unavailable
 from service.domain.task import FailureReason, Outcome, Task
 from service.domain.values import frozen
+from service.observability import logging as logctx
 from service.observability import metrics
 from service.runtime.commands import Run, TaskKey, key_of
 from service.runtime.context import TaskRunContext, TaskSink
@@ -108,6 +109,8 @@ class Runs:
         session's task reads what its client declared from the session (not stored per task),
         unless the creating request handed it over (``capabilities``)."""
         task = run.task
+        logctx.begin_run(tenant=task.tenant_id, subject=task.subject, tool=task.tool, task_id=task.task_id,
+                         wire=task.wire)  # fmt: skip
         started = time.perf_counter()
         try:
             caps = task.client_capabilities

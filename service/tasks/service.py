@@ -27,6 +27,7 @@ from service.domain.inputs import InputResponse, PendingInput
 from service.domain.principal import Caller
 from service.domain.task import Outcome, Task, TaskStatus, Wire, clamp_ttl, new_task_id
 from service.domain.values import frozen
+from service.observability import logging as logctx
 from service.observability import metrics
 from service.runtime.engine import Engine
 from service.runtime.inline import CallEnd, InlineCallContext, RoundResult
@@ -219,6 +220,7 @@ class TaskService:
         task = await asyncio.shield(created)
         if task is None:
             raise await self._refuse_capacity(caller, tool, size=request.size_bytes)
+        logctx.note_task(task.task_id)
         return task
 
     async def call(
@@ -283,6 +285,7 @@ class TaskService:
         task = await asyncio.shield(created)
         if task is None:
             raise await self._refuse_capacity(caller, spec.name, size=request.size_bytes)
+        logctx.note_task(task.task_id)
         return CallResult(task=task)
 
     def _extension_request(
@@ -309,6 +312,7 @@ class TaskService:
         task = await asyncio.shield(self._enqueue_create(request))
         if task is None:
             raise await self._refuse_capacity(caller, spec.name, size=request.size_bytes)
+        logctx.note_task(task.task_id)
         return task
 
     async def _refuse_plain(self, caller: Caller, tool: str, plain: int) -> CapacityExceeded:
