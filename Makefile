@@ -91,12 +91,12 @@ bench-smoke: $(STAMP) ## a seconds-long run of the benchmark harness (ours and t
 LOCK_CMD = $(UV) pip compile --quiet --universal --generate-hashes --python-version 3.11 --no-emit-index-url pyproject.toml
 
 lock: $(STAMP) ## refresh requirements.lock (runtime: the image, `make run`) and requirements-dev.lock (runtime + dev) after changing pyproject.toml
-	$(LOCK_CMD) --output-file requirements.lock
-	$(LOCK_CMD) --extra dev -c requirements.lock --output-file requirements-dev.lock
+	$(LOCK_CMD) --extra tracing --output-file requirements.lock
+	$(LOCK_CMD) --extra tracing --extra dev -c requirements.lock --output-file requirements-dev.lock
 
 # Pins only: a release that later gains a wheel (a new hash) does not make a lock stale.
 lock-check: $(STAMP) ## requirements.lock and requirements-dev.lock are current with pyproject.toml (resolving again keeps every pin)
-	@for lock in requirements.lock requirements-dev.lock; do extra=; [ $$lock = requirements-dev.lock ] && extra="--extra dev -c requirements.lock"; \
+	@for lock in requirements.lock requirements-dev.lock; do extra="--extra tracing"; [ $$lock = requirements-dev.lock ] && extra="--extra tracing --extra dev -c requirements.lock"; \
 	  tmp=$$(mktemp); cp $$lock $$tmp; $(LOCK_CMD) $$extra --output-file $$tmp; \
 	  if diff -u <(grep -E '^[a-z0-9]' $$lock) <(grep -E '^[a-z0-9]' $$tmp); then rm -f $$tmp; \
 	  else rm -f $$tmp; echo "$$lock is stale: run make lock"; exit 1; fi; done

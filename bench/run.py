@@ -74,6 +74,12 @@ for _variant, _base in ONE_PRINCIPAL.items():
 HOP = {"lifecycle-up": "lifecycle"}
 WORKLOADS["lifecycle-up"] = {**WORKLOADS["lifecycle"], "base": "lifecycle", "tool": "up.echo"}
 HOP_TARGET, HOP_P50_TARGET_MS = 0.5, 5.0  # upstream lifecycles over local ones; p50 added
+# Tracing (issue 44): the lifecycle load with tracing on and the default sampler (parent-based,
+# 10 %: the load sends no trace context), its spans exported over OTLP/HTTP to a sink on the load
+# core (bench/otlp_sink.py), right after ours' untraced lifecycle of the same round: ours only.
+TRACED = {"lifecycle-traced": "lifecycle"}
+WORKLOADS["lifecycle-traced"] = {**WORKLOADS["lifecycle"], "base": "lifecycle"}
+TRACED_TARGET = 0.95  # traced lifecycles over untraced ones: tracing costs at most 5 %
 ONE_PRINCIPAL_TARGET = 0.9  # one principal's throughput over the spread one's
 BUSY_TARGET = 0.9  # ... with the server's core (our process and PostgreSQL, both pinned there) this busy
 # What each target compares (issues 5, 11 and 15): workload -> target ratio to the best peer.
@@ -91,7 +97,7 @@ EXT_TASK_SECONDS, EXT_POLL_MS = 0.005, 5.0
 
 
 def peers_of(workload: str) -> tuple[str, ...]:
-    if workload in ONE_PRINCIPAL or workload in HOP:
+    if workload in ONE_PRINCIPAL or workload in HOP or workload in TRACED:
         return ()
     return EXT_PEERS if workload in EXT_WORKLOADS else LEGACY_PEERS
 
@@ -382,7 +388,19 @@ EXT_ENV = {"MCP_TASKS_TASK_GRACE_MS": "0"}
 
 @contextlib.contextmanager
 def upstream_for(workload: str, logs: Path) -> Iterator[dict[str, str]]:
-    """For a hop workload, the upstream MCP server (on the load core) and the env naming it."""
+    """For a hop workload, the upstream MCP server (on the load core) and the env naming it; for a
+    traced one, the OTLP sink (on the load core) and the env that turns tracing on."""
+    if workload in TRACED:
+        port = free_port()
+        with (logs / "otlp-sink.log").open("ab") as log:
+            sink = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "python"), "bench/otlp_sink.py", str(port)]),
+                                    cwd=ROOT, stdout=log, stderr=log)  # fmt: skip
+        try:
+            yield {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+        finally:
+            sink.terminate()
+            sink.wait(timeout=15)
+        return
     if workload not in HOP:
         yield {}
         return
@@ -605,6 +623,20 @@ def hop_figures(report: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
+def traced_figures(report: dict[str, Any]) -> dict[str, float]:
+    """Tracing's cost (issue 44): lifecycles of ``lifecycle-traced`` against ours' untraced
+    ``lifecycle`` of the same rounds; the ratio is the median of the rounds' ratios."""
+    results = report["results"]
+    traced = results.get("lifecycle-traced", {}).get("ours", [])
+    plain = results.get("lifecycle", {}).get("ours", [])
+    if not traced:
+        return {}
+    pairs = [t.get("throughput_per_s", float("nan")) / p["throughput_per_s"]
+             for p, t in zip(plain, traced, strict=False) if p.get("throughput_per_s")]  # fmt: skip
+    return {"untraced": median_of(plain, "throughput_per_s"), "traced": median_of(traced, "throughput_per_s"),
+            "ratio": statistics.median(pairs) if pairs else float("nan")}  # fmt: skip
+
+
 def core_busy(runs: list[dict[str, Any]]) -> float:
     """Median share of the server core that was busy over the runs: our process's CPU seconds plus
     PostgreSQL's (pinned to the same core) over the measured seconds."""
@@ -652,7 +684,8 @@ def render(report: dict[str, Any]) -> str:
     results: dict[str, dict[str, list[dict[str, Any]]]] = report["results"]
     one = {w: per for w, per in results.items() if w in ONE_PRINCIPAL}
     hop = hop_figures(report)
-    results = {w: per for w, per in results.items() if w not in ONE_PRINCIPAL and w not in HOP}
+    traced = traced_figures(report)
+    results = {w: per for w, per in results.items() if w not in ONE_PRINCIPAL and w not in HOP and w not in TRACED}
     legacy = {w: per for w, per in results.items() if w not in EXT_WORKLOADS}
     ext = {w: per for w, per in results.items() if w in EXT_WORKLOADS}
     ratios: dict[str, float] = {}
@@ -751,6 +784,11 @@ def render(report: dict[str, Any]) -> str:
                   f"| p50, ms | {_num(hop['local_p50'], '.1f')} | {_num(hop['upstream_p50'], '.1f')} "
                   f"| +{_num(hop['added_p50'], '.1f')} |",
                   f"| p99, ms | {_num(hop['local_p99'], '.1f')} | {_num(hop['upstream_p99'], '.1f')} | |"]  # fmt: skip
+    if traced:
+        lines += ["", "Tracing on (OTLP/HTTP to a sink on the load core, the default sampler: parent-based 10 %) "
+                  f"against off, the lifecycle load of the same rounds, ours only: {_num(traced['traced'])} against "
+                  f"{_num(traced['untraced'])} lifecycles/s, {_num(traced['ratio'], '.2f', 'x')} (median of the "
+                  "rounds' ratios)."]  # fmt: skip
     scale: dict[str, dict[str, float]] = report.get("scale") or {}
     if scale:
         lines += ["", "tasks/get with 6,400 held and other tenants' tasks stored (median p99 of the runs): " + ", ".join(
@@ -799,6 +837,9 @@ def render(report: dict[str, Any]) -> str:
                              _num(hop["ratio"], ".2f", "x"), HOP_TARGET, True))  # fmt: skip
         verdicts.insert(-1, (f"... adding <= {HOP_P50_TARGET_MS:g} ms p50", hop["added_p50"],
                              _num(hop["added_p50"], ".1f", " ms"), HOP_P50_TARGET_MS, False))  # fmt: skip
+    if traced:
+        verdicts.insert(-1, (f"lifecycles/s with tracing on >= {TRACED_TARGET}x off (median of the rounds' ratios)",
+                             traced["ratio"], _num(traced["ratio"], ".2f", "x"), TRACED_TARGET, True))  # fmt: skip
     lines += ["", "| target | result | verdict |", "|---|---|---|"]
     for name, got, shown, target, at_least in verdicts:
         verdict = "-" if got != got else ("met" if (got >= target if at_least else got <= target) else "**missed**")

@@ -11,7 +11,6 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -28,7 +27,7 @@ from service.mcp.sse import StreamsClosing
 from service.mcp.v2025 import V2025Surface
 from service.mcp.v2025_http import V2025Http
 from service.mcp.v2026 import V2026Surface
-from service.observability import metrics
+from service.observability import metrics, tracing
 from service.observability.endpoint import MetricsEndpoint
 from service.store import migrate
 from service.tasks.audit import AuditLog
@@ -97,6 +96,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Outbound HTTP (JWKS, discovery, introspection): short timeouts, no redirects to elsewhere.
+        tracing.configure("serve")  # on only with an OTLP endpoint set (OTEL_EXPORTER_OTLP_ENDPOINT)
         http = httpx.AsyncClient(timeout=settings.oauth_http_timeout_s, follow_redirects=False)
         authenticator = build_authenticator(settings, http)
         core = await open_core(settings, run_tasks=run_tasks)
@@ -119,6 +119,7 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
                 await metrics_endpoint.close()
             await core.close()
             await http.aclose()
+            tracing.shutdown()
 
     # No OpenAPI document: /mcp is not described by it, and it answered any Host.
     app = _App(
@@ -145,7 +146,8 @@ def create_app(settings: Settings, *, run_tasks: bool = True) -> FastAPI:
                 return JSONResponse(
                     {"error": "Host is not served here; scrape MCP_TASKS_METRICS_PORT"}, status_code=403
                 )
-            return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+            body, content_type = metrics.exposition(request.headers.get("accept", ""))
+            return Response(body, media_type=content_type)
 
     if settings.effective_auth == "oauth":
         metadata = protected_resource_metadata(settings)

@@ -86,8 +86,10 @@ def _stopped(signum: int, frame: Any) -> None:
 
 async def _worker_main() -> None:
     from service.core import check_schema, open_core, tune_gc
+    from service.observability import tracing
 
     settings = _settings()
+    tracing.configure("worker")  # on only with an OTLP endpoint set (OTEL_EXPORTER_OTLP_ENDPOINT)
     try:
         if settings.database_url:
             await check_schema(settings.database_url)
@@ -123,6 +125,7 @@ async def _worker_main() -> None:
     if endpoint is not None:
         await endpoint.close()
     await core.close()
+    tracing.shutdown()
 
 
 def _migrate(args: argparse.Namespace) -> None:

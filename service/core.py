@@ -26,8 +26,9 @@ from service.store.tasks import service_key
 from service.store.upstreams import UpstreamStates
 from service.store.usage import PlainCallTally
 from service.tasks.cursor import CursorCodec
+from service.tasks.policy import TaskPolicy
 from service.tasks.request_state import RequestStateCodec
-from service.tasks.service import TaskPolicy, TaskService
+from service.tasks.service import TaskService
 from service.tasks.sessions import SessionService
 from service.tasks.signals import Signals
 from service.tools.registry import Registry

@@ -641,3 +641,24 @@ def test_the_report_sets_the_upstream_hop_against_the_local_lifecycle_of_the_sam
     assert "| upstream lifecycles/s >= 0.5x local (median of the rounds' ratios) | 0.55x | met |" in text
     assert "| ... adding <= 5 ms p50 | 4.0 ms | met |" in text
     assert "| lifecycle-up |" not in text  # not a workload of the peers' tables
+
+
+def test_the_report_sets_tracing_on_against_off_in_the_same_rounds() -> None:
+    """Issue 44: lifecycles with tracing on (the default sampler) against off, round by round,
+    judged (>= 0.95x: tracing costs at most 5 %)."""
+    run = _harness()
+    assert run.WORKLOADS["lifecycle-traced"] == {**run.WORKLOADS["lifecycle"], "base": "lifecycle"}
+    assert run.peers_of("lifecycle-traced") == ()
+    report = {
+        "rounds": 2,
+        "duration_s": 8.0,
+        "results": {
+            "lifecycle": {"ours": [_run(1000), _run(800)]},
+            "lifecycle-traced": {"ours": [_run(990), _run(776)]},
+        },
+        "scale": {},
+    }
+    text = run.render(report)
+    assert "883 against 900 lifecycles/s, 0.98x (median of the rounds' ratios)" in text  # 0.99 and 0.97
+    assert "| lifecycles/s with tracing on >= 0.95x off (median of the rounds' ratios) | 0.98x | met |" in text
+    assert "| lifecycle-traced |" not in text

@@ -32,6 +32,7 @@ from joserfc.jwk import KeySet
 
 from service.config import Settings
 from service.domain.principal import RESERVED_TENANT, Principal
+from service.observability import tracing
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,10 @@ class TokenVerifier:
 
     async def _get_json(self, url: str) -> dict[str, Any]:
         try:
-            response = await self.http.get(url, timeout=self.settings.oauth_http_timeout_s)
+            with tracing.client_span("GET", {"http.request.method": "GET", "url.full": url}):
+                headers: dict[str, str] = {}
+                tracing.inject(headers)
+                response = await self.http.get(url, timeout=self.settings.oauth_http_timeout_s, headers=headers)
         except httpx.HTTPError as exc:
             raise IssuerUnavailable(f"{url}: {type(exc).__name__}") from None
         if response.status_code != 200:
@@ -335,12 +339,16 @@ class TokenVerifier:
         if self.settings.oauth_client_id:
             auth = httpx.BasicAuth(self.settings.oauth_client_id, self.settings.oauth_client_secret or "")
         try:
-            response = await self.http.post(
-                url,
-                data={"token": token, "token_type_hint": "access_token"},
-                auth=auth,
-                timeout=self.settings.oauth_http_timeout_s,
-            )
+            with tracing.client_span("POST", {"http.request.method": "POST", "url.full": url}):
+                headers: dict[str, str] = {}
+                tracing.inject(headers)
+                response = await self.http.post(
+                    url,
+                    data={"token": token, "token_type_hint": "access_token"},
+                    auth=auth,
+                    timeout=self.settings.oauth_http_timeout_s,
+                    headers=headers,
+                )
             data = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             raise IssuerUnavailable(f"{url}: introspection failed") from None

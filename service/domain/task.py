@@ -131,6 +131,8 @@ class Task:
     # When it will be deleted; None where the copy was read without it. PostgreSQL's 'infinity'
     # (a started task, while it works) reads as a naive datetime.max.
     expires_at: datetime | None = None
+    # The creating request's W3C traceparent (tracing on): its run is a child of that request.
+    trace_parent: str | None = None
 
 
 def ttl_reported_ms(task: Task, now: datetime) -> int:

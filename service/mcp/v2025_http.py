@@ -26,6 +26,7 @@ from service.mcp.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, RATE_LIMITED, Re
 from service.mcp.plain import CallKey
 from service.mcp.refusal import Refusal, answer, http_refusal, refusal_of
 from service.mcp.sse import StreamsClosing, send_sse
+from service.mcp.traced import request_failed, request_span
 from service.mcp.v2025 import SUPPORTED_VERSIONS, Call, Streamed, V2025Surface
 from service.observability import logging as logctx
 from service.observability import metrics
@@ -162,20 +163,22 @@ class V2025Http:
         outcome: str = "internal_error"
         code: int | None = INTERNAL_ERROR
         wire = {"wire": "none"}  # the session's protocol version, once known
-        try:
-            outcome, code = await self._request(scope, receive, send, headers, caller, message, wire)
-        except (Refusal, DomainError) as exc:  # answered by the endpoint: a refusal, not a fault of ours
-            refusal = refusal_of(exc)
-            outcome, code = "error", refusal.code if refusal is not None else INTERNAL_ERROR
-            raise
-        finally:
-            elapsed = time.perf_counter() - started
-            if code is not None:
-                metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), wire["wire"]).inc()
-            latency = elapsed if waits is None else max(0.0, elapsed - sum(waits))
-            metrics.request_meter.record(label, outcome, wire["wire"], latency)
-            if waits is not None:
-                metrics.task_result_seconds.observe(elapsed)
+        with request_span(label, message, headers, caller, protocol_version=None):
+            try:
+                outcome, code = await self._request(scope, receive, send, headers, caller, message, wire)
+            except (Refusal, DomainError) as exc:  # answered by the endpoint: a refusal, not a fault of ours
+                refusal = refusal_of(exc)
+                outcome, code = "error", refusal.code if refusal is not None else INTERNAL_ERROR
+                raise
+            finally:
+                request_failed(code, outcome)
+                elapsed = time.perf_counter() - started
+                if code is not None:
+                    metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), wire["wire"]).inc()
+                latency = elapsed if waits is None else max(0.0, elapsed - sum(waits))
+                metrics.request_meter.record(label, outcome, wire["wire"], latency)  # in the span: its exemplar
+                if waits is not None:
+                    metrics.task_result_seconds.observe(elapsed)
 
     async def _request(
         self, scope: Scope, receive: Receive, send: Send, headers: Headers, caller: Caller, message: dict[str, Any],

@@ -29,6 +29,7 @@ from service.mcp.http import send_json
 from service.mcp.jsonrpc import INVALID_PARAMS, METHOD_NOT_FOUND, RequestId
 from service.mcp.refusal import Refusal, answer, from_domain, http_refusal
 from service.mcp.sse import StreamsClosing, send_sse
+from service.mcp.traced import request_failed, request_span
 from service.mcp.v2025 import V2025Surface
 from service.mcp.v2026_calls import V2026Calls, responses_of
 from service.mcp.v2026_listen import Subscriptions
@@ -108,33 +109,37 @@ class V2026Surface:
         started = time.perf_counter()
         outcome = "error"
         code: int | None = None
-        try:
-            handler = self._methods.get(method)
-            if handler is None and method != "subscriptions/listen":
-                # X-HTTP-5: tasks/result, tasks/list, initialize, ping... do not exist here; said first.
-                raise fail(METHOD_NOT_FOUND, f"Method not found: {method}", status=404)
-            call = self._envelope(scope, caller, request_id, method, message.get("params"), headers)
-            if handler is None:
-                await self.listening.listen(receive, send, call)
+        with request_span(label, message, headers, caller, protocol_version=ext.VERSION):
+            try:
+                handler = self._methods.get(method)
+                if handler is None and method != "subscriptions/listen":
+                    # X-HTTP-5: tasks/result, tasks/list, initialize, ping... do not exist here; said first.
+                    raise fail(METHOD_NOT_FOUND, f"Method not found: {method}", status=404)
+                call = self._envelope(scope, caller, request_id, method, message.get("params"), headers)
+                if handler is None:
+                    await self.listening.listen(receive, send, call)
+                    outcome = "ok"
+                    return
+                reply = await self._dispatch(handler, call, receive)
                 outcome = "ok"
+                if isinstance(reply, Streamed):
+                    await send_sse(
+                        send, receive, reply.messages, keepalive_s=self.keepalive_s, stop=self.streams.deadline
+                    )
+                    return
+            except Refusal as failure:
+                code = failure.code
+                if failure.envelope:  # answered by the endpoint, without this request's id
+                    raise
+                failure.request_id = request_id
+                await answer(send, failure)
                 return
-            reply = await self._dispatch(handler, call, receive)
-            outcome = "ok"
-            if isinstance(reply, Streamed):
-                await send_sse(send, receive, reply.messages, keepalive_s=self.keepalive_s, stop=self.streams.deadline)
-                return
-        except Refusal as failure:
-            code = failure.code
-            if failure.envelope:  # answered by the endpoint, without this request's id
-                raise
-            failure.request_id = request_id
-            await answer(send, failure)
-            return
-        finally:
-            if outcome != "ok":
-                metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), ext.VERSION).inc()
-            metrics.request_meter.record(label, outcome, ext.VERSION, time.perf_counter() - started)
-        await send_json(send, 200, jsonrpc.result_message(request_id, reply))
+            finally:
+                request_failed(code, outcome)
+                if outcome != "ok":
+                    metrics.labelled(metrics.request_errors, label, metrics.rpc_code(code), ext.VERSION).inc()
+                metrics.request_meter.record(label, outcome, ext.VERSION, time.perf_counter() - started)
+            await send_json(send, 200, jsonrpc.result_message(request_id, reply))
 
     def _envelope(
         self, scope: Scope, caller: Caller, request_id: RequestId, method: str, params: Any, headers: Headers

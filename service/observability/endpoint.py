@@ -13,7 +13,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.observability import metrics
 
@@ -46,9 +45,12 @@ class MetricsEndpoint:
         try:
             async with asyncio.timeout(10):
                 request_line = await reader.readline()
-                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    pass  # headers: nothing here depends on them
-                status, ctype, body = await self._answer(request_line)
+                accept = ""
+                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    name, _, value = line.decode("latin-1").partition(":")
+                    if name.strip().lower() == "accept":  # OpenMetrics (exemplars) when asked for
+                        accept = value.strip()
+                status, ctype, body = await self._answer(request_line, accept)
             head = (
                 f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -62,7 +64,7 @@ class MetricsEndpoint:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _answer(self, request_line: bytes) -> tuple[int, str, bytes]:
+    async def _answer(self, request_line: bytes, accept: str = "") -> tuple[int, str, bytes]:
         parts = request_line.decode("latin-1").split()
         if len(parts) != 3:
             return 400, "text/plain", b"bad request\n"
@@ -73,7 +75,8 @@ class MetricsEndpoint:
         if verb != "GET":
             return 405, "text/plain", b"GET only\n"
         if path == "/metrics":
-            return 200, CONTENT_TYPE_LATEST, metrics.exposition()
+            exposed, content_type = metrics.exposition(accept)
+            return 200, content_type, exposed
         if path == "/healthz":
             return 200, "application/json", b'{"status":"ok"}'
         status, body = await self.readiness()

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from service.observability import tracing
+
 TASK_PREFIX = 8  # characters of a task id a log line shows
 
 
@@ -127,6 +129,8 @@ class JsonFormatter(logging.Formatter):
             for key in RequestContext.__slots__:
                 if (value := getattr(context, key)) is not None:
                     entry[key] = value
+        if tracing.enabled() and (ids := tracing.exemplar()) is not None:
+            entry.update(ids)
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value

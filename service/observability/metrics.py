@@ -17,6 +17,7 @@ import os
 from typing import Final
 
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
@@ -26,6 +27,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from service.domain.task import Task
 
@@ -320,11 +322,15 @@ def process_exiting() -> None:
         multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
 
-def exposition() -> bytes:
-    """The text exposition of this process, or of all processes in multiprocess mode."""
+def exposition(accept: str = "") -> tuple[bytes, str]:
+    """The exposition of this process, or of all processes in multiprocess mode, and its content
+    type: OpenMetrics when the scraper accepts it (the format that carries exemplars: latency
+    observations' trace ids while tracing is on), else Prometheus' text format."""
     request_meter.flush()
+    registry: CollectorRegistry = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return generate_latest(registry)
-    return generate_latest()
+    if "application/openmetrics-text" in accept:
+        return openmetrics.generate_latest(registry), openmetrics.CONTENT_TYPE_LATEST  # type: ignore[no-untyped-call]
+    return generate_latest(registry), CONTENT_TYPE_LATEST

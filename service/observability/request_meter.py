@@ -12,6 +12,7 @@ from typing import Final
 
 from prometheus_client import Counter, Histogram
 
+from service.observability import tracing
 from service.observability.metric_labels import labelled
 
 # Every request's count and latency go to prometheus-client at most this long after it ended, and
@@ -52,11 +53,15 @@ class RequestMeter:
         key = (method, outcome, wire)
         counts = self._counts
         counts[key] = counts.get(key, 0) + 1
-        row = self._latency.get(method)
-        if row is None:
-            row = self._latency[method] = [0.0] * (len(self._buckets) + 2)
-        row[bisect_left(self._buckets, seconds)] += 1  # the first bound >= seconds (le)
-        row[-1] += seconds
+        if tracing.enabled() and (exemplar := tracing.exemplar()) is not None:
+            # A sampled request's latency goes in at once, with its trace id as the bucket's exemplar.
+            labelled(self._seconds, method).observe(seconds, exemplar=exemplar)
+        else:
+            row = self._latency.get(method)
+            if row is None:
+                row = self._latency[method] = [0.0] * (len(self._buckets) + 2)
+            row[bisect_left(self._buckets, seconds)] += 1  # the first bound >= seconds (le)
+            row[-1] += seconds
         if self._flush is None or self._flush_loop is not _running_loop():
             # (A timer of a loop since closed, as a test's, would never fire: set one on this loop.)
             self._schedule()

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from service.domain.events import LogEntry, Progress, TaskEvent
 from service.domain.inputs import InputResponse, PendingInput
 from service.domain.task import FailureReason, Task, TaskStatus, Wire
-from service.observability import metrics
+from service.observability import metrics, tracing
 from service.store.events import EventHub, TaskLog, TaskProgress
 from service.store.runners import RunnerStore
 from service.tools.api import refused
@@ -120,11 +120,14 @@ class TaskSink:
         async with self._hub.subscribe(("task", t.tenant_id, t.task_id)) as events:
             if not await self._store.ask(t, self._owner, question):
                 raise asyncio.CancelledError  # cancelled or lease lost under us
+            tracing.event("task.input_required", kind=question.kind.value)
             # Waiting is not running: the slot goes back meanwhile, and is taken again (in turn,
             # under the tenant's share) before the tool goes on, answered or not.
             released = self._waits is not None and self._waits.waiting()
             try:
-                return await self._answer(question, events)
+                answer = await self._answer(question, events)
+                tracing.event("task.input_answered", kind=question.kind.value)
+                return answer
             except asyncio.CancelledError:
                 released = False
                 raise

@@ -7,6 +7,7 @@ this carries it out, and tells the ledger when a run's tool ends and when the ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -19,7 +20,7 @@ from service.domain.errors import Unavailable
 from service.domain.task import FailureReason, Outcome, Task
 from service.domain.values import frozen
 from service.observability import logging as logctx
-from service.observability import metrics
+from service.observability import metrics, tracing
 from service.runtime.commands import Run, TaskKey, key_of
 from service.runtime.context import TaskRunContext, TaskSink
 from service.runtime.executor import Executor
@@ -45,6 +46,16 @@ class RunLimits:
 
 # Tools that ignored their cancel at the runtime limit, left to end on their own (kept referenced).
 _abandoned: set[asyncio.Future[Outcome]] = set()
+
+
+def run_span(task: Task) -> contextlib.AbstractContextManager[Any]:
+    """The run's span: a child of the request that created the task, in whichever process runs it."""
+    if not tracing.enabled():
+        return tracing.NO_SPAN
+    attributes = {"gen_ai.tool.name": task.tool, "gen_ai.operation.name": "execute_tool", "mcp_tasks.wire": task.wire,
+                  tracing.TENANT_ATTRIBUTE: task.tenant_id, tracing.TASK_ATTRIBUTE: task.task_id[:8],
+                  "mcp_tasks.task.attempt": task.attempts}  # fmt: skip
+    return tracing.run_span(task.trace_parent, f"execute_tool {task.tool}", attributes)
 
 
 def over_limit(tool: str, limit_s: float) -> Outcome:
@@ -112,29 +123,36 @@ class Runs:
         logctx.begin_run(tenant=task.tenant_id, subject=task.subject, tool=task.tool, task_id=task.task_id,
                          wire=task.wire)  # fmt: skip
         started = time.perf_counter()
-        try:
-            caps = task.client_capabilities
-            if call is None and task.session_id is not None and not caps:
-                if capabilities is None:
-                    capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
-                caps = capabilities
-            self.ledger.tool_called(run)
-            outcome = await self._call(task, call, caps)
-            if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
-                raise asyncio.CancelledError
-            self.ledger.tool_ended(run)
-            self._settled()
-            metrics.labelled(metrics.task_run_seconds, task.tool).observe(time.perf_counter() - started)
-            await self.records.finish(task, outcome)
-        except asyncio.CancelledError:
-            if (back := self.ledger.run_cancelled(run, time.monotonic())) is not None:
-                await self.records.hand_back(back)
-        except Exception:
-            ref = secrets.token_hex(6)
-            log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
-            await self.records.unstorable(task, ref)
-        finally:
-            self._ended(run)
+        with run_span(task):
+            try:
+                caps = task.client_capabilities
+                if call is None and task.session_id is not None and not caps:
+                    if capabilities is None:
+                        capabilities = await self._session_capabilities(task.tenant_id, task.session_id)
+                    caps = capabilities
+                self.ledger.tool_called(run)
+                outcome = await self._call(task, call, caps)
+                tracing.event("task.tool_ended", outcome=outcome.kind.value)
+                if run.fenced:  # a tool that ignored its cancel: what it returned is not ours to write
+                    raise asyncio.CancelledError
+                self.ledger.tool_ended(run)
+                self._settled()
+                metrics.labelled(metrics.task_run_seconds, task.tool).observe(
+                    time.perf_counter() - started, exemplar=tracing.exemplar()
+                )
+                await self.records.finish(task, outcome)
+            except asyncio.CancelledError:
+                back = self.ledger.run_cancelled(run, time.monotonic())
+                tracing.event("task.handed_back" if back is not None else "task.cancelled")
+                if back is not None:
+                    await self.records.hand_back(back)
+            except Exception:
+                ref = secrets.token_hex(6)
+                log.exception("runner failed to record the outcome of task %s (reference %s)", task.task_id[:8], ref)
+                tracing.failed("unstorable")
+                await self.records.unstorable(task, ref)
+            finally:
+                self._ended(run)
 
     async def _call(self, task: Task, call: InlineCall | None, caps: dict[str, Any]) -> Outcome:
         """The tool's outcome, or a failure once it runs past its runtime limit. The limit counts

@@ -30,7 +30,7 @@ from typing import Generic, Protocol, TypeVar
 import asyncpg
 
 from service.domain.errors import Unavailable
-from service.observability import metrics
+from service.observability import metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class Batcher(Generic[T, R]):
         # Per lane: the queue (item, future, size in bytes) in arrival order, and its drainer.
         self._queues: tuple[list[tuple[T, asyncio.Future[R], int]], ...] = ([], [])
         self._drainers: list[asyncio.Task[None] | None] = [None, None]
+        # Tracing on: the span context of each queued item's request, for its batch's span's links.
+        self._carried: dict[asyncio.Future[R], object] = {}
 
     def enqueue(self, item: T) -> asyncio.Future[R]:
         """The future of ``item``'s result. Cancelling a wait on it does not withdraw the item:
@@ -83,6 +85,8 @@ class Batcher(Generic[T, R]):
         size = item.size_bytes
         lane = LARGE if size > LARGE_ITEM_BYTES else SMALL
         self._queues[lane].append((item, future, size))
+        if tracing.enabled():
+            self._carried[future] = tracing.capture()
         if self._drainers[lane] is None:
             self._drainers[lane] = asyncio.create_task(self._drain(lane), name=f"batch-drain-{self._name}")
         return future
@@ -105,6 +109,7 @@ class Batcher(Generic[T, R]):
             # Cancelled (shutdown): nobody who queued meanwhile is left waiting.
             for _item, future, _size in queue:
                 _settle(future, exc=Unavailable("the service is shutting down; retry"))
+                self._carried.pop(future, None)
             queue.clear()
 
     async def _gather(self, queue: list[tuple[T, asyncio.Future[R], int]]) -> None:
@@ -121,6 +126,7 @@ class Batcher(Generic[T, R]):
             seen = len(queue)
 
     async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        carried = [self._carried.pop(future, None) for _item, future in batch] if self._carried else []
         # A request whose waiter is gone (and did not shield its future) is not sent: nobody would
         # get its answer, and a retrieve would be audited as handed out.
         batch = [entry for entry in batch if not entry[1].done()]
@@ -129,7 +135,9 @@ class Batcher(Generic[T, R]):
         batch.sort(key=lambda entry: entry[0].order)
         self._sizes.observe(len(batch))
         try:
-            await self._answer(batch)
+            with tracing.batch_span(f"batch {self._name}", carried, {"db.system.name": "postgresql",
+                                    "db.operation.batch.size": len(batch)}):  # fmt: skip
+                await self._answer(batch)
         finally:
             # Whatever went wrong (cancelled at shutdown, a bug), no waiter is left hanging.
             for _item, future in batch:

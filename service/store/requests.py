@@ -85,6 +85,7 @@ def create(
     tool_version: str | None,
     origin: dict[str, str] | None = None,
     max_tenant_bytes: int | None = None,
+    trace_parent: str | None = None,
 ) -> CreateRequest:
     """``rerunnable`` and ``tool_version``: the tool's, from this process's registry, recorded with
     the task so the reaper and the claims of other processes decide by them, not by their own packs.
@@ -94,7 +95,7 @@ def create(
         p.tenant_id, task_id, p.subject, p.issuer, p.client_id, caller.request_id, caller.address, session_id,
         wire, tool, arguments, client_capabilities, progress_token, ttl_ms, poll_interval_ms, max_per_requestor,
         max_per_tenant, {"tool": tool, "ttl_ms": ttl_ms, "wire": wire, **(origin or {})}, rerunnable, tool_version,
-        lease.owner if lease else None, lease.ms if lease else None, max_tenant_bytes,
+        lease.owner if lease else None, lease.ms if lease else None, max_tenant_bytes, trace_parent,
     )  # fmt: skip
 
 

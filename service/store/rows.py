@@ -63,6 +63,7 @@ def task_from_row(
         lease_epoch=row.get("lease_epoch") or 0,  # a runner's copy always has it (claims read every column)
         started_at=row.get("started_at"),
         expires_at=row.get("expires_at"),
+        trace_parent=row.get("trace_parent"),
     )
 
 

@@ -14,7 +14,6 @@ from typing import Any
 from service.domain.errors import (
     CapacityExceeded,
     InvalidArguments,
-    StorageQuotaExceeded,
     TaskAlreadyTerminal,
     TaskNotFound,
     TaskSupportMismatch,
@@ -28,7 +27,7 @@ from service.domain.principal import Caller
 from service.domain.task import Outcome, Task, TaskStatus, Wire, clamp_ttl, new_task_id
 from service.domain.values import frozen
 from service.observability import logging as logctx
-from service.observability import metrics
+from service.observability import metrics, tracing
 from service.runtime.engine import Engine
 from service.runtime.inline import CallEnd, InlineCallContext, RoundResult
 from service.store import requests as rq
@@ -41,6 +40,7 @@ from service.store.tasks import TaskStore
 from service.store.usage import PlainCallTally
 from service.tasks.cursor import CursorCodec
 from service.tasks.plain import PlainSlots
+from service.tasks.policy import TaskPolicy, capacity_error, refusal_scope
 from service.tasks.request_state import RequestStateCodec
 from service.tasks.streams import TaskStreams
 from service.tools.api import ToolContext
@@ -48,21 +48,6 @@ from service.tools.registry import ToolSpec
 
 PAGE_SIZE = 50
 NOT_FOUND = "task not found (unknown, expired, or not yours)"
-
-
-@frozen
-class TaskPolicy:
-    default_ttl_ms: int
-    min_ttl_ms: int
-    max_ttl_ms: int
-    poll_interval_ms: int
-    max_active_per_requestor: int = 16
-    max_active_per_tenant: int = 256
-    # The bytes a tenant's tasks may keep (arguments and results, issue 42 §6); None: no quota.
-    tenant_storage_quota_bytes: int | None = None
-    # A question handed to a stream that went away without releasing it (replica crash) is
-    # offered to the next stream after this.
-    stale_delivery_ms: int = 60_000
 
 
 class CallMode(enum.Enum):
@@ -210,6 +195,7 @@ class TaskService:
             tool_version=spec.version,
             origin=spec.origin,
             max_tenant_bytes=p.tenant_storage_quota_bytes,
+            trace_parent=tracing.traceparent(),
         )
         created = self._enqueue_create(request)
         if slot is not None:
@@ -301,7 +287,7 @@ class TaskService:
             ttl_ms=p.default_ttl_ms, poll_interval_ms=p.poll_interval_ms,
             max_per_requestor=self._requestor_cap(caller), max_per_tenant=p.max_active_per_tenant, lease=lease,
             rerunnable=spec.rerunnable, tool_version=spec.version, origin=spec.origin,
-            max_tenant_bytes=p.tenant_storage_quota_bytes,
+            max_tenant_bytes=p.tenant_storage_quota_bytes, trace_parent=tracing.traceparent(),
         )  # fmt: skip
 
     async def _queue_for_call(
@@ -323,37 +309,11 @@ class TaskService:
     ) -> CapacityExceeded:
         """A cap refused a create (or a plain call), or the storage quota a create of ``size``
         bytes: record the denial with the counts as they stand now, the requestor's plain calls
-        running here included. A create under both caps was refused by the quota."""
-        p = self.policy
+        running here included."""
         if plain is None:
             plain = self.plain.running.get(caller.principal.owner_key, 0)
-        quota = p.tenant_storage_quota_bytes
-
-        def decide(mine: int, tenant: int, held: int) -> tuple[str, int, int]:
-            mine += plain
-            if quota is not None and size and mine < p.max_active_per_requestor and tenant < p.max_active_per_tenant:
-                return "storage", quota, held
-            if tenant >= p.max_active_per_tenant and mine < p.max_active_per_requestor:
-                return "tenant", p.max_active_per_tenant, tenant
-            return "requestor", p.max_active_per_requestor, mine
-
-        scope, limit, current = await self.store.refuse_create(caller, tool, decide)
-        if scope == "storage":
-            return StorageQuotaExceeded(
-                f"this tenant's tasks keep {current} bytes of arguments and results, and this call's "
-                f"would pass its storage quota of {limit} bytes; wait for finished tasks to expire (a "
-                "shorter ttl frees space sooner), or send smaller arguments, and try again",
-                scope=scope,
-                limit=limit,
-                current=current,
-            )
-        return CapacityExceeded(
-            f"too many active tasks for this {scope}: {current} of at most {limit}; "
-            "wait for one to finish (or cancel one) and try again",
-            scope=scope,
-            limit=limit,
-            current=current,
-        )
+        decide = refusal_scope(self.policy, plain=plain, size=size)
+        return capacity_error(*await self.store.refuse_create(caller, tool, decide))
 
     @staticmethod
     def _visible(task: Task | None, wire: Wire) -> Task | None:
@@ -367,6 +327,7 @@ class TaskService:
         task = self._visible(await self._gets.submit(rq.get(caller, task_id)), wire)
         if task is None:
             raise await self._not_found(caller, task_id)
+        tracing.link_task(task.trace_parent)  # this request links to the task's trace
         return task
 
     async def retrieve(self, caller: Caller, task_id: str, *, wire: Wire = Wire.V2025) -> Task:
@@ -375,6 +336,7 @@ class TaskService:
         task = self._visible(await self._retrieves.submit(rq.retrieve(caller, task_id)), wire)
         if task is None:
             raise await self._not_found(caller, task_id)
+        tracing.link_task(task.trace_parent)  # this request links to the task's trace
         return task
 
     async def _not_found(self, caller: Caller, task_id: str) -> TaskNotFound:
@@ -402,6 +364,7 @@ class TaskService:
         result = await self.store.cancel(caller, task_id, "cancelled by the requestor")
         if result.task is not None:
             metrics.finished(result.task)
+            tracing.link_task(result.task.trace_parent)
             return result.task
         if result.existing is None:
             raise TaskNotFound(NOT_FOUND, task_id=task_id)

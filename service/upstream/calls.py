@@ -15,6 +15,7 @@ import pydantic
 from mcp import types
 from mcp.shared.exceptions import McpError
 
+from service.observability import tracing
 from service.tools.api import InputNotSupported, ToolContext, ToolFailure
 from service.tools.context import progress_text
 from service.upstream.config import UpstreamConfig
@@ -117,7 +118,23 @@ async def call(
     conn: Connection, config: UpstreamConfig, tool: str, arguments: dict[str, Any], ctx: ToolContext, *,
     max_result_bytes: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """The upstream's CallToolResult as a dict; an ``UpstreamFailure`` for anything else."""
+    """The upstream's CallToolResult as a dict; an ``UpstreamFailure`` for anything else. Tracing
+    on: a client span, whose context the request carries in ``_meta`` (the MCP conventions)."""
+    with tracing.client_span(f"tools/call {tool}", {"mcp.method.name": "tools/call", "gen_ai.tool.name": tool,
+                                                    "mcp_tasks.upstream": config.name}):  # fmt: skip
+        meta: dict[str, Any] = {}
+        tracing.inject(meta)
+        try:
+            return await _call(conn, config, tool, arguments, ctx, meta, max_result_bytes=max_result_bytes)
+        except UpstreamFailure:
+            tracing.failed("upstream")
+            raise
+
+
+async def _call(
+    conn: Connection, config: UpstreamConfig, tool: str, arguments: dict[str, Any], ctx: ToolContext,
+    meta: dict[str, Any], *, max_result_bytes: int,
+) -> dict[str, Any]:  # fmt: skip
     session = conn.session
     assert session is not None
     loop = asyncio.get_running_loop()
@@ -130,7 +147,9 @@ async def call(
         await ctx.status(progress_text(progress, total, message))  # the task's statusMessage, on either wire
 
     request = types.ClientRequest(
-        types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
+        types.CallToolRequest(
+            params=types.CallToolRequestParams(name=tool, arguments=arguments, **({"_meta": meta} if meta else {}))
+        )
     )
     ids: list[int] = []
 

@@ -20,6 +20,8 @@ import httpx
 import httpx_sse
 import orjson
 
+from service.observability import tracing
+
 PROTOCOL: Final = "2026-07-28"
 EXTENSION: Final = "io.modelcontextprotocol/tasks"
 META_VERSION: Final = "io.modelcontextprotocol/protocolVersion"
@@ -78,8 +80,18 @@ class Modern:
         """The result of one request; ``idle_s`` bounds each wait for the next message, ``deadline``
         (time.monotonic()) all of it. A ModernError for an error answer; BadAnswer, SilentUpstream
         or httpx's errors for the rest."""
+        with tracing.client_span(f"{method} {name}" if name else method, {"mcp.method.name": method,
+                                 "mcp.protocol.version": PROTOCOL}):  # fmt: skip
+            return await self._request(method, params, name=name, forward=forward, idle_s=idle_s, deadline=deadline,
+                                       meta=meta, on_notification=on_notification)  # fmt: skip
+
+    async def _request(
+        self, method: str, params: dict[str, Any], *, name: str | None, forward: dict[str, str] | None,
+        idle_s: float, deadline: float, meta: dict[str, Any] | None, on_notification: Notified | None,
+    ) -> dict[str, Any]:  # fmt: skip
         request_id = next(self._ids)
         full_meta = {META_VERSION: PROTOCOL, META_CAPABILITIES: CAPABILITIES, META_CLIENT: CLIENT_INFO, **(meta or {})}
+        tracing.inject(full_meta)  # the span's context in _meta (the MCP conventions)
         body = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": {**params, "_meta": full_meta}}
         headers = {
             **(forward or {}), **await self.headers(), "Content-Type": "application/json",
@@ -87,6 +99,7 @@ class Modern:
         }  # fmt: skip
         if name is not None:
             headers["Mcp-Name"] = name
+        tracing.inject(headers)
         timeout = httpx.Timeout(min(idle_s, _left(deadline)), connect=min(10.0, _left(deadline)))
         try:
             async with self.client.stream("POST", self.url, content=orjson.dumps(body), headers=headers,

@@ -188,7 +188,7 @@ SELECT (SELECT coalesce(sum(active), 0) FROM active_tasks)::bigint AS active,
 -- reported ttl, docs/decisions.md D-12).
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
-       rerunnable, lease_epoch, started_at, expires_at
+       rerunnable, lease_epoch, started_at, expires_at, trace_parent
 FROM task_create_v3($1);
 
 -- name: task_get
@@ -196,16 +196,16 @@ FROM task_create_v3($1);
 -- whose task is unknown, expired or not its subject's.
 SELECT o, tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
-       expires_at
-FROM task_get($1, $2, $3);
+       expires_at, trace_parent
+FROM task_get_v2($1, $2, $3);
 
 -- name: task_retrieve
 -- Retrieves (gets whose hand-out of a finished result is audited) in one statement: one row per
 -- item, in order; a row of NULLs where there is no task.
 SELECT tenant_id, task_id, subject, issuer, client_id, session_id, wire, tool, progress_token, status,
        status_message, outcome, payload, ttl_ms, poll_interval_ms, created_at, last_updated_at, attempts,
-       rerunnable, lease_epoch, expires_at
-FROM task_retrieve($1);
+       rerunnable, lease_epoch, expires_at, trace_parent
+FROM task_retrieve_v2($1);
 
 -- name: task_finish
 -- Runner outcomes with their audit events and wake-ups in one statement. Not read back: the
