@@ -87,7 +87,7 @@ def counted(out: Path, dump: int) -> int:
     raise RuntimeError(f"no summary in {out}.{dump}")
 
 
-def measure(tree: str, workload: str, ops: int, repeats: int) -> list[float]:
+def measure(tree: str, workload: str, ops: int, repeats: int, env: dict[str, str] | None = None) -> list[float]:
     run.SERVER_TREE = str(Path(tree).resolve())
     dbs = run.Databases()
     logs = Path(tempfile.mkdtemp(prefix="mcp-instructions-"))
@@ -102,7 +102,7 @@ def measure(tree: str, workload: str, ops: int, repeats: int) -> list[float]:
     server = None
     try:
         dbs.create_template()
-        server = run.start_ours(dbs.fresh(), logs, principals=1, wrap=wrap, start_timeout=600)
+        server = run.start_ours(dbs.fresh(), logs, env, principals=1, wrap=wrap, start_timeout=600)
         pid = server.proc.pid
         client = Client(server.url, server.tokens[0])
         op = client.plain if workload == "plain" else client.lifecycle
@@ -132,13 +132,21 @@ def main() -> int:
     ap.add_argument("--workload", default="plain", choices=["plain", "lifecycle"])
     ap.add_argument("--ops", type=int, default=1000, help="operations counted per repeat (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--env", action="append", default=[], metavar="N:KEY=VALUE", help="a variable for the "
+                    "server of the Nth tree (from 0), as bench/ab.py's: one tree twice, tracing off and on")  # fmt: skip
     ap.add_argument("trees", nargs="+", help="checkouts of our server (worktrees sharing this venv)")
     args = ap.parse_args()
+    extra: dict[int, dict[str, str]] = {}
+    for item in args.env:
+        n, _, pair = item.partition(":")
+        key, _, value = pair.partition("=")
+        extra.setdefault(int(n), {})[key] = value
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind is not installed: apt-get install valgrind", file=sys.stderr)
         return 2
     started = time.monotonic()
-    results = {tree: min(measure(tree, args.workload, args.ops, args.repeats)) for tree in args.trees}
+    results = {f"{i}:{tree}": min(measure(tree, args.workload, args.ops, args.repeats, extra.get(i)))
+               for i, tree in enumerate(args.trees)}  # fmt: skip
     first = next(iter(results.values()))
     for tree, value in results.items():
         print(f"{tree}: {value:,.0f} instructions per {args.workload} ({value / first:.3f}x the first)")

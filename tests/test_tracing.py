@@ -5,6 +5,7 @@ exported and nothing of OpenTelemetry is imported."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,13 +32,15 @@ async def runs_of(receiver: OtlpReceiver, tool: str) -> Span:
     return one(receiver.named(f"execute_tool {tool}"), "run")
 
 
-async def test_a_task_created_by_serve_and_run_by_a_worker_is_one_trace(database_url: str) -> None:
+async def test_a_task_created_by_serve_and_run_by_a_worker_is_one_trace(database_url: str, tmp_path: Path) -> None:
     """Process A (serve, no runner) creates the task; process B (worker) runs it. B's run span is
     a child of A's tools/call span, in the same trace, with the run's events; the tasks/result
-    that hands the result out links to that trace."""
+    that hands the result out links to that trace; A's log line of the create names the trace."""
+    log = tmp_path / "serve.log"
     async with otlp_receiver() as receiver:
         env = tracing_env(receiver)
-        async with mcp_tasks("serve", database_url, MCP_TASKS_RUNNER_CONCURRENCY="0", **env) as (_a, url), \
+        async with mcp_tasks("serve", database_url, log, MCP_TASKS_RUNNER_CONCURRENCY="0", MCP_TASKS_LOG_LEVEL="INFO",
+                             **env) as (_a, url), \
                 mcp_tasks("worker", database_url, **env), http_client() as http:  # fmt: skip
             s = RpcSession(http, url)
             await s.initialize()
@@ -67,6 +70,9 @@ async def test_a_task_created_by_serve_and_run_by_a_worker_is_one_trace(database
         retrieve = one(receiver.named("tasks/result"), "retrieve")
         assert (create.trace_id, create.span_id) in retrieve.links
         assert task_id not in str([s.attributes for s in receiver.spans])  # only its prefix
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        create_line = next(e for e in lines if e.get("method") == "tools/call" and e.get("task") == task_id[:8])
+        assert (create_line["trace_id"], create_line["span_id"]) == (create.trace_id, create.span_id)
 
 
 async def test_a_2026_call_that_becomes_a_task_is_one_trace_with_its_run(database_url: str) -> None:
@@ -182,3 +188,25 @@ async def test_an_upstream_call_carries_the_trace_to_the_upstream(
                      "upstream")  # fmt: skip
         assert (client.trace_id, client.parent_span_id) == (run.trace_id, run.span_id)
         assert (served.kind, served.trace_id, served.parent_span_id) == ("server", run.trace_id, client.span_id)
+
+
+async def test_the_default_sampler_keeps_about_one_task_in_ten_whole(database_url: str) -> None:
+    """Parent-based 10 % (no OTEL_TRACES_SAMPLER): of 100 tasks some are traced and most not, and a
+    task is traced whole or not at all: every run span has its creating request's span."""
+    async with otlp_receiver() as receiver:
+        env = {k: v for k, v in tracing_env(receiver).items() if k != "OTEL_TRACES_SAMPLER"}
+        async with mcp_tasks("serve", database_url, **env) as (_a, url), http_client() as http:
+            s = RpcSession(http, url)
+            await s.initialize()
+            for _ in range(100):
+                task_id = (await s.call_tool_as_task("echo", {"text": "n"}))["task"]["taskId"]
+                await s.result("tasks/result", {"taskId": task_id})
+
+            def whole() -> bool:
+                runs = receiver.named("execute_tool echo")
+                return bool(runs) and len(runs) == len(receiver.named("tools/call echo"))
+
+            await receiver.wait_for(whole)
+        creates = {(c.trace_id, c.span_id) for c in receiver.named("tools/call echo")}
+        assert 1 <= len(creates) <= 30, len(creates)  # 100 x 10 %: 0 or over 30 is under 1e-4 likely
+        assert {(r.trace_id, r.parent_span_id) for r in receiver.named("execute_tool echo")} == creates

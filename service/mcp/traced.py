@@ -4,11 +4,13 @@ MCP semantic conventions' names, the same on both wires."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.datastructures import Headers
 
 from service.domain.principal import Caller
+from service.observability import logging as logctx
 from service.observability import tracing
 
 
@@ -21,24 +23,37 @@ def request_span(
         return tracing.NO_SPAN
     params = message.get("params")
     params = params if isinstance(params, dict) else {}
-    attributes: dict[str, Any] = {
-        "jsonrpc.request.id": str(message.get("id"))[:256],
-        tracing.TENANT_ATTRIBUTE: caller.principal.tenant_id,
-    }
-    version = protocol_version or headers.get("mcp-protocol-version")
-    if version:
-        attributes["mcp.protocol.version"] = version[:32]
-    if session_id := headers.get("mcp-session-id"):
-        attributes["mcp.session.id"] = tracing.session_hash(session_id)
-    target = None
-    if method == "tools/call" and isinstance(name := params.get("name"), str):
-        target = name[:128]
-        attributes["gen_ai.tool.name"] = target
-        attributes["gen_ai.operation.name"] = "execute_tool"
-    if isinstance(task_id := params.get("taskId"), str):
-        attributes[tracing.TASK_ATTRIBUTE] = task_id[:8]
-    return tracing.server_span(method, target=target, meta=params.get("_meta"),
+    target = params.get("name") if method == "tools/call" else None
+    target = target[:128] if isinstance(target, str) else None
+
+    def attributes() -> dict[str, Any]:  # read only for a span that may be recorded
+        out: dict[str, Any] = {
+            "jsonrpc.request.id": str(message.get("id"))[:256],
+            tracing.TENANT_ATTRIBUTE: caller.principal.tenant_id,
+        }
+        version = protocol_version or headers.get("mcp-protocol-version")
+        if version:
+            out["mcp.protocol.version"] = version[:32]
+        if session_id := headers.get("mcp-session-id"):
+            out["mcp.session.id"] = tracing.session_hash(session_id)
+        if target is not None:
+            out["gen_ai.tool.name"] = target
+            out["gen_ai.operation.name"] = "execute_tool"
+        if isinstance(task_id := params.get("taskId"), str):
+            out[tracing.TASK_ATTRIBUTE] = task_id[:8]
+        return out
+
+    span = tracing.server_span(method, target=target, meta=params.get("_meta"),
                                http_traceparent=headers.get("traceparent"), attributes=attributes)  # fmt: skip
+    return _noted(span)
+
+
+@contextlib.contextmanager
+def _noted(span: contextlib.AbstractContextManager[Any]) -> Iterator[Any]:
+    """The span, its ids noted for the request's log lines (the request line is written after it ends)."""
+    with span as current:
+        logctx.note_trace(tracing.current_ids())
+        yield current
 
 
 def request_failed(code: int | None, outcome: str) -> None:

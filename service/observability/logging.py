@@ -27,7 +27,7 @@ class RequestContext:
     (or run) begins (one context variable: each set copies the context's mapping); the rest is
     filled in as it becomes known, and tasks the request starts see it too."""
 
-    __slots__ = ("method", "request_id", "subject", "task", "tenant", "tool", "wire")
+    __slots__ = ("method", "request_id", "span_id", "subject", "task", "tenant", "tool", "trace_id", "wire")
 
     def __init__(self, request_id: str | None) -> None:
         self.request_id = request_id
@@ -37,6 +37,8 @@ class RequestContext:
         self.subject: str | None = None
         self.tool: str | None = None
         self.task: str | None = None
+        self.trace_id: str | None = None  # tracing on: the request's span, for lines written after it
+        self.span_id: str | None = None
 
 
 request: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("mcp_tasks_request", default=None)
@@ -78,6 +80,12 @@ def note_params(method: Any, params: Any) -> None:
             context.tool = name[:128]
         if isinstance(task_id := params.get("taskId"), str):
             context.task = task_id[:TASK_PREFIX]
+
+
+def note_trace(ids: dict[str, str] | None) -> None:
+    """The request's span (tracing on), for its lines written once the span has ended."""
+    if ids is not None and (context := request.get()) is not None:
+        context.trace_id, context.span_id = ids["trace_id"], ids["span_id"]
 
 
 def note_task(task_id: str) -> None:
@@ -129,7 +137,7 @@ class JsonFormatter(logging.Formatter):
             for key in RequestContext.__slots__:
                 if (value := getattr(context, key)) is not None:
                     entry[key] = value
-        if tracing.enabled() and (ids := tracing.exemplar()) is not None:
+        if tracing.enabled() and (ids := tracing.current_ids()) is not None:
             entry.update(ids)
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):

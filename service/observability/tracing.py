@@ -20,7 +20,8 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,11 @@ class _On:
     span_kind: Any = None
     link: Any = None
     status_error: Any = None
+    # The default sampler's root decision, taken here (None: a sampler the operator chose decides
+    # everything in the SDK). A root not sampled then costs a context of its own, no SDK span.
+    root_ratio: float | None = None
+    non_recording: Any = None
+    span_context: Any = None
 
 
 _on = _On()
@@ -64,7 +70,7 @@ def configure(component: str, environ: Mapping[str, str] | None = None) -> bool:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     except ImportError:
         log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but OpenTelemetry is not installed: install "
@@ -75,7 +81,11 @@ def configure(component: str, environ: Mapping[str, str] | None = None) -> bool:
     attributes: dict[str, str] = {"service.version": __version__, "mcp_tasks.component": component}
     if not env.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = "mcp-task-service"
-    sampler = None if env.get("OTEL_TRACES_SAMPLER") else ParentBased(TraceIdRatioBased(DEFAULT_RATIO))
+    # The default, parent-based 10 %: the SDK follows parents; roots are drawn here (_root), and
+    # reach the SDK only when sampled. An operator's OTEL_TRACES_SAMPLER decides everything itself.
+    own_roots = not env.get("OTEL_TRACES_SAMPLER")
+    sampler = ParentBased(ALWAYS_ON) if own_roots else None
+    _on.root_ratio = DEFAULT_RATIO if own_roots else None
     provider = TracerProvider(resource=Resource.create(attributes), sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     _on.provider = provider
@@ -83,6 +93,7 @@ def configure(component: str, environ: Mapping[str, str] | None = None) -> bool:
     _on.api, _on.context = trace, context
     _on.propagator = TraceContextTextMapPropagator()
     _on.span_kind, _on.link, _on.status_error = trace.SpanKind, trace.Link, trace.StatusCode.ERROR
+    _on.non_recording, _on.span_context = trace.NonRecordingSpan, trace.SpanContext
     log.info("tracing on: spans go to %s over OTLP/HTTP", endpoint)
     return True
 
@@ -114,14 +125,40 @@ def session_hash(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()[:16]
 
 
+def _unsampled(trace_id: int | None = None) -> contextlib.AbstractContextManager[Any]:
+    """A span context that is not recorded, current inside the block: what the SDK makes of a span
+    its sampler drops, without the SDK (ids as its random generator makes them)."""
+    span_context = _on.span_context(trace_id or (random.getrandbits(128) or 1), random.getrandbits(64) or 1,
+                                    is_remote=False)  # fmt: skip
+    return _attached(_on.non_recording(span_context))
+
+
+@contextlib.contextmanager
+def _attached(span: Any) -> Iterator[Any]:
+    token = _on.context.attach(_on.api.set_span_in_context(span))
+    try:
+        yield span
+    finally:
+        _on.context.detach(token)
+
+
+def _root_dropped() -> bool:
+    """A new trace under the default sampler: not sampled (90 %)?"""
+    return _on.root_ratio is not None and random.random() >= _on.root_ratio
+
+
 def server_span(
-    method: str, *, target: str | None, meta: Any, http_traceparent: str | None, attributes: dict[str, Any]
-) -> contextlib.AbstractContextManager[Any]:
+    method: str, *, target: str | None, meta: Any, http_traceparent: str | None,
+    attributes: Callable[[], dict[str, Any]],
+) -> contextlib.AbstractContextManager[Any]:  # fmt: skip
     """A request's server span, current inside the block (None while tracing is off): parented by
-    ``params._meta``'s trace context when the client sent one, the HTTP ``traceparent`` a link."""
+    ``params._meta``'s trace context when the client sent one, the HTTP ``traceparent`` a link.
+    ``attributes`` are read only for a span that may be recorded."""
     if _on.tracer is None:
         return NO_SPAN
     parent = _context_of(meta if isinstance(meta, dict) else None)
+    if parent is None and _root_dropped():
+        return _unsampled()
     links = []
     if http_traceparent is not None and (http := _context_of({"traceparent": http_traceparent})) is not None:
         links.append(_on.link(_on.api.get_current_span(http).get_span_context()))
@@ -133,7 +170,7 @@ def server_span(
             "mcp.method.name": method,
             "network.transport": "tcp",
             "network.protocol.name": "http",
-            **attributes,
+            **attributes(),
         },
         links=links,
         record_exception=False,
@@ -142,18 +179,26 @@ def server_span(
 
 
 def run_span(
-    task_traceparent: str | None, name: str, attributes: dict[str, Any]
+    task_traceparent: str | None, name: str, attributes: Callable[[], dict[str, Any]]
 ) -> contextlib.AbstractContextManager[Any]:
     """A task's run, a child of the request that created the task (its stored ``traceparent``),
-    in whichever process runs it; a root span when the create was not traced."""
+    in whichever process runs it; a root span when the create was not traced. A parent that was
+    not sampled (flags 00) makes a run that is not either, in the same trace."""
     if _on.tracer is None:
         return NO_SPAN
+    if task_traceparent and _on.root_ratio is not None and task_traceparent.endswith("-00"):
+        try:
+            return _unsampled(int(task_traceparent[3:35], 16))
+        except ValueError:
+            pass  # not a traceparent: the SDK's parsing below ignores it
     parent = _context_of({"traceparent": task_traceparent}) if task_traceparent else None
+    if parent is None and _root_dropped():
+        return _unsampled()
     return _on.tracer.start_as_current_span(  # type: ignore[no-any-return]
         name,
         context=parent if parent is not None else _on.context.Context(),
         kind=_on.span_kind.CONSUMER,
-        attributes=attributes,
+        attributes=attributes(),
         record_exception=False,
         set_status_on_exception=False,
     )
@@ -163,6 +208,8 @@ def client_span(name: str, attributes: dict[str, Any]) -> contextlib.AbstractCon
     """An outgoing call's client span (a child of what is current)."""
     if _on.tracer is None:
         return NO_SPAN
+    if not _on.api.get_current_span().get_span_context().is_valid and _root_dropped():
+        return _unsampled()
     return _on.tracer.start_as_current_span(  # type: ignore[no-any-return]
         name, kind=_on.span_kind.CLIENT, attributes=attributes, record_exception=False, set_status_on_exception=False
     )
@@ -180,9 +227,10 @@ def traceparent() -> str | None:
     decision), to store with a task; None while tracing is off or outside a span."""
     if _on.tracer is None:
         return None
-    carrier: dict[str, str] = {}
-    _on.propagator.inject(carrier)
-    return carrier.get("traceparent")
+    span_context = _on.api.get_current_span().get_span_context()
+    if not span_context.is_valid:
+        return None
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"
 
 
 def event(name: str, **attributes: Any) -> None:
@@ -222,11 +270,12 @@ def link_task(task_traceparent: str | None) -> None:
 
 
 def capture() -> Any:
-    """The current span's context, to link a batch to (None while tracing is off)."""
+    """The current span's context if it is sampled, to link a batch to (None otherwise): a batch
+    has a span of its own when a sampled request rides on it."""
     if _on.tracer is None:
         return None
     span_context = _on.api.get_current_span().get_span_context()
-    return span_context if span_context.is_valid else None
+    return span_context if span_context.is_valid and span_context.trace_flags.sampled else None
 
 
 @contextlib.contextmanager
@@ -242,6 +291,17 @@ def batch_span(name: str, carried: Sequence[Any], attributes: dict[str, Any]) ->
     with _on.tracer.start_as_current_span(name, context=_on.context.Context(), kind=_on.span_kind.CLIENT,
                                           links=links, attributes=attributes):  # fmt: skip
         yield
+
+
+def current_ids() -> dict[str, str] | None:
+    """The current span's trace and span ids (sampled or not: a log line's ``trace_id`` ties the
+    lines of one task's requests and runs together even where no span was kept)."""
+    if _on.tracer is None:
+        return None
+    span_context = _on.api.get_current_span().get_span_context()
+    if not span_context.is_valid:
+        return None
+    return {"trace_id": format(span_context.trace_id, "032x"), "span_id": format(span_context.span_id, "016x")}
 
 
 def exemplar() -> dict[str, str] | None:

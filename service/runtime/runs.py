@@ -52,9 +52,12 @@ def run_span(task: Task) -> contextlib.AbstractContextManager[Any]:
     """The run's span: a child of the request that created the task, in whichever process runs it."""
     if not tracing.enabled():
         return tracing.NO_SPAN
-    attributes = {"gen_ai.tool.name": task.tool, "gen_ai.operation.name": "execute_tool", "mcp_tasks.wire": task.wire,
-                  tracing.TENANT_ATTRIBUTE: task.tenant_id, tracing.TASK_ATTRIBUTE: task.task_id[:8],
-                  "mcp_tasks.task.attempt": task.attempts}  # fmt: skip
+
+    def attributes() -> dict[str, Any]:  # read only for a span that may be recorded
+        return {"gen_ai.tool.name": task.tool, "gen_ai.operation.name": "execute_tool", "mcp_tasks.wire": task.wire,
+                tracing.TENANT_ATTRIBUTE: task.tenant_id, tracing.TASK_ATTRIBUTE: task.task_id[:8],
+                "mcp_tasks.task.attempt": task.attempts}  # fmt: skip
+
     return tracing.run_span(task.trace_parent, f"execute_tool {task.tool}", attributes)
 
 

@@ -324,3 +324,18 @@ def test_the_ingress_example_limits_each_client_address_and_routes_to_the_mcp_se
     assert not by_kind(render(MINIMAL), "Ingress")  # off unless asked for
     with pytest.raises(Exception, match=r"ingress\.host is required"):
         render(_merged(MINIMAL, ingress__enabled=True))
+
+
+def test_tracing_values_reach_serve_and_workers_as_the_standard_otel_variables() -> None:
+    """Issue 44: the chart turns tracing on with the SDK's own variables, in the ConfigMap both
+    Deployments read; nothing of it without an endpoint."""
+    traced = _merged(WORKERS, tracing={"endpoint": "http://otel-collector.monitoring:4318", "samplerArg": 0.01,
+                                       "sampler": "parentbased_traceidratio", "serviceName": "tasks-prod"})  # fmt: skip
+    objects = render(traced)
+    data = one(objects, "ConfigMap", "rel-mcp-task-service")["data"]
+    assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.monitoring:4318"
+    assert (data["OTEL_TRACES_SAMPLER"], data["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.01")
+    assert data["OTEL_SERVICE_NAME"] == "tasks-prod"
+    for _pod, container in _containers([o for o in objects if o["kind"] == "Deployment"]):
+        assert {"configMapRef": {"name": "rel-mcp-task-service"}} in container["envFrom"]
+    assert not [k for k in one(render(WORKERS), "ConfigMap", "rel-mcp-task-service")["data"] if k.startswith("OTEL_")]
