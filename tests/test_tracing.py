@@ -201,6 +201,10 @@ async def test_the_default_sampler_keeps_about_one_task_in_ten_whole(database_ur
             for _ in range(100):
                 task_id = (await s.call_tool_as_task("echo", {"text": "n"}))["task"]["taskId"]
                 await s.result("tasks/result", {"taskId": task_id})
+            unsampled = "00-5bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"  # the client's: not sampled
+            for _ in range(5):
+                task_id = (await s.call_tool_as_task("echo", {"text": "n"}, _meta={"traceparent": unsampled}))["task"]
+                await s.result("tasks/result", {"taskId": task_id["taskId"]})
 
             def whole() -> bool:
                 runs = receiver.named("execute_tool echo")
@@ -210,3 +214,4 @@ async def test_the_default_sampler_keeps_about_one_task_in_ten_whole(database_ur
         creates = {(c.trace_id, c.span_id) for c in receiver.named("tools/call echo")}
         assert 1 <= len(creates) <= 30, len(creates)  # 100 x 10 %: 0 or over 30 is under 1e-4 likely
         assert {(r.trace_id, r.parent_span_id) for r in receiver.named("execute_tool echo")} == creates
+        assert not [x for x in receiver.spans if x.trace_id == unsampled[3:35]]  # followed the client's "no"

@@ -4,7 +4,6 @@ MCP semantic conventions' names, the same on both wires."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -45,15 +44,24 @@ def request_span(
 
     span = tracing.server_span(method, target=target, meta=params.get("_meta"),
                                http_traceparent=headers.get("traceparent"), attributes=attributes)  # fmt: skip
-    return _noted(span)
+    return _Noted(span)
 
 
-@contextlib.contextmanager
-def _noted(span: contextlib.AbstractContextManager[Any]) -> Iterator[Any]:
+class _Noted:
     """The span, its ids noted for the request's log lines (the request line is written after it ends)."""
-    with span as current:
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: contextlib.AbstractContextManager[Any]) -> None:
+        self.span = span
+
+    def __enter__(self) -> Any:
+        current = self.span.__enter__()
         logctx.note_trace(tracing.current_ids())
-        yield current
+        return current
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.span.__exit__(*exc)
 
 
 def request_failed(code: int | None, outcome: str) -> None:

@@ -27,7 +27,7 @@ class RequestContext:
     (or run) begins (one context variable: each set copies the context's mapping); the rest is
     filled in as it becomes known, and tasks the request starts see it too."""
 
-    __slots__ = ("method", "request_id", "span_id", "subject", "task", "tenant", "tool", "trace_id", "wire")
+    __slots__ = ("method", "request_id", "span_ids", "subject", "task", "tenant", "tool", "wire")
 
     def __init__(self, request_id: str | None) -> None:
         self.request_id = request_id
@@ -37,8 +37,8 @@ class RequestContext:
         self.subject: str | None = None
         self.tool: str | None = None
         self.task: str | None = None
-        self.trace_id: str | None = None  # tracing on: the request's span, for lines written after it
-        self.span_id: str | None = None
+        # Tracing on: the request's span (trace id, span id), for its lines written after it ended.
+        self.span_ids: tuple[int, int] | None = None
 
 
 request: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("mcp_tasks_request", default=None)
@@ -82,10 +82,10 @@ def note_params(method: Any, params: Any) -> None:
             context.task = task_id[:TASK_PREFIX]
 
 
-def note_trace(ids: dict[str, str] | None) -> None:
+def note_trace(ids: tuple[int, int] | None) -> None:
     """The request's span (tracing on), for its lines written once the span has ended."""
     if ids is not None and (context := request.get()) is not None:
-        context.trace_id, context.span_id = ids["trace_id"], ids["span_id"]
+        context.span_ids = ids
 
 
 def note_task(task_id: str) -> None:
@@ -125,6 +125,9 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
 }
 
 
+_FIELDS = tuple(key for key in RequestContext.__slots__ if key != "span_ids")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -133,12 +136,16 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if (context := request.get()) is not None:
-            for key in RequestContext.__slots__:
+        context = request.get()
+        if context is not None:
+            for key in _FIELDS:
                 if (value := getattr(context, key)) is not None:
                     entry[key] = value
-        if tracing.enabled() and (ids := tracing.current_ids()) is not None:
-            entry.update(ids)
+        ids = tracing.current_ids() if tracing.enabled() else None
+        if ids is None and context is not None:
+            ids = context.span_ids
+        if ids is not None:
+            entry["trace_id"], entry["span_id"] = f"{ids[0]:032x}", f"{ids[1]:016x}"
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry[key] = value

@@ -17,6 +17,7 @@ spans that propagate ``traceparent``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -46,8 +47,6 @@ class _On:
     # The default sampler's root decision, taken here (None: a sampler the operator chose decides
     # everything in the SDK). A root not sampled then costs a context of its own, no SDK span.
     root_ratio: float | None = None
-    non_recording: Any = None
-    span_context: Any = None
 
 
 _on = _On()
@@ -93,7 +92,6 @@ def configure(component: str, environ: Mapping[str, str] | None = None) -> bool:
     _on.api, _on.context = trace, context
     _on.propagator = TraceContextTextMapPropagator()
     _on.span_kind, _on.link, _on.status_error = trace.SpanKind, trace.Link, trace.StatusCode.ERROR
-    _on.non_recording, _on.span_context = trace.NonRecordingSpan, trace.SpanContext
     log.info("tracing on: spans go to %s over OTLP/HTTP", endpoint)
     return True
 
@@ -125,21 +123,57 @@ def session_hash(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()[:16]
 
 
-def _unsampled(trace_id: int | None = None) -> contextlib.AbstractContextManager[Any]:
-    """A span context that is not recorded, current inside the block: what the SDK makes of a span
-    its sampler drops, without the SDK (ids as its random generator makes them)."""
-    span_context = _on.span_context(trace_id or (random.getrandbits(128) or 1), random.getrandbits(64) or 1,
-                                    is_remote=False)  # fmt: skip
-    return _attached(_on.non_recording(span_context))
+# The current span when it is not recorded: (trace id, span id). Such a span costs this one
+# variable, not the SDK's objects and context (they were about 16 % of a lifecycle's instructions,
+# bench/instructions.py). None: the SDK's current span (if any) is the current one.
+_dropped: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("mcp_tasks_dropped", default=None)
 
 
-@contextlib.contextmanager
-def _attached(span: Any) -> Iterator[Any]:
-    token = _on.context.attach(_on.api.set_span_in_context(span))
+class _Dropped:
+    """A span that is not recorded, current inside the block: in ``trace_id``'s trace (a new one
+    when None), with a span id of its own, as the SDK's random generator makes them."""
+
+    __slots__ = ("ids", "token")
+
+    def __init__(self, trace_id: int | None = None) -> None:
+        self.ids = (trace_id or (random.getrandbits(128) or 1), random.getrandbits(64) or 1)
+
+    def __enter__(self) -> None:
+        self.token = _dropped.set(self.ids)
+
+    def __exit__(self, *exc: object) -> None:
+        _dropped.reset(self.token)
+
+
+class _Recorded:
+    """A span of the SDK, current inside the block (no dropped span is, meanwhile)."""
+
+    __slots__ = ("inner", "token")
+
+    def __init__(self, inner: contextlib.AbstractContextManager[Any]) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> Any:
+        self.token = _dropped.set(None)
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            _dropped.reset(self.token)
+
+
+def _trace_id_of(traceparent: Any) -> int | None:
+    """The trace id of a W3C ``traceparent`` whose flags say "not sampled" (None otherwise): under
+    the default sampler what runs under it is not sampled either."""
+    if not isinstance(traceparent, str) or len(traceparent) != 55 or not traceparent.endswith("-00"):
+        return None
     try:
-        yield span
-    finally:
-        _on.context.detach(token)
+        trace_id = int(traceparent[3:35], 16)
+    except ValueError:
+        return None
+    return trace_id or None
 
 
 def _root_dropped() -> bool:
@@ -156,25 +190,30 @@ def server_span(
     ``attributes`` are read only for a span that may be recorded."""
     if _on.tracer is None:
         return NO_SPAN
-    parent = _context_of(meta if isinstance(meta, dict) else None)
+    meta = meta if isinstance(meta, dict) else None
+    if _on.root_ratio is not None and (trace_id := _trace_id_of(meta and meta.get("traceparent"))) is not None:
+        return _Dropped(trace_id)  # the client's trace, not sampled: neither is this request
+    parent = _context_of(meta)
     if parent is None and _root_dropped():
-        return _unsampled()
+        return _Dropped()
     links = []
     if http_traceparent is not None and (http := _context_of({"traceparent": http_traceparent})) is not None:
         links.append(_on.link(_on.api.get_current_span(http).get_span_context()))
-    return _on.tracer.start_as_current_span(  # type: ignore[no-any-return]
-        f"{method} {target}" if target else method,
-        context=parent if parent is not None else _on.context.Context(),
-        kind=_on.span_kind.SERVER,
-        attributes={
-            "mcp.method.name": method,
-            "network.transport": "tcp",
-            "network.protocol.name": "http",
-            **attributes(),
-        },
-        links=links,
-        record_exception=False,
-        set_status_on_exception=False,
+    return _Recorded(
+        _on.tracer.start_as_current_span(
+            f"{method} {target}" if target else method,
+            context=parent if parent is not None else _on.context.Context(),
+            kind=_on.span_kind.SERVER,
+            attributes={
+                "mcp.method.name": method,
+                "network.transport": "tcp",
+                "network.protocol.name": "http",
+                **attributes(),
+            },
+            links=links,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
     )
 
 
@@ -186,21 +225,20 @@ def run_span(
     not sampled (flags 00) makes a run that is not either, in the same trace."""
     if _on.tracer is None:
         return NO_SPAN
-    if task_traceparent and _on.root_ratio is not None and task_traceparent.endswith("-00"):
-        try:
-            return _unsampled(int(task_traceparent[3:35], 16))
-        except ValueError:
-            pass  # not a traceparent: the SDK's parsing below ignores it
+    if _on.root_ratio is not None and (trace_id := _trace_id_of(task_traceparent)) is not None:
+        return _Dropped(trace_id)
     parent = _context_of({"traceparent": task_traceparent}) if task_traceparent else None
     if parent is None and _root_dropped():
-        return _unsampled()
-    return _on.tracer.start_as_current_span(  # type: ignore[no-any-return]
-        name,
-        context=parent if parent is not None else _on.context.Context(),
-        kind=_on.span_kind.CONSUMER,
-        attributes=attributes(),
-        record_exception=False,
-        set_status_on_exception=False,
+        return _Dropped()
+    return _Recorded(
+        _on.tracer.start_as_current_span(
+            name,
+            context=parent if parent is not None else _on.context.Context(),
+            kind=_on.span_kind.CONSUMER,
+            attributes=attributes(),
+            record_exception=False,
+            set_status_on_exception=False,
+        )
     )
 
 
@@ -208,18 +246,30 @@ def client_span(name: str, attributes: dict[str, Any]) -> contextlib.AbstractCon
     """An outgoing call's client span (a child of what is current)."""
     if _on.tracer is None:
         return NO_SPAN
+    if (ids := _dropped.get()) is not None:
+        return _Dropped(ids[0])
     if not _on.api.get_current_span().get_span_context().is_valid and _root_dropped():
-        return _unsampled()
-    return _on.tracer.start_as_current_span(  # type: ignore[no-any-return]
-        name, kind=_on.span_kind.CLIENT, attributes=attributes, record_exception=False, set_status_on_exception=False
+        return _Dropped()
+    return _Recorded(
+        _on.tracer.start_as_current_span(
+            name,
+            kind=_on.span_kind.CLIENT,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
     )
 
 
 def inject(carrier: dict[str, Any]) -> None:
     """Add the current span's ``traceparent`` (and ``tracestate``) to ``carrier`` (HTTP headers, or
     an MCP request's ``_meta``)."""
-    if _on.tracer is not None:
-        _on.propagator.inject(carrier)
+    if _on.tracer is None:
+        return
+    if (ids := _dropped.get()) is not None:
+        carrier["traceparent"] = f"00-{ids[0]:032x}-{ids[1]:016x}-00"
+        return
+    _on.propagator.inject(carrier)
 
 
 def traceparent() -> str | None:
@@ -227,6 +277,8 @@ def traceparent() -> str | None:
     decision), to store with a task; None while tracing is off or outside a span."""
     if _on.tracer is None:
         return None
+    if (ids := _dropped.get()) is not None:
+        return f"00-{ids[0]:032x}-{ids[1]:016x}-00"
     span_context = _on.api.get_current_span().get_span_context()
     if not span_context.is_valid:
         return None
@@ -235,7 +287,7 @@ def traceparent() -> str | None:
 
 def event(name: str, **attributes: Any) -> None:
     """An event on the current span (a task's status change, a question, a cancel)."""
-    if _on.tracer is not None:
+    if _on.tracer is not None and _dropped.get() is None:
         span = _on.api.get_current_span()
         if span.is_recording():
             span.add_event(name, attributes)
@@ -243,7 +295,7 @@ def event(name: str, **attributes: Any) -> None:
 
 def set_attributes(**attributes: Any) -> None:
     """Attributes of the current span, known after it began (a session's protocol version)."""
-    if _on.tracer is not None:
+    if _on.tracer is not None and _dropped.get() is None:
         span = _on.api.get_current_span()
         if span.is_recording():
             span.set_attributes({k.replace("__", "."): v for k, v in attributes.items() if v is not None})
@@ -251,7 +303,7 @@ def set_attributes(**attributes: Any) -> None:
 
 def failed(error_type: str, code: int | None = None) -> None:
     """The current span ended in an error: ``error.type`` (the JSON-RPC code, or what failed)."""
-    if _on.tracer is not None:
+    if _on.tracer is not None and _dropped.get() is None:
         span = _on.api.get_current_span()
         if span.is_recording():
             span.set_attribute("error.type", error_type)
@@ -263,7 +315,7 @@ def failed(error_type: str, code: int | None = None) -> None:
 def link_task(task_traceparent: str | None) -> None:
     """A request about a task (``tasks/get``, ``tasks/result``, ``tasks/update``, ``tasks/cancel``)
     links to the task's trace."""
-    if _on.tracer is not None and task_traceparent:
+    if _on.tracer is not None and _dropped.get() is None and task_traceparent:
         span = _on.api.get_current_span()
         if span.is_recording() and (ctx := _context_of({"traceparent": task_traceparent})) is not None:
             span.add_link(_on.api.get_current_span(ctx).get_span_context())
@@ -272,7 +324,7 @@ def link_task(task_traceparent: str | None) -> None:
 def capture() -> Any:
     """The current span's context if it is sampled, to link a batch to (None otherwise): a batch
     has a span of its own when a sampled request rides on it."""
-    if _on.tracer is None:
+    if _on.tracer is None or _dropped.get() is not None:
         return None
     span_context = _on.api.get_current_span().get_span_context()
     return span_context if span_context.is_valid and span_context.trace_flags.sampled else None
@@ -288,25 +340,25 @@ def batch_span(name: str, carried: Sequence[Any], attributes: dict[str, Any]) ->
     if not links:  # nothing traced rides on it: no span of its own
         yield
         return
-    with _on.tracer.start_as_current_span(name, context=_on.context.Context(), kind=_on.span_kind.CLIENT,
-                                          links=links, attributes=attributes):  # fmt: skip
+    with _Recorded(_on.tracer.start_as_current_span(name, context=_on.context.Context(), kind=_on.span_kind.CLIENT,
+                                                    links=links, attributes=attributes)):  # fmt: skip
         yield
 
 
-def current_ids() -> dict[str, str] | None:
-    """The current span's trace and span ids (sampled or not: a log line's ``trace_id`` ties the
+def current_ids() -> tuple[int, int] | None:
+    """The current span's trace and span ids (recorded or not: a log line's ``trace_id`` ties the
     lines of one task's requests and runs together even where no span was kept)."""
     if _on.tracer is None:
         return None
+    if (ids := _dropped.get()) is not None:
+        return ids
     span_context = _on.api.get_current_span().get_span_context()
-    if not span_context.is_valid:
-        return None
-    return {"trace_id": format(span_context.trace_id, "032x"), "span_id": format(span_context.span_id, "016x")}
+    return (span_context.trace_id, span_context.span_id) if span_context.is_valid else None
 
 
 def exemplar() -> dict[str, str] | None:
     """The current sampled span's trace id, for a latency observation's exemplar."""
-    if _on.tracer is None:
+    if _on.tracer is None or _dropped.get() is not None:
         return None
     span_context = _on.api.get_current_span().get_span_context()
     if not span_context.is_valid or not span_context.trace_flags.sampled:

@@ -85,8 +85,8 @@ class Batcher(Generic[T, R]):
         size = item.size_bytes
         lane = LARGE if size > LARGE_ITEM_BYTES else SMALL
         self._queues[lane].append((item, future, size))
-        if tracing.enabled():
-            self._carried[future] = tracing.capture()
+        if tracing.enabled() and (carried := tracing.capture()) is not None:  # a sampled request
+            self._carried[future] = carried
         if self._drainers[lane] is None:
             self._drainers[lane] = asyncio.create_task(self._drain(lane), name=f"batch-drain-{self._name}")
         return future
