@@ -277,6 +277,11 @@ async def test_2026_declaring_calls_hold_only_their_tenants_share_of_the_slots(
                 )
             )
             assert all(r["resultType"] == "task" for r in created)  # every call is a task: none refused
+            # Calls that met a runner not started yet were queued: a claim leases them. Either way the
+            # tenant ends with its share of 8 running, and no more.
+            async with asyncio.timeout(20):
+                while sum((await _running_by_subject(database_url, "tenant-a")).values()) < 4:
+                    await asyncio.sleep(0.05)
             assert sum((await _running_by_subject(database_url, "tenant-a")).values()) == 4  # its share of 8
             victim = await _session(http, server.url, issuer, "tenant-b", "bob")
             await _echo_done_within(victim, START_BOUND_S)
