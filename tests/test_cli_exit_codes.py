@@ -184,6 +184,7 @@ def _ctrl_c_at_the_prompt(env: dict[str, str], url: str, *wire: str) -> tuple[in
     pid, fd = pty.fork()
     if pid == 0:  # the child: its controlling terminal is the pty, as in a shell
         os.chdir(ROOT)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell's foreground job, even under a runner that ignores it
         os.execve(sys.executable, [sys.executable, "-m", "service", "call", "confirm", "--url", url, *wire], env)
     try:
         before = _read_until(fd, b"[y/N]", 60)
@@ -223,6 +224,9 @@ async def test_ctrl_c_while_a_task_runs_is_exit_130(database_url: str, state_hom
         proc = subprocess.Popen(
             [sys.executable, "-m", "service", "call", "hang", "--url", url], cwd=ROOT, env=state_home,
             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            # Ctrl-C reaches it as it would a shell's foreground job, even under a runner that ignores
+            # SIGINT (a background job's children inherit the ignore, and Python then never raises).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         assert proc.stderr is not None
         first = await asyncio.to_thread(proc.stderr.readline)  # "task <id> working": it exists now
