@@ -190,6 +190,44 @@ async def test_an_upstream_call_carries_the_trace_to_the_upstream(
         assert (served.kind, served.trace_id, served.parent_span_id) == ("server", run.trace_id, client.span_id)
 
 
+async def test_following_an_upstream_task_is_client_spans_that_carry_the_trace(
+    tmp_path: Path, database_url: str
+) -> None:
+    """Our run follows a 2025-11-25 upstream task (the SDK's client): the tools/call that creates
+    it, each tasks/get, the tasks/result and, for a cancelled task, the tasks/cancel are client spans,
+    children of the run, and each request carries its own span's context in ``_meta``."""
+    from tests.test_upstream_tasks import env_for, started, task_upstream
+    from tests.test_upstreams import until
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    async with otlp_receiver() as receiver:
+        with task_upstream(marks) as upstream:
+            env = tracing_env(receiver, **env_for(tmp_path, upstream))
+            async with mcp_tasks("serve", database_url, **env) as (_p, url), http_client() as http:
+                s = RpcSession(http, url)
+                await s.initialize()
+                task_id = (await s.call_tool_as_task("tup.work", {"seconds": 0.6}))["task"]["taskId"]
+                assert (await s.result("tasks/result", {"taskId": task_id}))["content"][0]["text"] == "worked 0.6s"
+                long_id = (await s.call_tool_as_task("tup.work", {"seconds": 60}))["task"]["taskId"]
+
+                async def two_started() -> bool:
+                    return started(marks) >= 2
+
+                await until(two_started)
+                await s.result("tasks/cancel", {"taskId": long_id})
+                await receiver.wait_for(lambda: any(x.kind == "client" for x in receiver.named("tasks/cancel")))
+    runs = {(r.trace_id, r.span_id) for r in receiver.named("execute_tool tup.work")}
+    assert len(runs) == 2, runs
+    clients = [x for x in receiver.spans if x.kind == "client" and x.attributes.get("mcp_tasks.upstream") == "tup"]
+    assert {x.attributes["mcp.method.name"] for x in clients} == {"tools/call", "tasks/get", "tasks/result",
+                                                                    "tasks/cancel"}  # fmt: skip
+    assert all((x.trace_id, x.parent_span_id) in runs for x in clients), clients
+    received = [line.split()[1] for line in (marks / "requests").read_text().splitlines()]
+    assert "-" not in received  # every request of ours carried a trace context: (trace id, span id)
+    assert {(x.trace_id, x.span_id) for x in clients} == {tuple(tp.split("-")[1:3]) for tp in received}
+
+
 async def test_the_default_sampler_keeps_about_one_task_in_ten_whole(database_url: str) -> None:
     """Parent-based 10 % (no OTEL_TRACES_SAMPLER): of 100 tasks some are traced and most not, and a
     task is traced whole or not at all: every run span has its creating request's span."""

@@ -7,7 +7,8 @@ the same credentials, can follow one.
 
 ``--session-bound``: a task is found only from the session that created it (the SDK's default
 store's binding), so after a takeover it cannot be reached. ``--marks DIR``: each run of ``work``
-writes ``DIR/work-<n>.started`` and ``.finished`` (or ``.cancelled``).
+writes ``DIR/work-<n>.started`` and ``.finished`` (or ``.cancelled``), and each request a line
+``<method> <traceparent in its _meta, or ->`` to ``DIR/requests``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def mark(n: int, what: str) -> None:
         (MARKS / f"work-{n}.{what}").write_text("")
 
 
+def seen(method: str, meta: types.RequestParams.Meta | None) -> None:
+    """A line in ``MARKS/requests``: the method, and the trace context its ``_meta`` carried."""
+    if MARKS is not None:
+        traceparent = (meta.model_extra or {}).get("traceparent") if meta is not None else None
+        with (MARKS / "requests").open("a") as f:
+            f.write(f"{method} {traceparent or '-'}\n")
+
+
 def owner() -> str:
     """Who asks: the bearer token (and, when session-bound, the MCP session too)."""
     ctx = server.request_context
@@ -118,6 +127,7 @@ async def work(entry: Entry, seconds: float) -> None:
 @server.call_tool()
 async def call_tool(name: str, arguments: dict[str, Any]) -> Any:
     ctx = server.request_context
+    seen("tools/call", ctx.meta)
     if name != "work" or not ctx.experimental.is_task:
         raise McpError(types.ErrorData(code=types.INVALID_PARAMS, message="work is a task-only tool"))
     task_id = str(uuid.uuid4())
@@ -130,11 +140,13 @@ async def call_tool(name: str, arguments: dict[str, Any]) -> Any:
 
 @server.experimental.get_task()
 async def get_task(req: types.GetTaskRequest) -> types.GetTaskResult:
+    seen("tasks/get", req.params.meta)
     return types.GetTaskResult(**find(req.params.taskId).task.model_dump())
 
 
 @server.experimental.get_task_result()
 async def get_task_result(req: types.GetTaskPayloadRequest) -> types.GetTaskPayloadResult:
+    seen("tasks/result", req.params.meta)
     entry = find(req.params.taskId)
     await entry.done.wait()
     if entry.result is None:
@@ -144,6 +156,7 @@ async def get_task_result(req: types.GetTaskPayloadRequest) -> types.GetTaskPayl
 
 @server.experimental.cancel_task()
 async def cancel_task(req: types.CancelTaskRequest) -> types.CancelTaskResult:
+    seen("tasks/cancel", req.params.meta)
     entry = find(req.params.taskId)
     if entry.task.status == "working":
         entry.task.status = "cancelled"

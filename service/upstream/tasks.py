@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
 
 import pydantic
 from mcp import types
 from mcp.shared.exceptions import McpError
 
+from service.observability import tracing
 from service.tools.api import ToolContext
 from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure
 from service.upstream.config import UpstreamConfig
@@ -27,6 +29,8 @@ from service.upstream.connection import Connection, describe
 
 TERMINAL: Final = frozenset({"completed", "failed", "cancelled"})
 POLL_BOUNDS_S: Final = (0.1, 10.0)
+R = TypeVar("R")
+Sent = Callable[[dict[str, Any]], Awaitable[R]]  # sends one request, with the ``_meta`` given
 
 
 def runs_as_task(conn: Connection, tool: types.Tool | None) -> bool:
@@ -82,7 +86,7 @@ class TaskCall:
         if note is not None and isinstance(note.get("upstream_task"), str):
             task_id: str = note["upstream_task"]
             try:
-                await self._request(self.session.experimental.get_task(task_id))
+                await self._request("tasks/get", self._get(task_id))
                 return task_id
             except UpstreamFailure:
                 if not self.config.rerunnable:
@@ -100,7 +104,10 @@ class TaskCall:
             )
         await self.ctx.remember({"upstream": name, "phase": "creating"})
         ttl = int(min(self.config.timeout_s * 1000 + 60_000, 2**31 - 1))
-        created = await self._request(self.session.experimental.call_tool_as_task(self.tool, arguments, ttl=ttl))
+        created = await self._request(
+            "tools/call",
+            lambda meta: self.session.experimental.call_tool_as_task(self.tool, arguments, ttl=ttl, meta=meta or None),
+        )
         task_id = created.task.taskId
         try:
             await self.ctx.remember({"upstream": name, "upstream_task": task_id})
@@ -111,15 +118,13 @@ class TaskCall:
 
     async def _follow(self, task_id: str) -> dict[str, Any]:
         while True:
-            task = await self._request(self.session.experimental.get_task(task_id))
+            task = await self._request("tasks/get", self._get(task_id))
             await self._relay(task.statusMessage)
             if task.status == "cancelled":
                 raise UpstreamFailure(f"{self.label}: the upstream cancelled its task {task_id}", breaks=False)
             if task.status in TERMINAL or task.status == "input_required":
                 # tasks/result waits for the end, and carries the upstream's questions meanwhile
-                answer = await self._request(
-                    self.session.experimental.get_task_result(task_id, types.CallToolResult), waiting=True
-                )
+                answer = await self._request("tasks/result", self._result_of(task_id), waiting=True)
                 wire = answer.model_dump(by_alias=True, exclude_none=True, mode="json")
                 return {k: wire[k] for k in RESULT_KEYS if k in wire}
             low, high = POLL_BOUNDS_S
@@ -133,9 +138,36 @@ class TaskCall:
             await self.ctx.status(message)
             await self.ctx.progress(self.reported, None, message)
 
-    async def _request(self, request: Any, *, waiting: bool = False) -> Any:
-        """One request of the follow, bounded by ``idle_timeout_s`` (``waiting``: a tasks/result, by
+    def _get(self, task_id: str) -> Sent[types.GetTaskResult]:
+        return lambda meta: self.session.send_request(
+            types.ClientRequest(types.GetTaskRequest(params=types.GetTaskRequestParams.model_validate(
+                _params(task_id, meta)))),
+            types.GetTaskResult,
+        )  # fmt: skip
+
+    def _result_of(self, task_id: str) -> Sent[types.CallToolResult]:
+        return lambda meta: self.session.send_request(
+            types.ClientRequest(types.GetTaskPayloadRequest(params=types.GetTaskPayloadRequestParams.model_validate(
+                _params(task_id, meta)))),
+            types.CallToolResult,
+        )  # fmt: skip
+
+    async def _request(self, method: str, send: Sent[R], *, waiting: bool = False) -> R:
+        """One request of the follow (a client span while tracing is on, its context in the
+        request's ``_meta``), bounded by ``idle_timeout_s`` (``waiting``: a tasks/result, by
         ``timeout_s`` only) and by what is left of ``timeout_s``; an upstream failure otherwise."""
+        name = f"{method} {self.tool}" if method == "tools/call" else method
+        with tracing.client_span(name, {"mcp.method.name": method, "gen_ai.tool.name": self.tool,
+                                        "mcp_tasks.upstream": self.config.name}):  # fmt: skip
+            meta: dict[str, Any] = {}
+            tracing.inject(meta)
+            try:
+                return await self._bounded(send(meta), waiting)
+            except UpstreamFailure:
+                tracing.failed("upstream")
+                raise
+
+    async def _bounded(self, request: Awaitable[R], waiting: bool) -> R:
         left = self.started + self.config.timeout_s - self.loop.time()
         limit = left if waiting else min(left, self.config.idle_timeout_s)
         try:
@@ -159,5 +191,17 @@ class TaskCall:
 
     async def _cancel(self, task_id: str) -> None:
         """We stopped following: the upstream task stops too (best effort, bounded)."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self.session.experimental.cancel_task(task_id)), 2)
+        with contextlib.suppress(Exception), tracing.client_span("tasks/cancel", {"mcp.method.name": "tasks/cancel",
+                                                                                "mcp_tasks.upstream": self.config.name}):  # fmt: skip
+            meta: dict[str, Any] = {}
+            tracing.inject(meta)
+            request = types.CancelTaskRequest(
+                params=types.CancelTaskRequestParams.model_validate(_params(task_id, meta))
+            )
+            await asyncio.wait_for(asyncio.shield(self.session.send_request(types.ClientRequest(request),
+                                                                            types.CancelTaskResult)), 2)  # fmt: skip
+
+
+def _params(task_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """A task request's params: the task id, and the trace context in ``_meta`` when there is one."""
+    return {"taskId": task_id, **({"_meta": meta} if meta else {})}
