@@ -30,6 +30,7 @@ from service.upstream.connection import Connection, describe
 TERMINAL: Final = frozenset({"completed", "failed", "cancelled"})
 POLL_BOUNDS_S: Final = (0.1, 10.0)
 R = TypeVar("R")
+M = TypeVar("M", bound=pydantic.BaseModel)
 Sent = Callable[[dict[str, Any]], Awaitable[R]]  # sends one request, with the ``_meta`` given
 
 
@@ -139,18 +140,18 @@ class TaskCall:
             await self.ctx.progress(self.reported, None, message)
 
     def _get(self, task_id: str) -> Sent[types.GetTaskResult]:
-        return lambda meta: self.session.send_request(
-            types.ClientRequest(types.GetTaskRequest(params=types.GetTaskRequestParams.model_validate(
-                _params(task_id, meta)))),
-            types.GetTaskResult,
-        )  # fmt: skip
+        return self._about(types.GetTaskRequest, types.GetTaskRequestParams, types.GetTaskResult, task_id)
 
     def _result_of(self, task_id: str) -> Sent[types.CallToolResult]:
+        return self._about(
+            types.GetTaskPayloadRequest, types.GetTaskPayloadRequestParams, types.CallToolResult, task_id
+        )
+
+    def _about(self, request: type[Any], params: type[pydantic.BaseModel], result: type[M], task_id: str) -> Sent[M]:
+        """Sends a ``request`` (tasks/get, tasks/result, tasks/cancel) about ``task_id``."""
         return lambda meta: self.session.send_request(
-            types.ClientRequest(types.GetTaskPayloadRequest(params=types.GetTaskPayloadRequestParams.model_validate(
-                _params(task_id, meta)))),
-            types.CallToolResult,
-        )  # fmt: skip
+            types.ClientRequest(request(params=params.model_validate(_params(task_id, meta)))), result
+        )
 
     async def _request(self, method: str, send: Sent[R], *, waiting: bool = False) -> R:
         """One request of the follow (a client span while tracing is on, its context in the
@@ -195,11 +196,8 @@ class TaskCall:
                                                                                 "mcp_tasks.upstream": self.config.name}):  # fmt: skip
             meta: dict[str, Any] = {}
             tracing.inject(meta)
-            request = types.CancelTaskRequest(
-                params=types.CancelTaskRequestParams.model_validate(_params(task_id, meta))
-            )
-            await asyncio.wait_for(asyncio.shield(self.session.send_request(types.ClientRequest(request),
-                                                                            types.CancelTaskResult)), 2)  # fmt: skip
+            send = self._about(types.CancelTaskRequest, types.CancelTaskRequestParams, types.CancelTaskResult, task_id)
+            await asyncio.wait_for(asyncio.shield(send(meta)), 2)
 
 
 def _params(task_id: str, meta: dict[str, Any]) -> dict[str, Any]:
