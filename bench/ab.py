@@ -43,16 +43,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=4.0, help="length of each load (default %(default)s)")
     ap.add_argument("--fresh", action="store_true", help="a fresh server and database for every load")
-    ap.add_argument("--env", action="append", default=[], metavar="N:KEY=VALUE", help="a variable for the "
+    ap.add_argument("--env", action="append", default=[], type=run.tree_env, metavar="N:KEY=VALUE", help="a variable for the "
                     "server of the Nth tree (from 0), e.g. 1:OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 with "
                     "bench/otlp_sink.py listening there: one tree twice, tracing off and on")  # fmt: skip
     ap.add_argument("trees", nargs="+", help="checkouts of our server (worktrees sharing this venv)")
     args = ap.parse_args()
-    extra: dict[int, dict[str, str]] = {}
-    for item in args.env:
-        n, _, pair = item.partition(":")
-        key, _, value = pair.partition("=")
-        extra.setdefault(int(n), {})[key] = value
+    extra = run.envs_by_tree(args.env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the servers
     # Each tree runs on the schema its own migrations make: an earlier tree's server on today's
     # functions would measure its Python with today's SQL.

@@ -132,15 +132,11 @@ def main() -> int:
     ap.add_argument("--workload", default="plain", choices=["plain", "lifecycle"])
     ap.add_argument("--ops", type=int, default=1000, help="operations counted per repeat (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--env", action="append", default=[], metavar="N:KEY=VALUE", help="a variable for the "
+    ap.add_argument("--env", action="append", default=[], type=run.tree_env, metavar="N:KEY=VALUE", help="a variable for the "
                     "server of the Nth tree (from 0), as bench/ab.py's: one tree twice, tracing off and on")  # fmt: skip
     ap.add_argument("trees", nargs="+", help="checkouts of our server (worktrees sharing this venv)")
     args = ap.parse_args()
-    extra: dict[int, dict[str, str]] = {}
-    for item in args.env:
-        n, _, pair = item.partition(":")
-        key, _, value = pair.partition("=")
-        extra.setdefault(int(n), {})[key] = value
+    extra = run.envs_by_tree(args.env)
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind is not installed: apt-get install valgrind", file=sys.stderr)
         return 2

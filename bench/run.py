@@ -126,6 +126,23 @@ def machine_text(report: dict[str, Any]) -> str:
     return f"{m['cpu_model']}, {m['cores']} cores, {m['memory_gib']:g} GiB"
 
 
+def tree_env(item: str) -> tuple[int, str, str]:
+    """One ``--env N:KEY=VALUE`` of bench/ab.py and bench/instructions.py: a variable for the server
+    of the Nth tree given (from 0)."""
+    n, colon, pair = item.partition(":")
+    key, equals, value = pair.partition("=")
+    if not (colon and equals and n.isdigit() and key):
+        raise argparse.ArgumentTypeError(f"{item!r}: give N:KEY=VALUE, N the tree's place from 0")
+    return int(n), key, value
+
+
+def envs_by_tree(items: list[tuple[int, str, str]]) -> dict[int, dict[str, str]]:
+    out: dict[int, dict[str, str]] = {}
+    for n, key, value in items:
+        out.setdefault(n, {})[key] = value
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
