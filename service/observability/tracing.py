@@ -322,8 +322,8 @@ def link_task(task_traceparent: str | None) -> None:
 
 
 def capture() -> Any:
-    """The current span's context if it is sampled, to link a batch to (None otherwise): a batch
-    has a span of its own when a sampled request rides on it."""
+    """The current span's context if it is sampled, to link a batch to or name in an exemplar (None
+    otherwise): a batch has a span of its own when a sampled request rides on it."""
     if _on.tracer is None or _dropped.get() is not None:
         return None
     span_context = _on.api.get_current_span().get_span_context()
@@ -358,9 +358,6 @@ def current_ids() -> tuple[int, int] | None:
 
 def exemplar() -> dict[str, str] | None:
     """The current sampled span's trace id, for a latency observation's exemplar."""
-    if _on.tracer is None or _dropped.get() is not None:
-        return None
-    span_context = _on.api.get_current_span().get_span_context()
-    if not span_context.is_valid or not span_context.trace_flags.sampled:
+    if (span_context := capture()) is None:
         return None
     return {"trace_id": format(span_context.trace_id, "032x"), "span_id": format(span_context.span_id, "016x")}

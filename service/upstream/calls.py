@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final, TypeVar
 
 import orjson
 import pydantic
@@ -40,6 +41,26 @@ class UpstreamFailure(ToolFailure):
         self.lost = lost  # the session is gone
         self.refused = refused  # not sent: the upstream is down
         self.stale = stale  # the upstream had dropped the session: the call never reached its tool
+
+
+T = TypeVar("T")
+
+
+async def following(
+    ctx: ToolContext, task_id: str, follow: Coroutine[Any, Any, T], cancel: Callable[[str], Awaitable[None]]
+) -> T:
+    """``follow`` of the upstream's task ``task_id`` to its end. Our task cancelled: the upstream's
+    too; this run merely stopping (a shutdown, a takeover): the upstream task goes on, for the run
+    that follows it next; a timeout or a failure: we stop following, so it stops too."""
+    try:
+        return await follow
+    except asyncio.CancelledError:
+        if await ctx.cancelled():
+            await cancel(task_id)
+        raise
+    except BaseException:
+        await cancel(task_id)
+        raise
 
 
 class CallAsker:

@@ -23,7 +23,7 @@ from mcp import types
 
 from service.tools.api import ToolContext, ToolFailure
 from service.tools.context import progress_text
-from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure
+from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure, following
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import describe
 from service.upstream.modern import PROTOCOL, BadAnswer, Modern, ModernError, SilentUpstream
@@ -51,23 +51,12 @@ class ExtCall:
         self.answered: set[str] = set()
 
     async def run(self, arguments: dict[str, Any], note: dict[str, Any] | None) -> dict[str, Any]:
-        task_id: str | None = None
         try:
             started = await self._start(arguments, note)
             if "taskId" not in started:
                 return _call_result(started)
             task_id = str(started["taskId"])
-            return await self._follow(task_id, started)
-        except asyncio.CancelledError:
-            # Our task cancelled: the upstream's too. This run merely stopping (a shutdown, a
-            # takeover): the upstream task goes on, for the run that follows it next.
-            if task_id is not None and await self.ctx.cancelled():
-                await self._cancel(task_id)
-            raise
-        except BaseException:  # a timeout, a failure: we stop following, so it stops too
-            if task_id is not None:
-                await self._cancel(task_id)
-            raise
+            return await following(self.ctx, task_id, self._follow(task_id, started), self._cancel)
         finally:
             self.asker.end()
 

@@ -23,7 +23,7 @@ from mcp.shared.exceptions import McpError
 
 from service.observability import tracing
 from service.tools.api import ToolContext
-from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure
+from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure, following
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import Connection, describe
 
@@ -63,20 +63,9 @@ class TaskCall:
 
     async def run(self, arguments: dict[str, Any], note: dict[str, Any] | None) -> dict[str, Any]:
         self.conn.askers[id(self)] = self.asker  # its questions (while tasks/result waits) are this call's
-        task_id: str | None = None
         try:
             task_id = await self._task_of(arguments, note)
-            return await self._follow(task_id)
-        except asyncio.CancelledError:
-            # Our task cancelled: the upstream's too. This run merely stopping (a shutdown, a
-            # takeover): the upstream task goes on, for the run that follows it next.
-            if task_id is not None and await self.ctx.cancelled():
-                await self._cancel(task_id)
-            raise
-        except BaseException:  # a timeout, a failure: we stop following, so it stops too
-            if task_id is not None:
-                await self._cancel(task_id)
-            raise
+            return await following(self.ctx, task_id, self._follow(task_id), self._cancel)
         finally:
             self.conn.askers.pop(id(self), None)
             self.asker.end()
