@@ -9,11 +9,12 @@ a real 2026-07-28 server with the extension, that speaks 2025-11-25 too (its too
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,11 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import RunningServer, fresh_database, make_settings, serve
+from tests.conftest import RunningServer, free_port, fresh_database, make_settings, serve
 from tests.ext import V2026Client
 from tests.rpc import RpcSession
 from tests.test_durability import ROOT, mcp_tasks
-from tests.test_upstreams import task_outcome, until, upstreams_file
+from tests.test_upstreams import server_process, task_outcome, until, upstreams_file
 
 
 @pytest.fixture
@@ -178,3 +179,52 @@ async def test_an_upstream_without_the_extension_is_called_as_before(
             messages = [m async for m in s.stream("tools/call", params)]
             assert any(m.get("method") == "notifications/progress" for m in messages)
             assert messages[-1]["result"]["content"][0]["text"] == "slept 0.5s"
+
+
+@contextlib.contextmanager
+def modern_only_upstream(marks: Path) -> Iterator[str]:
+    """tests/modern_only_server.py on a free port: it refuses initialize and speaks 2026-07-28 only."""
+    port = free_port()
+    with server_process(
+        [sys.executable, "-m", "tests.modern_only_server", str(port), "--marks", str(marks)], port
+    ) as url:
+        yield url
+
+
+async def test_an_upstream_that_speaks_only_2026_is_listed_and_called_on_that_wire(
+    tmp_path: Path, database_url: str, http: httpx.AsyncClient
+) -> None:
+    """An upstream that refuses our 2025-11-25 session (initialize) but answers 2026-07-28's
+    server/discover: its tools are listed on that wire and its calls made there, from both of our
+    wires; `mcp-tasks upstreams` shows it up, with no tasks wire (it offers no Tasks extension)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with modern_only_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "mod"\nurl = "{url}"\n'
+        async with mcp_tasks("serve", database_url, MCP_TASKS_UPSTREAMS_FILE=upstreams_file(tmp_path, body)) as (
+            _proc,
+            mcp,
+        ):
+            s = RpcSession(http, mcp)
+            await s.initialize()
+
+            async def listed() -> bool:
+                return "mod.echo" in {t["name"] for t in (await s.result("tools/list"))["tools"]}
+
+            await until(listed)
+            task_id = (await s.call_tool_as_task("mod.echo", {"text": "only new"}))["task"]["taskId"]
+            assert (await task_outcome(s, task_id))["status"] == "completed"
+            assert (await s.result("tasks/result", {"taskId": task_id}))["content"][0]["text"] == "only new"
+            plain = V2026Client(http, mcp, capabilities={})  # declares no extension: answered at once
+            answer = await plain.result("tools/call", {"name": "mod.echo", "arguments": {"text": "newer"}})
+            assert answer["content"][0]["text"] == "newer"
+            shown = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "service", "upstreams", "--json"], capture_output=True,
+                text=True, timeout=60, cwd=ROOT, env={**os.environ, "MCP_TASKS_DATABASE_URL": database_url},
+            )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    view = orjson.loads(shown.stdout.splitlines()[0])
+    assert (view["upstream"], view["state"], view["tools"], view["tasks"]) == ("mod", "up", ["echo"], None), view
+    requests = [line.split() for line in (marks / "requests").read_text().splitlines()]
+    assert [version for method, version in requests if method == "tools/call"] == ["2026-07-28"] * 2
+    assert "initialize" in {method for method, _ in requests}  # tried first, and refused

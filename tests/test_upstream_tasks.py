@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,31 +19,16 @@ import pytest
 from tests.conftest import free_port
 from tests.ext import V2026Client
 from tests.rpc import RpcSession
-from tests.test_durability import ROOT, mcp_tasks
-from tests.test_upstreams import task_outcome, until, upstreams_file
+from tests.test_durability import mcp_tasks
+from tests.test_upstreams import server_process, task_outcome, until, upstreams_file
 
 
 @contextlib.contextmanager
 def task_upstream(marks: Path, *flags: str) -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.upstream_tasks_server", str(port), "--marks", str(marks), *flags], cwd=ROOT
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/mcp"
-        for _ in range(200):
-            try:
-                httpx.get(url, timeout=0.5)
-                break
-            except httpx.HTTPError:
-                assert proc.poll() is None, "the task upstream exited at start"
-                import time
-
-                time.sleep(0.05)
+    argv = [sys.executable, "-m", "tests.upstream_tasks_server", str(port), "--marks", str(marks), *flags]
+    with server_process(argv, port) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,15 @@ UPSTREAM = [sys.executable, "-m", "tests.upstream_server"]
 def http_upstream(marks: Path, port: int | None = None) -> Iterator[str]:
     """The test upstream over Streamable HTTP; its URL once it answers."""
     port = port or free_port()
-    proc = subprocess.Popen([*UPSTREAM, "http", str(port), "--marks", str(marks)], cwd=ROOT)
+    with server_process([*UPSTREAM, "http", str(port), "--marks", str(marks)], port) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(argv: list[str], port: int) -> Iterator[str]:
+    """An upstream server started as ``argv`` (run from the project root), listening on ``port``:
+    its /mcp URL once it answers HTTP at all; stopped when the block ends."""
+    proc = subprocess.Popen(argv, cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}/mcp"
         for _ in range(200):
@@ -41,9 +50,7 @@ def http_upstream(marks: Path, port: int | None = None) -> Iterator[str]:
                 httpx.get(url, timeout=0.5)
                 break
             if proc.poll() is not None:
-                raise RuntimeError("the test upstream exited at start")
-            import time
-
+                raise RuntimeError(f"the test upstream ({' '.join(argv[1:3])}) exited at start")
             time.sleep(0.05)
         yield url
     finally:

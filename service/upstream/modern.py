@@ -5,8 +5,9 @@ or as an SSE stream of notifications ending with the response.
 The official SDK (1.x) speaks up to 2025-11-25 and has no client for this wire or for the Tasks
 extension (``io.modelcontextprotocol/tasks``), so this is the small part of a client that calling
 an upstream's tools as its tasks needs, over httpx (the SDK's own HTTP client, and the same
-connection pool as its sessions). Listing tools stays on the SDK's 2025-11-25 session: an upstream
-is reached this way when it speaks both (docs/decisions.md, "Upstreams with the Tasks extension").
+connection pool as its sessions). An upstream that speaks both is listed on the SDK's 2025-11-25
+session; one that speaks only this wire is listed and followed here too (``discover``,
+``list_tools``; docs/decisions.md, "Upstreams with the Tasks extension").
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CAPABILITIES: Final[dict[str, Any]] = {
 }
 CLIENT_INFO: Final = {"name": "mcp-task-service", "version": "1"}
 ENVELOPE_BYTES: Final = 64 * 1024  # what an answer may hold beyond the result limit
+MAX_PAGES: Final = 100  # of one tools/list
 
 Notified = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -162,15 +164,41 @@ def _answer(raw: bytes | dict[str, Any], request_id: int, status: int) -> dict[s
     return result
 
 
-async def speaks_tasks_extension(modern: Modern, *, timeout_s: float = 10.0) -> bool:
-    """Whether the upstream answers 2026-07-28's server/discover and offers the Tasks extension."""
+async def discover(modern: Modern, *, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """The upstream's ``server/discover`` result when it speaks 2026-07-28 (None otherwise)."""
     try:
         found = await modern.request("server/discover", {}, idle_s=timeout_s, deadline=time.monotonic() + timeout_s)
     except (ModernError, BadAnswer, SilentUpstream, httpx.HTTPError):
-        return False
+        return None
     versions = found.get("supportedVersions")
-    capabilities = found.get("capabilities")
+    return found if isinstance(versions, list) and PROTOCOL in versions else None
+
+
+def offers_tasks(found: dict[str, Any] | None) -> bool:
+    """Whether a ``server/discover`` result offers the Tasks extension."""
+    capabilities = found.get("capabilities") if found is not None else None
     extensions = capabilities.get("extensions") if isinstance(capabilities, dict) else None
-    return (
-        isinstance(versions, list) and PROTOCOL in versions and isinstance(extensions, dict) and EXTENSION in extensions
-    )
+    return isinstance(extensions, dict) and EXTENSION in extensions
+
+
+async def speaks_tasks_extension(modern: Modern, *, timeout_s: float = 10.0) -> bool:
+    """Whether the upstream answers 2026-07-28's server/discover and offers the Tasks extension."""
+    return offers_tasks(await discover(modern, timeout_s=timeout_s))
+
+
+async def list_tools(modern: Modern, *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The upstream's tools, every page of ``tools/list`` on this wire (at most MAX_PAGES)."""
+    tools: list[dict[str, Any]] = []
+    cursor: str | None = None
+    deadline = time.monotonic() + timeout_s
+    for _ in range(MAX_PAGES):
+        page = await modern.request("tools/list", {"cursor": cursor} if cursor else {}, idle_s=timeout_s,
+                                    deadline=deadline)  # fmt: skip
+        listed = page.get("tools")
+        if not isinstance(listed, list):
+            raise BadAnswer("a tools/list answer without its tools")
+        tools.extend(t for t in listed if isinstance(t, dict))
+        cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
+        if not cursor:
+            return tools
+    raise BadAnswer(f"a tools/list of more than {MAX_PAGES} pages")

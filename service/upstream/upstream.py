@@ -19,6 +19,7 @@ from typing import Any, Final
 from urllib.parse import quote
 
 import httpx
+import pydantic
 from mcp import types
 
 from service.observability import metrics
@@ -29,7 +30,17 @@ from service.upstream.calls import UpstreamFailure, bounded, call
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import ConnectFailed, Connection, describe
 from service.upstream.ext_tasks import ExtCall
-from service.upstream.modern import PROTOCOL, Modern, speaks_tasks_extension
+from service.upstream.modern import (
+    PROTOCOL,
+    BadAnswer,
+    Modern,
+    ModernError,
+    SilentUpstream,
+    discover,
+    list_tools,
+    offers_tasks,
+    speaks_tasks_extension,
+)
 from service.upstream.sessions import SessionPool
 from service.upstream.tasks import TaskCall, runs_as_task
 
@@ -70,6 +81,7 @@ class Upstream:
             on_unauthorized=self.credentials.forget,
         )  # fmt: skip
         self.extension = False  # it speaks 2026-07-28 with the Tasks extension: calls go that way
+        self.modern_only = False  # it refused initialize but speaks 2026-07-28: followed and called on that wire
         self._control: Connection | None = None
         self._refresh = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -99,6 +111,10 @@ class Upstream:
             try:
                 conn = await self._connect(on_notification=self._notified)
             except (ConnectFailed, UpstreamAuthError) as exc:
+                if await self._follow_modern():  # it speaks only 2026-07-28: followed that way until it failed
+                    failures = 0
+                    await self._wait_down(BACKOFF_S[0])
+                    continue
                 self._went_down(str(exc))
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
@@ -143,6 +159,33 @@ class Upstream:
             else:
                 await asyncio.wait_for(conn.session.send_ping(), PING_TIMEOUT_S)
 
+    async def _follow_modern(self) -> bool:
+        """An HTTP upstream that refused our 2025-11-25 session but answers 2026-07-28's
+        ``server/discover``: its tools listed on that wire (again every REFRESH_S: it has no
+        list_changed without a session) and its ``server/discover`` asked every PING_S, until one
+        fails (down then, and True). False, at once, when it does not speak 2026-07-28 either."""
+        if self._modern is None or (found := await discover(self._modern)) is None:
+            return False
+        self.modern_only = True
+        self._found_extension(offers_tasks(found))
+        loop = asyncio.get_running_loop()
+        try:
+            self._publish(await list_tools(self._modern))
+            self._came_up()
+            listed = loop.time()
+            while True:
+                await asyncio.sleep(PING_S)
+                if await discover(self._modern, timeout_s=PING_TIMEOUT_S) is None:
+                    raise BadAnswer("no answer to server/discover")
+                if loop.time() - listed >= REFRESH_S:
+                    self._publish(await list_tools(self._modern))
+                    listed = loop.time()
+        except (ModernError, BadAnswer, SilentUpstream, httpx.HTTPError, UpstreamAuthError) as exc:
+            self._went_down(f"on 2026-07-28: {describe(exc)}")
+        finally:
+            self.modern_only = False
+        return True
+
     async def _wait_down(self, delay: float) -> None:
         """Wait before the next try; past the grace, the tools leave the list."""
         await asyncio.sleep(delay)
@@ -157,16 +200,25 @@ class Upstream:
 
     async def _list(self, conn: Connection) -> None:
         assert conn.session is not None
-        tools: dict[str, types.Tool] = {}
+        listed: list[types.Tool] = []
         cursor: str | None = None
         while True:
             page = await conn.session.list_tools(params=types.PaginatedRequestParams(cursor=cursor))
-            tools |= {t.name: t for t in page.tools if self.config.exposes(t.name)}
+            listed.extend(page.tools)
             cursor = page.nextCursor
             if not cursor:
                 break
-        if tools != self.tools or not self.listed:
-            self.tools, self.listed = tools, True
+        self._publish(listed)
+
+    def _publish(self, listed: list[types.Tool] | list[dict[str, Any]]) -> None:
+        """The upstream's tools (as the SDK read them, or as 2026-07-28's JSON), those it exposes ours."""
+        try:
+            tools = [t if isinstance(t, types.Tool) else types.Tool.model_validate(t) for t in listed]
+        except pydantic.ValidationError:
+            raise BadAnswer("a tools/list answer with a tool that is not MCP's") from None
+        exposed = {t.name: t for t in tools if self.config.exposes(t.name)}
+        if exposed != self.tools or not self.listed:
+            self.tools, self.listed = exposed, True
             self._on_tools(self)
             self.on_change()
 
@@ -280,7 +332,8 @@ class Upstream:
         c = self.config
         note = await ctx.recall()
         ours = note is not None and note.get("upstream") == c.name
-        if self._modern is not None and (note.get("wire") == PROTOCOL if ours and note else self.extension):
+        on_modern = self.extension or self.modern_only
+        if self._modern is not None and (note.get("wire") == PROTOCOL if ours and note else on_modern):
             result = await ExtCall(self._modern, c, tool, ctx, self._forwarded(ctx)).run(arguments, note)
             return bounded(result, f"upstream {c.name!r} (tool {tool!r})", self._max_result_bytes)
         if c.transport == "stdio":
