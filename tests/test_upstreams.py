@@ -593,11 +593,15 @@ async def test_the_upstreams_command_shows_what_each_process_sees_and_config_mas
     tmp_path: Path, database_url: str, marks: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("UPSTREAM_TOKEN_41", "s3cret-value")
+    monkeypatch.setenv("UPSTREAM_SECRET_41", "client-s3cret")
     dead = free_port()
     with http_upstream(marks) as url:
         body = (
             f'[[upstream]]\nname = "up"\nurl = "{url}"\n[upstream.auth]\nbearer_env = "UPSTREAM_TOKEN_41"\n'
             f'[[upstream]]\nname = "ghost"\nurl = "http://127.0.0.1:{dead}/mcp"\n'
+            # its token endpoint is down: so is it, and it is tried again (it says why)
+            f'[[upstream]]\nname = "locked"\nurl = "{url}"\n[upstream.auth]\nclient_credentials = {{ token_url = '
+            f'"http://127.0.0.1:{dead}/token", client_id = "c", client_secret_env = "UPSTREAM_SECRET_41" }}\n'
         )
         async with service(tmp_path, database_url, body):
             env = {**os.environ, "MCP_TASKS_DATABASE_URL": database_url,
@@ -611,9 +615,8 @@ async def test_the_upstreams_command_shows_what_each_process_sees_and_config_mas
                 done = await asyncio.to_thread(run, "upstreams", "--json")
                 assert done.returncode == 0, done.stderr
                 rows = {r["upstream"]: r for r in map(orjson.loads, done.stdout.splitlines())}
-                return (
-                    rows if rows.get("up", {}).get("state") == "up" and rows.get("ghost", {}).get("process") else None
-                )
+                reported = rows.get("ghost", {}).get("process") and rows.get("locked", {}).get("last_error")
+                return rows if rows.get("up", {}).get("state") == "up" and reported else None
 
             rows = await until(both_reported)
             assert "echo" in rows["up"]["tools"]
@@ -622,9 +625,12 @@ async def test_the_upstreams_command_shows_what_each_process_sees_and_config_mas
             assert rows["ghost"]["state"] == "down"
             assert rows["ghost"]["down_since"]
             assert "cannot connect" in rows["ghost"]["last_error"]
+            assert rows["locked"]["state"] == "down"
+            assert "no token from" in rows["locked"]["last_error"]
             shown = await asyncio.to_thread(run, "config")
             assert shown.returncode == 0, shown.stderr
             assert "s3cret-value" not in shown.stdout
+            assert "client-s3cret" not in shown.stdout
             assert "bearer from $UPSTREAM_TOKEN_41" in shown.stdout
             assert '"timeout_s": 3600.0' in shown.stdout  # defaults filled in
 

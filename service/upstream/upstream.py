@@ -164,7 +164,13 @@ class Upstream:
         ``server/discover``: its tools listed on that wire (again every REFRESH_S: it has no
         list_changed without a session) and its ``server/discover`` asked every PING_S, until one
         fails (down then, and True). False, at once, when it does not speak 2026-07-28 either."""
-        if self._modern is None or (found := await discover(self._modern)) is None:
+        if self._modern is None:
+            return False
+        try:
+            found = await discover(self._modern)
+        except UpstreamAuthError:  # no credentials to ask with: down, as the failed connect said
+            return False
+        if found is None:
             return False
         self.modern_only = True
         self._found_extension(offers_tasks(found))
