@@ -195,8 +195,9 @@ async def test_an_upstream_that_speaks_only_2026_is_listed_and_called_on_that_wi
     tmp_path: Path, database_url: str, http: httpx.AsyncClient
 ) -> None:
     """An upstream that refuses our 2025-11-25 session (initialize) but answers 2026-07-28's
-    server/discover: its tools are listed on that wire and its calls made there, from both of our
-    wires; `mcp-tasks upstreams` shows it up, with no tasks wire (it offers no Tasks extension)."""
+    server/discover: its tools are listed on that wire (again when its subscriptions/listen says
+    they changed) and its calls made there, from both of our wires; `mcp-tasks upstreams` shows it
+    up, with no tasks wire (it offers no Tasks extension)."""
     marks = tmp_path / "marks"
     marks.mkdir()
     with modern_only_upstream(marks) as url:
@@ -218,13 +219,22 @@ async def test_an_upstream_that_speaks_only_2026_is_listed_and_called_on_that_wi
             plain = V2026Client(http, mcp, capabilities={})  # declares no extension: answered at once
             answer = await plain.result("tools/call", {"name": "mod.echo", "arguments": {"text": "newer"}})
             assert answer["content"][0]["text"] == "newer"
+            # Its tools changed: its listen says so, and the new tool is ours long before the
+            # periodic listing (60 s) would have found it.
+            assert (await plain.result("tools/call", {"name": "mod.grow", "arguments": {}}))["content"]
+
+            async def grown() -> bool:
+                return "mod.grown" in {t["name"] for t in (await s.result("tools/list"))["tools"]}
+
+            await until(grown, timeout=15)
             shown = await asyncio.to_thread(
                 subprocess.run, [sys.executable, "-m", "service", "upstreams", "--json"], capture_output=True,
                 text=True, timeout=60, cwd=ROOT, env={**os.environ, "MCP_TASKS_DATABASE_URL": database_url},
             )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     view = orjson.loads(shown.stdout.splitlines()[0])
-    assert (view["upstream"], view["state"], view["tools"], view["tasks"]) == ("mod", "up", ["echo"], None), view
+    assert (view["upstream"], view["state"], view["tasks"]) == ("mod", "up", None), view
+    assert view["tools"] == ["echo", "grow", "grown"]
     requests = [line.split() for line in (marks / "requests").read_text().splitlines()]
-    assert [version for method, version in requests if method == "tools/call"] == ["2026-07-28"] * 2
-    assert "initialize" in {method for method, _ in requests}  # tried first, and refused
+    assert [version for method, version in requests if method == "tools/call"] == ["2026-07-28"] * 3
+    assert {"initialize", "subscriptions/listen"} <= {method for method, _ in requests}  # initialize refused

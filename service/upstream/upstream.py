@@ -41,6 +41,7 @@ from service.upstream.modern import (
     offers_tasks,
     speaks_tasks_extension,
 )
+from service.upstream.modern_watch import watch
 from service.upstream.sessions import SessionPool
 from service.upstream.tasks import TaskCall, runs_as_task
 
@@ -161,31 +162,28 @@ class Upstream:
 
     async def _follow_modern(self) -> bool:
         """An HTTP upstream that refused our 2025-11-25 session but answers 2026-07-28's
-        ``server/discover``: its tools listed on that wire (again every REFRESH_S: it has no
-        list_changed without a session) and its ``server/discover`` asked every PING_S, until one
+        ``server/discover``: followed on that wire (``modern_watch``) until a ping or a listing
         fails (down then, and True). False, at once, when it does not speak 2026-07-28 either."""
-        if self._modern is None:
+        modern = self._modern
+        if modern is None:
             return False
         try:
-            found = await discover(self._modern)
+            found = await discover(modern)
         except UpstreamAuthError:  # no credentials to ask with: down, as the failed connect said
             return False
         if found is None:
             return False
         self.modern_only = True
         self._found_extension(offers_tasks(found))
-        loop = asyncio.get_running_loop()
+
+        async def relist() -> None:
+            self._publish(await list_tools(modern))
+
         try:
-            self._publish(await list_tools(self._modern))
+            await relist()
             self._came_up()
-            listed = loop.time()
-            while True:
-                await asyncio.sleep(PING_S)
-                if await discover(self._modern, timeout_s=PING_TIMEOUT_S) is None:
-                    raise BadAnswer("no answer to server/discover")
-                if loop.time() - listed >= REFRESH_S:
-                    self._publish(await list_tools(self._modern))
-                    listed = loop.time()
+            await watch(modern, self._refresh, relist, ping_s=PING_S, ping_timeout_s=PING_TIMEOUT_S,
+                        refresh_s=REFRESH_S)  # fmt: skip
         except (ModernError, BadAnswer, SilentUpstream, httpx.HTTPError, UpstreamAuthError) as exc:
             self._went_down(f"on 2026-07-28: {describe(exc)}")
         finally:
