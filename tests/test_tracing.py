@@ -223,9 +223,14 @@ async def test_following_an_upstream_task_is_client_spans_that_carry_the_trace(
     assert {x.attributes["mcp.method.name"] for x in clients} == {"tools/call", "tasks/get", "tasks/result",
                                                                     "tasks/cancel"}  # fmt: skip
     assert all((x.trace_id, x.parent_span_id) in runs for x in clients), clients
-    received = [line.split()[1] for line in (marks / "requests").read_text().splitlines()]
-    assert "-" not in received  # every request of ours carried a trace context: (trace id, span id)
-    assert {(x.trace_id, x.span_id) for x in clients} == {tuple(tp.split("-")[1:3]) for tp in received}
+    carried = [line.split()[1] for line in (marks / "requests").read_text().splitlines()]
+    assert "-" not in carried  # every request of ours carried a trace context
+    received = {tuple(traceparent.split("-")[1:3]) for traceparent in carried}  # (trace id, span id)
+    spans = {(x.trace_id, x.span_id) for x in clients}
+    # Each request the upstream saw is one of those spans; at most one span's request did not get
+    # there (the poll our cancel cut short).
+    assert received <= spans, (spans, received)
+    assert len(spans - received) <= 1, (spans, received)
 
 
 async def test_the_default_sampler_keeps_about_one_task_in_ten_whole(database_url: str) -> None:

@@ -238,3 +238,38 @@ async def test_an_upstream_that_speaks_only_2026_is_listed_and_called_on_that_wi
     requests = [line.split() for line in (marks / "requests").read_text().splitlines()]
     assert [version for method, version in requests if method == "tools/call"] == ["2026-07-28"] * 3
     assert {"initialize", "subscriptions/listen"} <= {method for method, _ in requests}  # initialize refused
+
+
+async def test_a_2026_only_upstream_that_goes_down_and_comes_back_is_followed_again(
+    tmp_path: Path, database_url: str, http: httpx.AsyncClient
+) -> None:
+    """Down (its ping fails): shown down; back on the same port: up again, its calls made on its wire."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.modern_only_server", str(port), "--marks", str(marks)]
+    body = f'[[upstream]]\nname = "mod"\nurl = "http://127.0.0.1:{port}/mcp"\n'
+    env = {"MCP_TASKS_UPSTREAMS_FILE": upstreams_file(tmp_path, body), "MCP_TASKS_DATABASE_URL": database_url}
+
+    async def shown(state: str) -> dict[str, Any] | None:
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "service", "upstreams", "--json"], capture_output=True,
+            text=True, timeout=60, cwd=ROOT, env={**os.environ, **env},
+        )  # fmt: skip
+        live = [r for r in map(orjson.loads, done.stdout.splitlines()) if r["upstream"] == "mod" and r["process"]]
+        return live[0] if live and live[0]["state"] == state else None
+
+    async with mcp_tasks("serve", database_url, **env) as (_proc, mcp):
+        plain = V2026Client(http, mcp, capabilities={})
+        with server_process(argv, port):
+            await until(lambda: shown("up"), timeout=30)
+            assert (await echoed(plain, "first"))["content"][0]["text"] == "first"
+        down = await until(lambda: shown("down"), timeout=30)  # its ping (every 10 s) failed
+        assert down["last_error"], down
+        with server_process(argv, port):
+            await until(lambda: shown("up"), timeout=45)
+            assert (await echoed(plain, "back"))["content"][0]["text"] == "back"
+
+
+async def echoed(plain: V2026Client, text: str) -> dict[str, Any]:
+    return await plain.result("tools/call", {"name": "mod.echo", "arguments": {"text": text}})

@@ -684,6 +684,27 @@ async def test_a_stdio_question_waiting_for_its_answer_holds_up_no_other_call(
         assert final["content"][0]["text"] == "ok=True"
 
 
+def test_only_a_refusal_of_initialize_sends_an_upstream_to_2026_07_28() -> None:
+    """An answered refusal (a JSON-RPC error, HTTP 400/404/405/406/415) may mean "2026-07-28 only";
+    a refused credential, a busy or broken server, a timeout or no connection means down."""
+    from mcp.shared.exceptions import McpError
+    from mcp.types import ErrorData
+
+    from service.upstream.connection import refused_initialize
+
+    request = httpx.Request("POST", "http://upstream/mcp")
+
+    def status(code: int) -> httpx.HTTPStatusError:
+        return httpx.HTTPStatusError("HTTP", request=request, response=httpx.Response(code, request=request))
+
+    assert refused_initialize(ExceptionGroup("the SDK's task group", [status(400)]))
+    assert refused_initialize(McpError(ErrorData(code=-32602, message="Unsupported protocol version")))
+    for code in (401, 403, 429, 500, 503):
+        assert not refused_initialize(status(code)), code
+    assert not refused_initialize(httpx.ConnectError("connection refused"))
+    assert not refused_initialize(TimeoutError())
+
+
 def test_a_half_open_breaker_whose_trial_was_not_sent_lets_the_next_one_through() -> None:
     from service.upstream.breaker import Breaker
 

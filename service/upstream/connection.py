@@ -21,6 +21,7 @@ from mcp import ClientSession, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.context import RequestContext
+from mcp.shared.exceptions import McpError
 
 from service.upstream.config import UpstreamConfig, safe_url
 
@@ -65,7 +66,12 @@ class _Session(ClientSession):
 
 
 class ConnectFailed(Exception):
-    """The session could not be opened: the message says what happened, in one line."""
+    """The session could not be opened: the message says what happened, in one line. ``refused``:
+    the server answered our ``initialize`` with a refusal (``refused_initialize``)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def _error(message: str) -> types.ErrorData:
@@ -149,7 +155,7 @@ class Connection:
         except BaseException as exc:
             self.error = self.error or describe(exc)
             if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(ConnectFailed(self.error))
+                self._ready.set_exception(ConnectFailed(self.error, refused=refused_initialize(exc)))
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -203,6 +209,17 @@ class Connection:
     async def _message(self, message: Any) -> None:
         if isinstance(message, types.ServerNotification) and self._on_notification is not None:
             await self._on_notification(message)
+
+
+def refused_initialize(exc: BaseException) -> bool:
+    """Whether the server answered our ``initialize`` with a refusal (a JSON-RPC error, or HTTP 400,
+    404, 405, 406 or 415): it is there but takes no 2025-11-25 session. Not a timeout, a transport
+    failure, a 5xx or a refusal of our credentials (401, 403)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, McpError):
+        return True
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (400, 404, 405, 406, 415)
 
 
 def describe(exc: BaseException) -> str:

@@ -164,14 +164,22 @@ def _answer(raw: bytes | dict[str, Any], request_id: int, status: int) -> dict[s
     return result
 
 
+async def discovered(modern: Modern, *, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The upstream's ``server/discover`` result; what went wrong raised (ModernError, BadAnswer,
+    SilentUpstream, httpx's errors), BadAnswer too when it does not list 2026-07-28."""
+    found = await modern.request("server/discover", {}, idle_s=timeout_s, deadline=time.monotonic() + timeout_s)
+    versions = found.get("supportedVersions")
+    if not (isinstance(versions, list) and PROTOCOL in versions):
+        raise BadAnswer(f"a server/discover answer that does not list {PROTOCOL}")
+    return found
+
+
 async def discover(modern: Modern, *, timeout_s: float = 10.0) -> dict[str, Any] | None:
     """The upstream's ``server/discover`` result when it speaks 2026-07-28 (None otherwise)."""
     try:
-        found = await modern.request("server/discover", {}, idle_s=timeout_s, deadline=time.monotonic() + timeout_s)
+        return await discovered(modern, timeout_s=timeout_s)
     except (ModernError, BadAnswer, SilentUpstream, httpx.HTTPError):
         return None
-    versions = found.get("supportedVersions")
-    return found if isinstance(versions, list) and PROTOCOL in versions else None
 
 
 def offers_tasks(found: dict[str, Any] | None) -> bool:
@@ -195,9 +203,9 @@ async def list_tools(modern: Modern, *, timeout_s: float = 30.0) -> list[dict[st
         page = await modern.request("tools/list", {"cursor": cursor} if cursor else {}, idle_s=timeout_s,
                                     deadline=deadline)  # fmt: skip
         listed = page.get("tools")
-        if not isinstance(listed, list):
-            raise BadAnswer("a tools/list answer without its tools")
-        tools.extend(t for t in listed if isinstance(t, dict))
+        if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
+            raise BadAnswer("a tools/list answer without a list of tools")
+        tools.extend(listed)
         cursor = page.get("nextCursor") if isinstance(page.get("nextCursor"), str) else None
         if not cursor:
             return tools

@@ -17,7 +17,7 @@ from typing import Any, Final
 import httpx
 
 from service.upstream.auth import UpstreamAuthError
-from service.upstream.modern import BadAnswer, Modern, ModernError, SilentUpstream, discover
+from service.upstream.modern import BadAnswer, Modern, ModernError, SilentUpstream, discovered
 
 LISTEN_IDLE_S: Final = 300.0  # a listen that carried nothing this long is opened again
 LISTEN_BACKOFF_S: Final = (1.0, 60.0)  # before opening it again: from the first, doubling to the second
@@ -41,8 +41,8 @@ async def watch(
                 refresh.clear()
                 await relist()
                 listed = loop.time()
-            elif await discover(modern, timeout_s=ping_timeout_s) is None:
-                raise BadAnswer("no answer to server/discover")
+            else:
+                await discovered(modern, timeout_s=ping_timeout_s)
     finally:
         listener.cancel()
         await asyncio.wait({listener})

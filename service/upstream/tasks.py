@@ -153,7 +153,7 @@ class TaskCall:
             tracing.inject(meta)
             try:
                 return await self._bounded(send(meta), waiting)
-            except UpstreamFailure:
+            except Exception:  # the upstream's failure, or the question our client could not answer
                 tracing.failed("upstream")
                 raise
 

@@ -34,8 +34,6 @@ from service.upstream.modern import (
     PROTOCOL,
     BadAnswer,
     Modern,
-    ModernError,
-    SilentUpstream,
     discover,
     list_tools,
     offers_tasks,
@@ -48,6 +46,7 @@ from service.upstream.tasks import TaskCall, runs_as_task
 log = logging.getLogger(__name__)
 
 REFRESH_S: Final = 60.0
+LEGACY_RETRY_S: Final = 60.0  # an upstream followed on 2026-07-28 is offered a 2025-11-25 session again
 VISIBLE: Final = frozenset(chr(c) for c in range(0x20, 0x7F))
 PING_S: Final = 10.0
 RETRY_BACKOFF_S: Final = (0.5, 2.0)  # a rerunnable upstream's failed call: tried again after these
@@ -112,9 +111,10 @@ class Upstream:
             try:
                 conn = await self._connect(on_notification=self._notified)
             except (ConnectFailed, UpstreamAuthError) as exc:
-                if await self._follow_modern():  # it speaks only 2026-07-28: followed that way until it failed
-                    failures = 0
-                    await self._wait_down(BACKOFF_S[0])
+                # It refused the 2025-11-25 session: it may speak only 2026-07-28, followed that way a while.
+                if isinstance(exc, ConnectFailed) and exc.refused and await self._follow_modern():
+                    failures = 0 if self.up else failures + 1  # (down: it failed there too)
+                    await self._wait_down(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                     continue
                 self._went_down(str(exc))
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
@@ -123,6 +123,7 @@ class Upstream:
                 continue
             failures = 0
             self._control = conn
+            self.modern_only = False  # a 2025-11-25 session again: its calls go that way
             try:
                 if self._modern is not None:  # before the tools are published: calls go the way it says
                     self._found_extension(await speaks_tasks_extension(self._modern))
@@ -162,14 +163,16 @@ class Upstream:
 
     async def _follow_modern(self) -> bool:
         """An HTTP upstream that refused our 2025-11-25 session but answers 2026-07-28's
-        ``server/discover``: followed on that wire (``modern_watch``) until a ping or a listing
-        fails (down then, and True). False, at once, when it does not speak 2026-07-28 either."""
+        ``server/discover``: followed on that wire (``modern_watch``) for LEGACY_RETRY_S, or until a
+        ping or a listing fails (down then); True either way, and a 2025-11-25 session is tried
+        next. ``modern_only`` stays set until one opens (calls meanwhile go on 2026-07-28). False,
+        at once, when it does not speak 2026-07-28 either."""
         modern = self._modern
         if modern is None:
             return False
         try:
             found = await discover(modern)
-        except UpstreamAuthError:  # no credentials to ask with: down, as the failed connect said
+        except Exception:  # credentials it cannot have, a header it cannot send: down, as the connect said
             return False
         if found is None:
             return False
@@ -182,12 +185,12 @@ class Upstream:
         try:
             await relist()
             self._came_up()
-            await watch(modern, self._refresh, relist, ping_s=PING_S, ping_timeout_s=PING_TIMEOUT_S,
-                        refresh_s=REFRESH_S)  # fmt: skip
-        except (ModernError, BadAnswer, SilentUpstream, httpx.HTTPError, UpstreamAuthError) as exc:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LEGACY_RETRY_S):
+                    await watch(modern, self._refresh, relist, ping_s=PING_S, ping_timeout_s=PING_TIMEOUT_S,
+                                refresh_s=REFRESH_S)  # fmt: skip
+        except Exception as exc:  # as the 2025-11-25 session's: down, tried again
             self._went_down(f"on 2026-07-28: {describe(exc)}")
-        finally:
-            self.modern_only = False
         return True
 
     async def _wait_down(self, delay: float) -> None:
