@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Final, Literal
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from service.domain.values import frozen
 
@@ -27,6 +27,7 @@ KEYS: Final = frozenset(
 AUTH_KEYS: Final = frozenset({"bearer_env", "bearer_file", "client_credentials"})
 CLIENT_CREDENTIALS_KEYS: Final = frozenset({"token_url", "client_id", "client_secret_env", "scope"})
 FORWARD_KEYS: Final = frozenset({"tenant_header", "subject_header"})
+VISIBLE: Final = frozenset(chr(c) for c in range(0x20, 0x7F))
 HEADER: Final = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP token (RFC 9110)
 RESERVED_HEADERS: Final = frozenset(
     {"authorization", "content-type", "accept", "host", "content-length", "mcp-session-id", "mcp-protocol-version",
@@ -59,6 +60,19 @@ class ClientCredentials:
 class Forward:
     tenant_header: str | None = None
     subject_header: str | None = None
+
+    def headers(self, caller: tuple[str, str] | None) -> dict[str, str]:
+        """The headers that tell the upstream who calls (``caller``: tenant and subject)."""
+        if caller is None:
+            return {}
+        pairs = ((self.tenant_header, caller[0]), (self.subject_header, caller[1]))
+        return {header: header_value(value) for header, value in pairs if header}
+
+
+def header_value(value: str) -> str:
+    """A tenant or subject as a header value: as is when it is visible ASCII, else percent-encoded
+    UTF-8 (docs/decisions.md, "Telling an upstream who calls")."""
+    return value if VISIBLE.issuperset(value) else quote(value, safe="")
 
 
 @frozen

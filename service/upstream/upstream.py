@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
-from urllib.parse import quote
 
 import httpx
 import pydantic
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 
 REFRESH_S: Final = 60.0
 LEGACY_RETRY_S: Final = 60.0  # an upstream followed on 2026-07-28 is offered a 2025-11-25 session again
-VISIBLE: Final = frozenset(chr(c) for c in range(0x20, 0x7F))
 PING_S: Final = 10.0
 RETRY_BACKOFF_S: Final = (0.5, 2.0)  # a rerunnable upstream's failed call: tried again after these
 PING_TIMEOUT_S: Final = 10.0
@@ -268,11 +266,7 @@ class Upstream:
         return conn
 
     def _forwarded(self, ctx: ToolContext) -> dict[str, str]:
-        forward, caller = self.config.forward, ctx.caller
-        if caller is None:
-            return {}
-        pairs = ((forward.tenant_header, caller[0]), (forward.subject_header, caller[1]))
-        return {header: header_value(value) for header, value in pairs if header}
+        return self.config.forward.headers(ctx.caller)
 
     # ---- calls -------------------------------------------------------------------------------
 
@@ -402,9 +396,3 @@ class Upstream:
             return "2026-07-28"
         info = self._control.server_info if self._control is not None else None
         return "2025-11-25" if info is not None and info.capabilities.tasks is not None else None
-
-
-def header_value(value: str) -> str:
-    """A tenant or subject as a header value: as is when it is visible ASCII, else percent-encoded
-    UTF-8 (docs/decisions.md, "Telling an upstream who calls")."""
-    return value if VISIBLE.issuperset(value) else quote(value, safe="")
