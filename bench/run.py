@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     tokens: list[str] = field(default_factory=list)
     extra: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    upstream: subprocess.Popen[bytes] | None = None  # the hop's upstream MCP server (stopped apart)
 
     def stop(self) -> None:
         for p in [self.proc, *self.extra]:
@@ -321,16 +322,18 @@ def start_floor(logs: Path) -> Server:
     return Server("floor", url, proc)
 
 
-class PostgresCpu:
-    """CPU seconds of the local PostgreSQL cluster's processes over time (ours runs on it; the peers
-    do not), sampled in the background so the measured window can be cut out of setup and clean-up.
-    Backends come and go: each process counts with the last CPU time it was seen with."""
+class ProcessCpu:
+    """CPU seconds of groups of processes over time (the local PostgreSQL cluster's, which ours runs
+    on and the peers do not; the load generator's; an upstream's), sampled in the background so the
+    measured window can be cut out of setup and clean-up. Backends come and go: each process counts
+    with the last CPU time it was seen with."""
 
-    def __init__(self, every_s: float = 0.25) -> None:
+    def __init__(self, groups: dict[str, Callable[[int, str], bool]], every_s: float = 0.25) -> None:
         import threading
 
-        self._last: dict[int, float] = {}
-        self.samples: list[tuple[float, float]] = []
+        self._groups = groups
+        self._last: dict[str, dict[int, float]] = {group: {} for group in groups}
+        self.samples: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._every_s = every_s
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -341,20 +344,25 @@ class PostgresCpu:
 
         while not self._stop.is_set():
             for proc in psutil.process_iter(["name", "cpu_times"]):
-                times = proc.info["cpu_times"]
-                if proc.info["name"] == "postgres" and times is not None:
-                    self._last[proc.pid] = times.user + times.system
-            self.samples.append((time.time(), sum(self._last.values())))
+                if (times := proc.info["cpu_times"]) is None:
+                    continue
+                for group, chosen in self._groups.items():
+                    if chosen(proc.pid, proc.info["name"]):
+                        self._last[group][proc.pid] = times.user + times.system
+            self.samples.append((time.time(), {group: sum(last.values()) for group, last in self._last.items()}))
             self._stop.wait(self._every_s)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def at(self, t: float) -> float:
-        """Cumulative CPU seconds at wall time t (the last sample before it)."""
-        before = [cpu for ts, cpu in self.samples if ts <= t]
-        return before[-1] if before else (self.samples[0][1] if self.samples else 0.0)
+    def at(self, group: str, t: float) -> float:
+        """The group's cumulative CPU seconds at wall time t (the last sample before it)."""
+        before = [cpu[group] for ts, cpu in self.samples if ts <= t]
+        return before[-1] if before else (self.samples[0][1][group] if self.samples else 0.0)
+
+    def ms_per_op(self, group: str, window: tuple[float, float], ops: int) -> float:
+        return 1000 * (self.at(group, window[1]) - self.at(group, window[0])) / ops
 
 
 def run_load(
@@ -372,7 +380,12 @@ def run_load(
         cmd += ["--task-seconds", str(EXT_TASK_SECONDS), "--poll-ms", str(poll_ms)]
     for token in server.tokens[: cfg.get("principals", len(server.tokens))]:
         cmd.append(f"--token={token}")
-    db = PostgresCpu() if server.name == "ours" else None
+    pids: dict[str, int] = {"upstream": server.upstream.pid if server.upstream is not None else -1}
+    cpu = ProcessCpu({
+        "db": lambda _pid, name: server.name == "ours" and name == "postgres",
+        "load": lambda pid, _name: pid == pids.get("load"),  # the load core's tenants: the generator,
+        "upstream": lambda pid, _name: pid == pids["upstream"],  # and the hop's upstream
+    })  # fmt: skip
     spy = None
     if profile is not None:  # sampling costs the server a little CPU: profile runs are not for the report
         profile.parent.mkdir(parents=True, exist_ok=True)
@@ -380,20 +393,30 @@ def run_load(
                                                   "--duration", str(int(duration) + 5), "--format", "raw", *(["--rate", "250"] if SPY_BLOCKING or SPY_NATIVE else ["--nonblocking"]),
                                                   *(["--native"] if SPY_NATIVE else [])]),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    done = subprocess.run(pinned(LOAD_CORE, cmd), capture_output=True, timeout=duration * 10 + 600)
+    load = subprocess.Popen(pinned(LOAD_CORE, cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pids["load"] = load.pid
+    try:
+        _, stderr = load.communicate(timeout=duration * 10 + 600)
+    except subprocess.TimeoutExpired:
+        load.kill()
+        raise
+    finally:
+        cpu.stop()
     if spy is not None:
         spy.send_signal(2)
         spy.wait(timeout=60)
-    if db is not None:
-        db.stop()
     if not out.exists():
         # Its last words (a setup failure, say) are worth keeping: the report lists them.
-        said = done.stderr.decode(errors="replace").strip().splitlines()
+        said = stderr.decode(errors="replace").strip().splitlines()
         return {"error": "the load generator produced no result" + (f": {said[-1][:300]}" if said else "")}
     result: dict[str, Any] = json.loads(out.read_text())
-    if db is not None and result.get("ops") and result.get("window_unix"):
-        begin, end = result["window_unix"]
-        result["db_cpu_ms_per_op"] = 1000 * (db.at(end) - db.at(begin)) / result["ops"]
+    if result.get("ops") and result.get("window_unix"):
+        window, ops = tuple(result["window_unix"]), result["ops"]
+        result["load_cpu_ms_per_op"] = cpu.ms_per_op("load", window, ops)
+        if server.name == "ours":
+            result["db_cpu_ms_per_op"] = cpu.ms_per_op("db", window, ops)
+        if server.upstream is not None:
+            result["upstream_cpu_ms_per_op"] = cpu.ms_per_op("upstream", window, ops)
     return result
 
 
@@ -404,22 +427,22 @@ EXT_ENV = {"MCP_TASKS_TASK_GRACE_MS": "0"}
 
 
 @contextlib.contextmanager
-def upstream_for(workload: str, logs: Path) -> Iterator[dict[str, str]]:
-    """For a hop workload, the upstream MCP server (on the load core) and the env naming it; for a
-    traced one, the OTLP sink (on the load core) and the env that turns tracing on."""
+def upstream_for(workload: str, logs: Path) -> Iterator[tuple[dict[str, str], subprocess.Popen[bytes] | None]]:
+    """For a hop workload, the env naming the upstream MCP server (on the load core) and its
+    process; for a traced one, the env that turns tracing on, to an OTLP sink on the load core."""
     if workload in TRACED:
         port = free_port()
         with (logs / "otlp-sink.log").open("ab") as log:
             sink = subprocess.Popen(pinned(LOAD_CORE, [str(BIN / "python"), "bench/otlp_sink.py", str(port)]),
                                     cwd=ROOT, stdout=log, stderr=log)  # fmt: skip
         try:
-            yield {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+            yield {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}, None
         finally:
             sink.terminate()
             sink.wait(timeout=15)
         return
     if workload not in HOP:
-        yield {}
+        yield {}, None
         return
     port = free_port()
     with (logs / "upstream.log").open("ab") as log:
@@ -430,7 +453,7 @@ def upstream_for(workload: str, logs: Path) -> Iterator[dict[str, str]]:
         wait_http(url, proc)
         file = logs / "upstreams.toml"
         file.write_text(f'[[upstream]]\nname = "up"\nurl = "{url}"\nmax_concurrency = 64\n')
-        yield {"MCP_TASKS_UPSTREAMS_FILE": str(file)}
+        yield {"MCP_TASKS_UPSTREAMS_FILE": str(file)}, proc
     finally:
         proc.terminate()
         proc.wait(timeout=15)
@@ -438,7 +461,7 @@ def upstream_for(workload: str, logs: Path) -> Iterator[dict[str, str]]:
 
 @contextlib.contextmanager
 def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterator[Server]:
-    with upstream_for(workload if name == "ours" else "", logs) as upstream_env:
+    with upstream_for(workload if name == "ours" else "", logs) as (upstream_env, upstream):
         server = (
             start_ours(
                 dbs.fresh(),
@@ -451,6 +474,7 @@ def started(name: str, dbs: Databases, logs: Path, workload: str = "") -> Iterat
             if name == "floor"
             else start_peer(name, logs)
         )
+        server.upstream = upstream
         try:
             yield server
         finally:
@@ -635,6 +659,10 @@ def hop_figures(report: dict[str, Any]) -> dict[str, float]:
         "ratio": statistics.median(pairs) if pairs else nan,
         "local_p50": p(local_runs, "p50_ms"), "upstream_p50": p(up_runs, "p50_ms"),
         "local_p99": p(local_runs, "p99_ms"), "upstream_p99": p(up_runs, "p99_ms"),
+        "local_cpu": _cpu(local_runs), "upstream_cpu": _cpu(up_runs),
+        "local_db_cpu": median_of(local_runs, "db_cpu_ms_per_op"), "upstream_db_cpu": median_of(up_runs, "db_cpu_ms_per_op"),
+        "upstream_process_cpu": median_of(up_runs, "upstream_cpu_ms_per_op"),
+        "local_load_cpu": median_of(local_runs, "load_cpu_ms_per_op"), "upstream_load_cpu": median_of(up_runs, "load_cpu_ms_per_op"),
     }  # fmt: skip
     figures["added_p50"] = figures["upstream_p50"] - figures["local_p50"]
     return figures
@@ -800,7 +828,12 @@ def render(report: dict[str, Any]) -> str:
                   f"| lifecycles/s | {_num(hop['local'])} | {_num(hop['upstream'])} | {_num(hop['ratio'], '.2f', 'x')} |",
                   f"| p50, ms | {_num(hop['local_p50'], '.1f')} | {_num(hop['upstream_p50'], '.1f')} "
                   f"| +{_num(hop['added_p50'], '.1f')} |",
-                  f"| p99, ms | {_num(hop['local_p99'], '.1f')} | {_num(hop['upstream_p99'], '.1f')} | |"]  # fmt: skip
+                  f"| p99, ms | {_num(hop['local_p99'], '.1f')} | {_num(hop['upstream_p99'], '.1f')} | |",
+                  f"| CPU per lifecycle, ms: ours + PostgreSQL (server core) | {_num(hop['local_cpu'], '.2f')} + "
+                  f"{_num(hop['local_db_cpu'], '.2f')} | {_num(hop['upstream_cpu'], '.2f')} + {_num(hop['upstream_db_cpu'], '.2f')} | |",
+                  f"| CPU per lifecycle, ms: the load generator + the upstream's process (load core) | "
+                  f"{_num(hop['local_load_cpu'], '.2f')} | {_num(hop['upstream_load_cpu'], '.2f')} + "
+                  f"{_num(hop['upstream_process_cpu'], '.2f')} | |"]  # fmt: skip
     if traced:
         lines += ["", "Tracing on (OTLP/HTTP to a sink on the load core, the default sampler: parent-based 10 %) "
                   f"against off, the lifecycle load of the same rounds, ours only: {_num(traced['traced'])} against "

@@ -628,8 +628,8 @@ def test_the_report_sets_the_upstream_hop_against_the_local_lifecycle_of_the_sam
             "lifecycle": {"ours": [_run(1000) | {"op_latency": latency}, _run(800) | {"op_latency": latency}]},
             "lifecycle-up": {
                 "ours": [
-                    _run(600) | {"op_latency": {"p50_ms": 13.0, "p99_ms": 40.0}},
-                    _run(400) | {"op_latency": {"p50_ms": 15.0, "p99_ms": 50.0}},
+                    _run(600) | {"op_latency": {"p50_ms": 13.0, "p99_ms": 40.0}, "upstream_cpu_ms_per_op": 3.0},
+                    _run(400) | {"op_latency": {"p50_ms": 15.0, "p99_ms": 50.0}, "upstream_cpu_ms_per_op": 5.0},
                 ]
             },
         },
@@ -640,6 +640,9 @@ def test_the_report_sets_the_upstream_hop_against_the_local_lifecycle_of_the_sam
     assert "| p50, ms | 10.0 | 14.0 | +4.0 |" in text
     assert "| upstream lifecycles/s >= 0.5x local (median of the rounds' ratios) | 0.55x | met |" in text
     assert "| ... adding <= 5 ms p50 | 4.0 ms | met |" in text
+    # Where the CPU went, each core's tenants: the upstream's process shares the load core.
+    assert "| CPU per lifecycle, ms: the load generator + the upstream's process (load core) | " in text
+    assert "+ 4.00 | |" in text
     assert "| lifecycle-up |" not in text  # not a workload of the peers' tables
 
 

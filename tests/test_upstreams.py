@@ -52,6 +52,8 @@ def server_process(argv: list[str], port: int) -> Iterator[str]:
             if proc.poll() is not None:
                 raise RuntimeError(f"the test upstream ({' '.join(argv[1:3])}) exited at start")
             time.sleep(0.05)
+        else:
+            raise RuntimeError(f"the test upstream ({' '.join(argv[1:3])}) did not answer {url} within 10 s")
         yield url
     finally:
         proc.terminate()
