@@ -273,3 +273,25 @@ async def test_a_2026_only_upstream_that_goes_down_and_comes_back_is_followed_ag
 
 async def echoed(plain: V2026Client, text: str) -> dict[str, Any]:
     return await plain.result("tools/call", {"name": "mod.echo", "arguments": {"text": text}})
+
+
+async def test_credentials_that_cannot_be_read_fail_a_2026_call_with_a_message_naming_the_upstream(
+    tmp_path: Path, database_url: str, upstream: RunningServer, http: httpx.AsyncClient
+) -> None:
+    """Our bearer file for the upstream emptied after the start: the call on 2026-07-28 fails
+    saying which upstream and what to fix (it said "failed unexpectedly" with a reference)."""
+    token = tmp_path / "token"
+    token.write_text("ours\n")
+    body = (f'[[upstream]]\nname = "ext"\nurl = "{upstream.url}"\ntools = ["sleep"]\n'
+            f'[upstream.auth]\nbearer_file = "{token}"\n')  # fmt: skip
+    async with mcp_tasks("serve", database_url, MCP_TASKS_UPSTREAMS_FILE=upstreams_file(tmp_path, body)) as (_p, mcp):
+        s = RpcSession(http, mcp)
+        await s.initialize()
+        first = (await s.call_tool_as_task("ext.sleep", {"seconds": 0.1}))["task"]["taskId"]
+        assert (await task_outcome(s, first))["status"] == "completed"
+        token.write_text("")
+        second = (await s.call_tool_as_task("ext.sleep", {"seconds": 0.1}))["task"]["taskId"]
+        failed = await task_outcome(s, second)
+        assert failed["status"] == "failed"
+        assert "upstream 'ext'" in failed["statusMessage"], failed
+        assert f"auth.bearer_file {token} is empty" in failed["statusMessage"], failed

@@ -128,6 +128,55 @@ async def test_a_session_bound_upstream_task_cannot_be_resumed_and_the_task_says
             assert started(marks) == 1
 
 
+async def test_an_upstream_task_past_timeout_s_fails_once_and_counts_not_against_the_upstream(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """timeout_s is the call's bound, not the upstream's failure (as for a plain call): a
+    rerunnable upstream's task is not followed again, and its circuit stays closed."""
+    with task_upstream(marks) as url:
+        body = (f'[[upstream]]\nname = "tup"\nurl = "{url}"\ntimeout_s = 1\nrerunnable = true\n'
+                'circuit_failures = 1\n[upstream.auth]\nbearer_env = "TUP_TOKEN"\n')  # fmt: skip
+        env = {"MCP_TASKS_UPSTREAMS_FILE": upstreams_file(tmp_path, body), "TUP_TOKEN": "ours"}
+        async with mcp_tasks("serve", database_url, **env) as (_proc, mcp):
+            s = RpcSession(http, mcp)
+            await s.initialize()
+            slow = (await s.call_tool_as_task("tup.work", {"seconds": 30}))["task"]["taskId"]
+            failed = await task_outcome(s, slow)
+            assert failed["status"] == "failed"
+            assert "did not answer within timeout_s=1 s" in failed["statusMessage"]
+            assert "tried" not in failed["statusMessage"]
+            await until(lambda: _cancelled(marks))  # the upstream's task was cancelled with ours
+            quick = (await s.call_tool_as_task("tup.work", {"seconds": 0.2}))["task"]["taskId"]
+            done = await task_outcome(s, quick)
+            assert done["status"] == "completed", done  # not refused by an open circuit
+
+
+async def test_a_reused_session_a_task_upstream_dropped_is_replaced_without_failing_the_task(
+    tmp_path: Path, database_url: str, marks: Path, http: httpx.AsyncClient
+) -> None:
+    """As for a plain call: the upstream restarted between two calls no longer knows our idle
+    session (404); the task is created again on a new session, since the old one never reached it."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.upstream_tasks_server", str(port), "--marks", str(marks)]
+    env = env_for(tmp_path, f"http://127.0.0.1:{port}/mcp")
+    async with mcp_tasks("serve", database_url, MCP_TASKS_UPSTREAM_DOWN_GRACE_S="3600", **env) as (_proc, mcp):
+        s = RpcSession(http, mcp)
+        await s.initialize()
+        for seconds in (0.2, 0.4):
+            with server_process(argv, port):  # a new process each time: our idle session is unknown there
+                await until(lambda: _listed(s))
+                task_id = (await s.call_tool_as_task("tup.work", {"seconds": seconds}))["task"]["taskId"]
+                done = await task_outcome(s, task_id)
+                assert done["status"] == "completed", done.get("statusMessage")
+                assert (await s.result("tasks/result", {"taskId": task_id}))["content"][0][
+                    "text"
+                ] == f"worked {seconds}s"
+
+
+async def _listed(s: RpcSession) -> bool:
+    return "tup.work" in {t["name"] for t in (await s.result("tools/list"))["tools"]}
+
+
 async def _at_least(marks: Path, n: int) -> bool:
     return started(marks) >= n
 

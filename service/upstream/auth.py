@@ -63,6 +63,8 @@ class Credentials:
             value = (await asyncio.to_thread(Path(auth.file).read_text, encoding="utf-8")).strip()
         except OSError as exc:
             raise UpstreamAuthError(f"cannot read auth.bearer_file {auth.file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise UpstreamAuthError(f"auth.bearer_file {auth.file} is not UTF-8 text") from None
         if not value:
             raise UpstreamAuthError(f"auth.bearer_file {auth.file} is empty")
         return value

@@ -27,6 +27,7 @@ from service.upstream.config import UpstreamConfig, safe_url
 
 CLIENT_INFO: Final = types.Implementation(name="mcp-task-service", version="0.1.0")
 CONNECT_TIMEOUT_S: Final = 10.0
+CLOSE_S: Final = 5.0  # how long a session may take to leave the SDK's contexts before it is cancelled
 # After a call is given up, a question already on its way (the server sent it before it saw our
 # notifications/cancelled) could still arrive: none is relayed for this long (a round trip and more).
 ABANDON_QUIET_S: Final = 1.0
@@ -126,10 +127,20 @@ class Connection:
         self._stop.set()
 
     async def close(self) -> None:
-        """End the session (its holder leaves the SDK's contexts); a caller's cancel still lands."""
+        """End the session (its holder leaves the SDK's contexts); a caller's cancel still lands.
+        One still opening (``initialize`` unanswered: the holder waits on the server, not on us) is
+        cancelled, as is one that does not leave within CLOSE_S: a stdio server's process ends."""
         self._stop.set()
-        if self._holder is not None and not self._holder.done():
-            await asyncio.wait({self._holder}, timeout=5)
+        holder = self._holder
+        if holder is None or holder.done():
+            return
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()  # (nobody waits for it any more)
+            holder.cancel()
+        await asyncio.wait({holder}, timeout=CLOSE_S)
+        if not holder.done():
+            holder.cancel()
+            await asyncio.wait({holder}, timeout=CLOSE_S)
 
     async def _hold(self) -> None:
         try:

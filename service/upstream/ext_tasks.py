@@ -23,6 +23,7 @@ from mcp import types
 
 from service.tools.api import ToolContext, ToolFailure
 from service.tools.context import progress_text
+from service.upstream.auth import UpstreamAuthError
 from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure, following
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import describe
@@ -213,6 +214,8 @@ class ExtCall:
         except httpx.HTTPError as exc:
             raise UpstreamFailure(f"{self.label} could not be reached for {method}: {describe(exc)}",
                                   breaks=True) from None  # fmt: skip
+        except UpstreamAuthError as exc:  # our credentials for it (an empty variable, a token endpoint down)
+            raise UpstreamFailure(f"{self.label} could not be called ({method}): {exc}", breaks=True) from None
         except (asyncio.CancelledError, ToolFailure):
             raise
 

@@ -12,6 +12,7 @@ session; one that speaks only this wire is listed and followed here too (``disco
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable
@@ -102,18 +103,35 @@ class Modern:
         if name is not None:
             headers["Mcp-Name"] = name
         tracing.inject(headers)
-        timeout = httpx.Timeout(min(idle_s, _left(deadline)), connect=min(10.0, _left(deadline)))
-        try:
-            async with self.client.stream("POST", self.url, content=orjson.dumps(body), headers=headers,
-                                          timeout=timeout) as r:  # fmt: skip
-                if r.status_code == 401:
-                    self.on_unauthorized()
-                    raise BadAnswer("HTTP 401: it refused our credentials")
-                if r.headers.get("content-type", "").startswith("text/event-stream"):
-                    return await self._streamed(r, request_id, on_notification)
-                return _answer(await self._body(r), request_id, r.status_code)
+        limits = httpx.Timeout(min(idle_s, _left(deadline)), connect=min(10.0, _left(deadline)))
+        heard = [time.monotonic()]  # when the upstream last sent a message for this request
+        exchange = asyncio.ensure_future(self._exchange(body, headers, limits, request_id, heard, on_notification))
+        try:  # bounded by the deadline and idle_s whatever the upstream streams (comments, empty events)
+            while not exchange.done():
+                wait_s = min(_left(deadline), heard[0] + idle_s - time.monotonic())
+                if wait_s <= 0 or deadline <= time.monotonic():
+                    raise SilentUpstream()
+                await asyncio.wait({exchange}, timeout=wait_s)
+            return exchange.result()
         except httpx.TimeoutException:
             raise SilentUpstream() from None
+        finally:
+            if not exchange.done():
+                exchange.cancel()
+                await asyncio.wait({exchange})
+
+    async def _exchange(
+        self, body: dict[str, Any], headers: dict[str, str], limits: httpx.Timeout, request_id: int,
+        heard: list[float], on_notification: Notified | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        async with self.client.stream("POST", self.url, content=orjson.dumps(body), headers=headers,
+                                      timeout=limits) as r:  # fmt: skip
+            if r.status_code == 401:
+                self.on_unauthorized()
+                raise BadAnswer("HTTP 401: it refused our credentials")
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                return await self._streamed(r, request_id, heard, on_notification)
+            return _answer(await self._body(r), request_id, r.status_code)
 
     async def _body(self, r: httpx.Response) -> bytes:
         chunks, size = [], 0
@@ -124,10 +142,14 @@ class Modern:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _streamed(self, r: httpx.Response, request_id: int, on_notification: Notified | None) -> dict[str, Any]:
+    async def _streamed(
+        self, r: httpx.Response, request_id: int, heard: list[float], on_notification: Notified | None
+    ) -> dict[str, Any]:
+        """The answer on an SSE stream; ``heard`` notes when each message came (not an empty event)."""
         async for event in httpx_sse.EventSource(r).aiter_sse():
             if not event.data:
                 continue
+            heard[0] = time.monotonic()
             if len(event.data) > self.max_bytes:
                 raise BadAnswer(f"a message above {self.max_bytes} bytes")
             message = _json(event.data.encode())

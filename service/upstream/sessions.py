@@ -22,31 +22,47 @@ Key = tuple[tuple[str, str], ...]
 
 
 class SessionPool:
+    """At most ``most`` idle sessions in all (each holds a connection for the server's messages, so
+    callers who never come back must not fill the upstream's connection pool): the one given back
+    longest ago is closed for a new one. Sessions past ``REUSE_S`` are closed whenever one is taken
+    or given back, whoever they were kept for."""
+
     def __init__(self, most: int) -> None:
-        self.most = most  # idle sessions kept per key
-        self._idle: dict[Key, list[Connection]] = {}
+        self.most = most
+        self._idle: list[tuple[Key, Connection]] = []  # in the order they were given back
         self._closing: set[asyncio.Task[None]] = set()
 
     async def take(
         self, key: Key, open_one: Callable[[], Awaitable[Connection]], *, fresh: bool = False
     ) -> tuple[Connection, bool]:
         """A session for a call, and whether it was used before (``fresh``: a new one)."""
-        loop = asyncio.get_running_loop()
-        idle = self._idle.get(key, [])
-        while idle and not fresh:
-            conn = idle.pop()
-            if not conn.ended.is_set() and loop.time() - conn.opened_at < REUSE_S:
-                return conn, True
-            self._close_later(conn)
+        self._sweep()
+        if not fresh:
+            for i in range(len(self._idle) - 1, -1, -1):
+                if self._idle[i][0] == key:
+                    return self._idle.pop(i)[1], True
         return await open_one(), False
 
     def give(self, key: Key, conn: Connection, *, reusable: bool) -> None:
         """The call on ``conn`` ended: keep it for the next (``reusable``: it ended well), or close it."""
-        idle = self._idle.setdefault(key, [])
-        if reusable and not conn.ended.is_set() and len(idle) < self.most:
-            idle.append(conn)
-        else:
+        self._sweep()
+        if not reusable or not self._usable(conn) or self.most <= 0:
             self._close_later(conn)
+            return
+        while len(self._idle) >= self.most:
+            self._close_later(self._idle.pop(0)[1])
+        self._idle.append((key, conn))
+
+    def _usable(self, conn: Connection) -> bool:
+        return not conn.ended.is_set() and asyncio.get_running_loop().time() - conn.opened_at < REUSE_S
+
+    def _sweep(self) -> None:
+        kept = [(key, conn) for key, conn in self._idle if self._usable(conn)]
+        if len(kept) < len(self._idle):
+            for _, conn in self._idle:
+                if not self._usable(conn):
+                    self._close_later(conn)
+            self._idle = kept
 
     def _close_later(self, conn: Connection) -> None:
         closing = asyncio.ensure_future(conn.close())
@@ -54,9 +70,8 @@ class SessionPool:
         closing.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
-                self._close_later(conn)
+        for _, conn in self._idle:
+            self._close_later(conn)
         self._idle.clear()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._closing, return_exceptions=True)

@@ -23,7 +23,7 @@ from mcp.shared.exceptions import McpError
 
 from service.observability import tracing
 from service.tools.api import ToolContext
-from service.upstream.calls import RESULT_KEYS, CallAsker, UpstreamFailure, following
+from service.upstream.calls import RESULT_KEYS, SESSION_TERMINATED, CallAsker, UpstreamFailure, following
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import Connection, describe
 
@@ -94,10 +94,17 @@ class TaskCall:
             )
         await self.ctx.remember({"upstream": name, "phase": "creating"})
         ttl = int(min(self.config.timeout_s * 1000 + 60_000, 2**31 - 1))
-        created = await self._request(
-            "tools/call",
-            lambda meta: self.session.experimental.call_tool_as_task(self.tool, arguments, ttl=ttl, meta=meta or None),
-        )
+        try:
+            created = await self._request(
+                "tools/call",
+                lambda meta: self.session.experimental.call_tool_as_task(
+                    self.tool, arguments, ttl=ttl, meta=meta or None
+                ),
+            )
+        except UpstreamFailure as exc:
+            if exc.stale:  # it never reached the tool (a session the upstream dropped): may be made anew
+                await self.ctx.remember({"upstream": name, "phase": "unsent"})
+            raise
         task_id = created.task.taskId
         try:
             await self.ctx.remember({"upstream": name, "upstream_task": task_id})
@@ -165,10 +172,17 @@ class TaskCall:
         except TimeoutError:
             which = "timeout_s" if waiting or left <= self.config.idle_timeout_s else "idle_timeout_s"
             value = self.config.timeout_s if which == "timeout_s" else self.config.idle_timeout_s
-            raise UpstreamFailure(f"{self.label} did not answer within {which}={value:g} s", breaks=True) from None
+            # (timeout_s is the call's own bound, as for a plain call: not the upstream's failure)
+            raise UpstreamFailure(f"{self.label} did not answer within {which}={value:g} s",
+                                  breaks=which == "idle_timeout_s") from None  # fmt: skip
         except McpError as exc:
             if self.asker.failure is not None:
                 raise self.asker.failure from None
+            if exc.error.code == types.CONNECTION_CLOSED:
+                raise UpstreamFailure(f"{self.label} closed the connection", breaks=True, lost=True) from None
+            if exc.error.code == SESSION_TERMINATED:  # a reused session it dropped: tried again anew
+                raise UpstreamFailure(f"{self.label} no longer knows our session", breaks=False, lost=True,
+                                      stale=True) from None  # fmt: skip
             raise UpstreamFailure(
                 f"{self.label} answered with error {exc.error.code}: {exc.error.message[:500]}", breaks=False
             ) from None

@@ -71,7 +71,9 @@ class Upstream:
         self._on_tools = on_tools
         self._grace_s = grace_s
         self._max_result_bytes = max_result_bytes
-        self._pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=config.max_concurrency + 2))
+        # A session holds a connection (the SDK's GET stream), a call on it one more: idle, busy and
+        # closing sessions, the control session and 2026-07-28 requests all fit.
+        self._pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=4 * config.max_concurrency + 8))
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._sessions = SessionPool(config.max_concurrency)
         self._modern = None if config.url is None else Modern(
@@ -108,13 +110,13 @@ class Upstream:
         while True:
             try:
                 conn = await self._connect(on_notification=self._notified)
-            except (ConnectFailed, UpstreamAuthError) as exc:
+            except Exception as exc:  # (anything it or our credentials raised: down, tried again)
                 # It refused the 2025-11-25 session: it may speak only 2026-07-28, followed that way a while.
                 if isinstance(exc, ConnectFailed) and exc.refused and await self._follow_modern():
                     failures = 0 if self.up else failures + 1  # (down: it failed there too)
                     await self._wait_down(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                     continue
-                self._went_down(str(exc))
+                self._went_down(str(exc) if isinstance(exc, ConnectFailed | UpstreamAuthError) else describe(exc))
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
                 await self._wait_down(delay)
@@ -349,6 +351,8 @@ class Upstream:
         forward = self._forwarded(ctx)
         key = (("caller", repr(ctx.caller)), *sorted(forward.items()))
         for fresh in (False, True):  # a reused session the upstream dropped meanwhile: once more, anew
+            if fresh:  # (what the first try noted: an upstream task it made is followed, not made again)
+                note = await ctx.recall()
             try:
                 conn, reused = await self._sessions.take(key, lambda: self._connect(forward=forward), fresh=fresh)
             except (ConnectFailed, UpstreamAuthError) as exc:
