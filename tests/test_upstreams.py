@@ -574,6 +574,10 @@ async def test_a_2026_call_of_an_upstream_tool_that_asks_becomes_a_task_and_the_
             assert not others
             assert question["method"] == "elicitation/create"
             assert question["params"]["message"] == "Ship it?"
+            nested = {key: {"action": "accept", "content": {"ok": {"nested": True}}}}  # not a form's value
+            refused = await c.error("tasks/update", {"taskId": task_id, "inputResponses": nested})
+            assert refused["code"] == -32602  # X-UPDATE-8: the question still waits, nothing reached the upstream
+            assert (await c.result("tasks/get", {"taskId": task_id}))["status"] == "input_required"
             await c.result("tasks/update", {"taskId": task_id,
                                             "inputResponses": {key: {"action": "accept", "content": {"ok": True}}}})  # fmt: skip
 

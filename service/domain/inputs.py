@@ -69,8 +69,22 @@ def check_response(kind: InputKind, response: InputResponse) -> None:
         content = result.get("content")
         if content is not None and not isinstance(content, dict):
             raise InvalidArguments("an elicitation answer's content must be an object")
+        for name, value in (content or {}).items():
+            if not _form_value(value):
+                raise InvalidArguments(
+                    f"an elicitation answer's content.{str(name)[:64]} must be a string, a number, a boolean or a "
+                    "list of strings"
+                )
     elif kind is InputKind.SAMPLING:
         if not isinstance(result.get("role"), str) or "content" not in result:
             raise InvalidArguments("a sampling answer needs role and content")
     elif kind is InputKind.ROOTS and not isinstance(result.get("roots"), list):
         raise InvalidArguments("a roots answer needs a roots list")
+
+
+def _form_value(value: Any) -> bool:
+    """A value of an elicitation form's answer (the schemas' ElicitResult.content; a number may have
+    a fraction, as a number field's answer does; null for a field left empty)."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return True
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final, TypeVar
 
@@ -21,6 +22,8 @@ from service.tools.api import InputNotSupported, ToolContext, ToolFailure
 from service.tools.context import progress_text
 from service.upstream.config import UpstreamConfig
 from service.upstream.connection import Connection, describe
+
+log = logging.getLogger(__name__)
 
 # The upstream's answer keeps these keys of a CallToolResult (its _meta is the upstream's own).
 RESULT_KEYS: Final = ("content", "structuredContent", "isError")
@@ -99,8 +102,11 @@ class CallAsker:
         if isinstance(exc, ToolFailure):
             self.failure = exc
             return types.ErrorData(code=types.INVALID_REQUEST, message=exc.message)
-        if exc is not None:
-            raise exc
+        if isinstance(exc, pydantic.ValidationError):  # (an answer that is not the result asked for)
+            return types.ErrorData(code=types.INVALID_PARAMS, message="our client's answer is not a valid result")
+        if exc is not None:  # answered as an error: raised into the SDK, nothing would answer the upstream
+            log.warning("a question of the upstream could not be relayed: %s", describe(exc))
+            return types.ErrorData(code=types.INTERNAL_ERROR, message="the question could not be relayed")
         return inner.result()
 
     async def elicit(self, params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
