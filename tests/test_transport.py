@@ -287,6 +287,25 @@ async def test_a_deeply_nested_body_is_a_clear_error_not_a_recursion_error(
     assert r.json()["error"]["code"] == -32602
 
 
+async def test_a_message_nesting_deeper_than_64_levels_is_refused_before_anything_stores_it(
+    s: RpcSession, http: httpx.AsyncClient
+) -> None:
+    """300 levels of arguments passed the parser and failed the task's store (orjson writes 254):
+    -32603 and a traceback. The bound is the whole message's (decisions.md); 60 levels of
+    arguments still fit."""
+    for levels, refused in ((300, True), (65, True), (60, False)):
+        deep = "[" * levels + "]" * levels
+        body = ('{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","task":{},'
+                '"arguments":{"text":"x","extra":' + deep + "}}}")  # fmt: skip
+        r = await http.post(s.url, content=body, headers=s.headers())
+        assert r.status_code == 200
+        answer = r.json()
+        if refused:
+            assert answer["error"] == {"code": -32602, "message": "the message nests deeper than 64 levels"}, levels
+        else:
+            assert "task" in answer["result"], answer
+
+
 async def test_metrics_answer_our_own_host_only_and_there_is_no_openapi_document(
     server: RunningServer, http: httpx.AsyncClient
 ) -> None:

@@ -24,6 +24,7 @@ from service.mcp.v2025 import SUPPORTED_VERSIONS
 VERSION_HEADER: Final = "mcp-protocol-version"
 JSON: Final = "application/json"
 EVENT_STREAM: Final = "text/event-stream"
+MAX_DEPTH: Final = 64  # levels of arrays and objects in one message (decisions.md)
 
 _ACCEPTS: dict[tuple[str, str], bool] = {}
 
@@ -60,6 +61,20 @@ def _has_nul(value: Any) -> bool:
     return False
 
 
+def _deeper_than(value: Any, most: int) -> bool:
+    """Do arrays and objects nest more than ``most`` levels? Iterative, as _has_nul."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > most:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 async def _read_body(receive: Receive, headers: Headers, limit: int) -> bytes:
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -90,8 +105,15 @@ async def read_message(receive: Receive, headers: Headers, *, max_body_bytes: in
     body = await _read_body(receive, headers, max_body_bytes)
     try:
         message = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise http_refusal(400, "Parse error: the body is not valid UTF-8 JSON", code=PARSE_ERROR) from None
+    except orjson.JSONDecodeError as exc:  # (orjson says what and where: "depth limit exceeded: line 1 ...")
+        raise http_refusal(400, f"Parse error: the body is not valid UTF-8 JSON ({str(exc)[:120]})",
+                           code=PARSE_ERROR) from None  # fmt: skip
+    # Stored and sent on as JSON (orjson writes at most 254 levels): refused here, not deep inside.
+    if body.count(b"[") + body.count(b"{") > MAX_DEPTH and _deeper_than(message, MAX_DEPTH):
+        deep = f"the message nests deeper than {MAX_DEPTH} levels"
+        if isinstance(message, dict) and "method" in message and jsonrpc.valid_id(message.get("id")):
+            raise Refusal(INVALID_PARAMS, deep, request_id=message["id"])
+        raise http_refusal(400, deep)
     # PostgreSQL cannot store U+0000; refused here rather than deep inside (cheap pre-check first).
     if b"\\u0000" in body and _has_nul(message):
         nul = "strings must not contain the NUL character (U+0000)"
