@@ -21,7 +21,8 @@ from service.upstream.modern import Modern, SilentUpstream
 from tests.conftest import run_issuer
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
-from tests.test_upstreams import http_upstream, service
+from tests.test_durability import mcp_tasks
+from tests.test_upstreams import http_upstream, service, task_outcome, until
 
 PROGRESS = b'data: {"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":1,"progress":1}}\n\n'
 
@@ -129,3 +130,37 @@ async def test_a_bearer_file_that_is_not_text_is_a_credentials_error_naming_it(t
     path.write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(UpstreamAuthError, match=f"auth.bearer_file {path} is not UTF-8 text"):
         await Credentials(Bearer(file=path)).headers()
+
+
+async def test_cancelled_upstream_calls_log_no_error(
+    tmp_path: Path, database_url: str, http: httpx.AsyncClient
+) -> None:
+    """A cancel closes the call's stream while the SDK client still reads it: it logged that at
+    ERROR with a traceback (about every other cancel), which an alert on ERROR lines would page for."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    log = tmp_path / "serve.log"
+    with http_upstream(marks) as url:
+        body = f'[[upstream]]\nname = "up"\nurl = "{url}"\n'
+        env = {"MCP_TASKS_UPSTREAMS_FILE": str(tmp_path / "upstreams.toml"), "MCP_TASKS_LOG_FORMAT": "json"}
+        (tmp_path / "upstreams.toml").write_text(body)
+        async with mcp_tasks("serve", database_url, log, **env) as (_proc, mcp):
+            s = RpcSession(http, mcp)
+            await s.initialize()
+            await until(lambda: _listed(s, "up.sleep"))
+            for n in range(10):
+                task_id = (await s.call_tool_as_task("up.sleep", {"seconds": 2}))["task"]["taskId"]
+                await until(lambda n=n: _started(marks, n + 1))
+                await s.result("tasks/cancel", {"taskId": task_id})
+                assert (await task_outcome(s, task_id))["status"] == "cancelled"
+            await asyncio.sleep(1)  # the last cancel's stream closes
+    lines = log.read_text().splitlines()
+    assert not [line for line in lines if '"level":"error"' in line or "Traceback" in line], lines[-20:]
+
+
+async def _listed(s: RpcSession, tool: str) -> bool:
+    return tool in {t["name"] for t in (await s.result("tools/list"))["tools"]}
+
+
+async def _started(marks: Path, n: int) -> bool:
+    return len(list(marks.glob("sleep-*.started"))) >= n

