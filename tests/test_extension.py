@@ -274,7 +274,8 @@ async def test_input_before_a_task_goes_round_trip_then_inside_a_task_by_key_X_C
     nested = {"taskId": created["taskId"], "inputResponses": {task_key: {"action": "accept",
                                                                          "content": {"ok": {"nested": True}}}}}  # fmt: skip
     refused = await m.error("tasks/update", nested)  # not a form's value (ElicitResult.content)
-    assert refused["code"] == -32602 and "content.ok" in refused["message"]
+    assert refused["code"] == -32602
+    assert "content.ok" in refused["message"]
     assert (await m.result("tasks/get", {"taskId": created["taskId"]}))["status"] == "input_required"
     update = {"taskId": created["taskId"], "inputResponses": {"never-issued": {"action": "accept"},
                                                               task_key: {"action": "accept", "content": {"ok": True}}}}  # fmt: skip

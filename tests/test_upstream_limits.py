@@ -5,6 +5,8 @@ streams forever, credentials that cannot be read. Real upstream processes and so
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -18,10 +20,10 @@ from service.upstream.auth import Credentials, UpstreamAuthError
 from service.upstream.config import Bearer, UpstreamConfig
 from service.upstream.connection import ConnectFailed, Connection
 from service.upstream.modern import Modern, SilentUpstream
-from tests.conftest import run_issuer
+from tests.conftest import free_port, run_issuer
 from tests.issuer import LocalIssuer
 from tests.rpc import RpcSession
-from tests.test_durability import mcp_tasks
+from tests.test_durability import ROOT, mcp_tasks
 from tests.test_upstreams import http_upstream, service, task_outcome, until
 
 PROGRESS = b'data: {"jsonrpc":"2.0","method":"notifications/progress","params":{"progressToken":1,"progress":1}}\n\n'
@@ -164,3 +166,30 @@ async def _listed(s: RpcSession, tool: str) -> bool:
 
 async def _started(marks: Path, n: int) -> bool:
     return len(list(marks.glob("sleep-*.started"))) >= n
+
+
+async def test_an_http_upstream_killed_mid_call_fails_the_task_at_once_saying_so(
+    tmp_path: Path, database_url: str, http: httpx.AsyncClient
+) -> None:
+    """The call's stream breaks off when the upstream dies: the task fails then, saying the
+    upstream closed the connection, not after idle_timeout_s blaming its silence."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.upstream_server", "http", str(port), "--marks", str(marks)]
+    upstream = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        body = f'[[upstream]]\nname = "up"\nurl = "http://127.0.0.1:{port}/mcp"\nidle_timeout_s = 600\n'
+        async with service(tmp_path, database_url, body) as server:
+            s = RpcSession(http, server.url)
+            await s.initialize()
+            await until(lambda: _listed(s, "up.sleep"))
+            task_id = (await s.call_tool_as_task("up.sleep", {"seconds": 60}))["task"]["taskId"]
+            await until(lambda: _started(marks, 1))
+            upstream.send_signal(signal.SIGKILL)
+            failed = await task_outcome(s, task_id)  # (within until's 20 s: idle_timeout_s is 600)
+            assert failed["status"] == "failed"
+            assert "upstream 'up' (tool 'sleep') closed the connection during the call" in failed["statusMessage"]
+    finally:
+        upstream.kill()
+        upstream.wait(10)

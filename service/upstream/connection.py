@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import Any, Final, Protocol
 
@@ -177,8 +177,9 @@ class Connection:
         if c.url:
             # A client per session (its own headers) over the upstream's one connection pool; the SDK
             # leaves a client it was given open, and the pool outlives it.
+            transport = _Watched(self._pool, self.lost) if self._pool is not None else None
             client = httpx.AsyncClient(
-                headers=self._headers, timeout=httpx.Timeout(30.0, read=None), transport=self._pool
+                headers=self._headers, timeout=httpx.Timeout(30.0, read=None), transport=transport
             )
             read, write, _ = await stack.enter_async_context(streamable_http_client(c.url, http_client=client))
             return read, write
@@ -220,6 +221,43 @@ class Connection:
     async def _message(self, message: Any) -> None:
         if isinstance(message, types.ServerNotification) and self._on_notification is not None:
             await self._on_notification(message)
+
+
+class _Watched(httpx.AsyncBaseTransport):
+    """The upstream's pool, telling the session when the stream of one of its POSTs breaks off (the
+    upstream died mid-call): the SDK's client then only logs it, and the call would wait for an
+    answer that cannot come until idle_timeout_s."""
+
+    def __init__(self, pool: httpx.AsyncBaseTransport, broken: Callable[[str], None]) -> None:
+        self._pool = pool
+        self._broken = broken
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._pool.handle_async_request(request)
+        if request.method != "POST":
+            return response
+        return httpx.Response(response.status_code, headers=response.headers,
+                              stream=_WatchedStream(response.stream, self._broken), extensions=response.extensions)  # fmt: skip
+
+    async def aclose(self) -> None:  # the pool is the upstream's, shared by its sessions
+        pass
+
+
+class _WatchedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: Any, broken: Callable[[str], None]) -> None:
+        self._inner = inner
+        self._broken = broken
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._inner:
+                yield chunk
+        except httpx.TransportError as exc:
+            self._broken(f"the upstream broke off the call's stream: {describe(exc)}")
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def refused_initialize(exc: BaseException) -> bool:
